@@ -1,0 +1,129 @@
+"""commops collectives: torch.distributed's verbs with a choice of algorithm.
+
+Every verb takes torch.distributed's positional and keyword arguments plus a keyword-only
+``algorithm=`` ("auto" by default; :func:`algorithms` lists the others) and goes through one
+dispatch point that validates, chooses, traces and runs it::
+
+    import collectives as C
+    comm = C.init()                                   # under torchrun or mpiexec
+    C.all_reduce(x)                                   # like torch.distributed.all_reduce
+    C.all_reduce(x, op="max", algorithm="ring")
+    C.all_to_all_single(out, inp, out_splits, in_splits, algorithm="pairwise")
+
+Works on a group the caller initialised with ``torch.distributed.init_process_group`` too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._types import DATA_OPS, OPS, REDUCE_OPS, ReduceOp
+from .bootstrap import LaunchInfo, init
+from .communicator import Communicator, get_communicator
+from .dispatch import Call, add_trace_hook, remove_trace_hook
+from .errors import (
+    CommopsError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    LaunchError,
+    NotInitializedError,
+    UnsupportedError,
+)
+from .selection import Choice
+from .work import Work
+
+__all__ = [
+    "init", "Communicator", "get_communicator", "algorithms", "last_choice",
+    "all_reduce", "reduce_scatter_single", "reduce_scatter_tensor", "all_gather_single",
+    "all_gather_into_tensor", "all_to_all_single", "broadcast", "reduce", "barrier",
+    "ReduceOp", "Work", "Choice", "Call", "add_trace_hook", "remove_trace_hook", "LaunchInfo",
+    "OPS", "DATA_OPS", "REDUCE_OPS",
+    "CommopsError", "InvalidArgumentError", "InvalidTypeError", "UnsupportedError",
+    "NotInitializedError", "LaunchError",
+]
+
+Group = dist.ProcessGroup | None
+
+
+def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Group = None, async_op: bool = False, *,
+               algorithm: str = "auto") -> Work | None:
+    """Reduce ``tensor`` across ranks in place (``torch.distributed.all_reduce``).
+
+    Args:
+        tensor: contiguous, on the device the group's backend uses; same shape and dtype on every rank.
+        op: sum, avg, max, min or prod (``ReduceOp`` or a string).
+        group: the process group (default: world).
+        async_op: return a :class:`Work` handle instead of waiting.
+        algorithm: "auto" or a name from :func:`algorithms` ("all_reduce").
+    """
+    return get_communicator(group).all_reduce(tensor, op, async_op, algorithm=algorithm)
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM, group: Group = None,
+                          async_op: bool = False, *, algorithm: str = "auto") -> Work | None:
+    """Reduce ``input`` ([world * n]) across ranks; rank r receives elements [r*n, (r+1)*n) into ``output`` ([n])."""
+    return get_communicator(group).reduce_scatter_single(output, input, op, async_op, algorithm=algorithm)
+
+
+def all_gather_single(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Group = None,
+                      async_op: bool = False, *, algorithm: str = "auto") -> Work | None:
+    """Gather every rank's ``input_tensor`` ([n]) in rank order into ``output_tensor`` ([world * n])."""
+    return get_communicator(group).all_gather_single(output_tensor, input_tensor, async_op, algorithm=algorithm)
+
+
+# torch 2.13 renamed these two; both names are offered.
+reduce_scatter_tensor = reduce_scatter_single
+all_gather_into_tensor = all_gather_single
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Any = None,
+                      input_split_sizes: Any = None, group: Group = None, async_op: bool = False, *,
+                      algorithm: str = "auto") -> Work | None:
+    """Exchange rows of ``input`` (dim 0): ``input_split_sizes[q]`` rows go to rank q, and
+    ``output_split_sizes[q]`` rows from rank q land in ``output``, in rank order. ``None`` splits
+    dim 0 evenly. Uneven and zero-length splits are allowed (not with ``algorithm="bruck"``)."""
+    return get_communicator(group).all_to_all_single(output, input, output_split_sizes, input_split_sizes,
+                                                     async_op, algorithm=algorithm)
+
+
+def broadcast(tensor: torch.Tensor, src: int | None = None, group: Group = None, async_op: bool = False, *,
+              group_src: int | None = None, algorithm: str = "auto") -> Work | None:
+    """Copy ``tensor`` from global rank ``src`` (or group rank ``group_src``) to every rank, in place."""
+    return get_communicator(group).broadcast(tensor, src, async_op, group_src=group_src, algorithm=algorithm)
+
+
+def reduce(tensor: torch.Tensor, dst: int | None = None, op: Any = ReduceOp.SUM, group: Group = None,
+           async_op: bool = False, *, group_dst: int | None = None, algorithm: str = "auto") -> Work | None:
+    """Reduce ``tensor`` across ranks into global rank ``dst`` (or group rank ``group_dst``).
+
+    Only ``dst``'s tensor holds the result; with commops' own algorithms the other ranks' tensors
+    are left unchanged (the backends' own may use them as scratch).
+    """
+    return get_communicator(group).reduce(tensor, dst, op, async_op, group_dst=group_dst, algorithm=algorithm)
+
+
+def barrier(group: Group = None, async_op: bool = False) -> Work | None:
+    """Wait until every rank of ``group`` has called ``barrier``."""
+    return get_communicator(group).barrier(async_op)
+
+
+def algorithms(op: str, group: Group = None, *, dtype: torch.dtype | None = None,
+               backend: str | None = None) -> list[str]:
+    """Algorithm names usable for canonical ``op`` ("all_reduce", "reduce_scatter", "all_gather",
+    "all_to_all", "broadcast", "reduce") on ``group``'s backend (or the given ``backend``)."""
+    from .algorithms import for_op
+
+    if op not in OPS:
+        raise InvalidArgumentError("op", op, "is not a canonical op name", f"pass one of {', '.join(OPS)}")
+    if backend is None:
+        comm = get_communicator(group)
+        return comm.algorithms(op, dtype)
+    return for_op(op, dtype, backend)
+
+
+def last_choice(group: Group = None) -> Choice | None:
+    """How ``algorithm="auto"`` decided the last call on ``group`` (algorithm, rule, reason)."""
+    return get_communicator(group).last_choice

@@ -1,0 +1,56 @@
+"""Every environment variable commops reads, declared once with its type, default and meaning.
+
+Variables share the ``COMMOPS_`` prefix and are read lazily (never at import) and cached; library
+code never writes ``os.environ``. Launcher variables (``RANK``, ``LOCAL_RANK``, ...) are not here:
+only :mod:`collectives.bootstrap` reads them, to start torch.distributed the way the launcher asks.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+__all__ = ["EnvVar", "NVTX", "VARIABLES"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EnvVar(Generic[T]):
+    name: str
+    default: T
+    doc: str
+
+    def get(self) -> T:
+        return _read(self)  # type: ignore[return-value]
+
+
+def _parse(raw: str, default: object) -> object:
+    if isinstance(default, bool):
+        return raw.strip().lower() not in ("0", "false", "no", "off", "")
+    if isinstance(default, int):
+        return int(raw)
+    if isinstance(default, float):
+        return float(raw)
+    return raw
+
+
+@functools.cache
+def _read(var: EnvVar) -> object:  # type: ignore[type-arg]
+    raw = os.environ.get(var.name)
+    return var.default if raw is None else _parse(raw, var.default)
+
+
+NVTX: EnvVar[bool] = EnvVar(
+    "COMMOPS_NVTX", True,
+    "Emit an NVTX range named after op, algorithm and bytes around every collective on CUDA tensors.",
+)
+MPI_MASTER_ADDR: EnvVar[str] = EnvVar(
+    "COMMOPS_MASTER_ADDR", "",
+    "Under mpiexec: the address the other ranks use to reach rank 0's store "
+    "(default: 127.0.0.1 when every rank is on one host, else rank 0's host name).",
+)
+
+VARIABLES = (NVTX, MPI_MASTER_ADDR)

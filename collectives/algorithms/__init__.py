@@ -1,0 +1,52 @@
+"""The algorithm registry: one module per algorithm, one line here to register it.
+
+``REGISTRY`` maps names to algorithm instances. Tests and benchmarks iterate over it (or over
+:func:`for_op`), never over lists of their own, so a new algorithm is covered as soon as it is
+registered.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._base import Algorithm, ScheduledAlgorithm, busbw_factor
+from ._schedule import Copy, Layout, Recv, Region, Schedule, Send, Step
+from .binomial_tree import BinomialTree
+from .bruck import Bruck
+from .halving_doubling import HalvingDoubling
+from .native import Native
+from .pairwise import Pairwise
+from .recursive_doubling import RecursiveDoubling
+from .ring import Ring
+
+__all__ = [
+    "Algorithm", "ScheduledAlgorithm", "busbw_factor", "REGISTRY", "register", "get", "for_op",
+    "Layout", "Schedule", "Step", "Send", "Recv", "Copy", "Region",
+]
+
+REGISTRY: dict[str, Algorithm] = {}
+
+
+def register(algorithm: Algorithm) -> Algorithm:
+    if algorithm.name in REGISTRY or algorithm.name == "auto":
+        raise ValueError(f"algorithm name {algorithm.name!r} is taken")
+    REGISTRY[algorithm.name] = algorithm
+    return algorithm
+
+
+def get(name: str) -> Algorithm | None:
+    return REGISTRY.get(name)
+
+
+def for_op(op: str, dtype: torch.dtype | None = None, backend: str | None = None) -> list[str]:
+    """Names of the registered algorithms that run ``op`` (for ``dtype`` on ``backend`` if given)."""
+    return [name for name, a in REGISTRY.items() if a.supports(op, dtype, backend)]
+
+
+register(Native())
+register(Ring())
+register(RecursiveDoubling())
+register(HalvingDoubling())
+register(BinomialTree())
+register(Pairwise())
+register(Bruck())

@@ -1,0 +1,48 @@
+"""The backend's own collective (NCCL, HCCL, Gloo or MPI through torch.distributed).
+
+This is the anchor every other algorithm is measured against, and what ``auto`` picks wherever
+the backend's tuned implementation is the best we have. It has no schedule of ours to show.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from .._types import OPS, torch_reduce_op
+from ._base import Algorithm
+
+if TYPE_CHECKING:
+    from ..dispatch import Call
+
+__all__ = ["Native"]
+
+# torch 2.13 renamed the single-tensor collectives; 2.11 only has the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class Native(Algorithm):
+    name = "native"
+    ops = frozenset(OPS)
+    summary = "the backend's own collective"
+
+    def run(self, call: Call) -> dist.Work | None:
+        op, g, a = call.op, call.comm.group, call.async_op
+        if op == "all_reduce":
+            return dist.all_reduce(call.output, torch_reduce_op(call.reduce_op), g, a)
+        if op == "reduce_scatter":
+            return _reduce_scatter(call.output, call.input, torch_reduce_op(call.reduce_op), g, a)
+        if op == "all_gather":
+            return _all_gather(call.output, call.input, g, a)
+        if op == "all_to_all":
+            return dist.all_to_all_single(call.output, call.input, call.out_rows, call.in_rows, g, a)
+        if op == "barrier":
+            return dist.barrier(g, async_op=a)
+        root = call.comm.global_ranks[call.root]
+        if op == "broadcast":
+            return dist.broadcast(call.output, root, g, a)
+        if op == "reduce":
+            return dist.reduce(call.output, root, torch_reduce_op(call.reduce_op), g, a)
+        raise AssertionError(op)

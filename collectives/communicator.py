@@ -1,0 +1,185 @@
+"""``Communicator``: a process group plus what commops keeps per group.
+
+It caches what every call needs (rank, size, global ranks, which backend serves which device
+type), counts calls (``seq``, for tracing) and message tags, holds reusable CPU scratch, and runs
+asynchronous point-to-point algorithms on CPU backends in one worker thread. Its methods are the
+module-level verbs with ``group`` bound. ``close()`` stops the worker thread; it communicates
+nothing, and the process group stays the caller's to destroy.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+from weakref import WeakKeyDictionary
+
+import torch
+import torch.distributed as dist
+
+from ._types import BACKEND_DEVICES, ReduceOp, normalize_reduce_op
+from .dispatch import Call, dispatch
+from .errors import NotInitializedError
+from .selection import Choice
+from .work import Work
+
+__all__ = ["Communicator", "get_communicator"]
+
+_COMMS: WeakKeyDictionary[Any, Communicator] = WeakKeyDictionary()
+_WORLD: list[Communicator] = []  # the world communicator of the current default group
+
+
+def _backend_map(backend: str) -> dict[str, str]:
+    """'gloo' -> {'cpu': 'gloo'}; 'cpu:gloo,cuda:nccl' -> {'cpu': 'gloo', 'cuda': 'nccl'}."""
+    backend = str(backend).lower()
+    if ":" in backend:
+        pairs = (item.split(":") for item in backend.split(","))
+        return {dev.strip(): name.strip() for dev, name in pairs}
+    dev = BACKEND_DEVICES.get(backend)
+    return {dev: backend} if dev else {}
+
+
+class Communicator:
+    """A process group with commops' verbs as methods.
+
+    Args:
+        group: a ``torch.distributed`` process group; ``None`` is the default (world) group.
+            torch.distributed must be initialised (by :func:`collectives.init` or by the caller).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        if not dist.is_initialized():
+            raise NotInitializedError(
+                "torch.distributed is not initialised: call collectives.init() (under torchrun or mpiexec) "
+                "or torch.distributed.init_process_group() before any collective"
+            )
+        self.group = dist.group.WORLD if group is None else group
+        self.rank = dist.get_rank(self.group)
+        self.size = dist.get_world_size(self.group)
+        if self.group is dist.group.WORLD:
+            self.global_ranks = tuple(range(self.size))
+        else:
+            self.global_ranks = tuple(dist.get_global_rank(self.group, i) for i in range(self.size))
+        self._group_rank = {g: i for i, g in enumerate(self.global_ranks)}
+        self.backend = str(dist.get_backend(self.group))
+        self._backends = _backend_map(self.backend)
+        self.device_types = tuple(self._backends) or ("cpu",)
+        self.seq = 0
+        self._tag = 0
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._scratch: dict[tuple[Any, ...], torch.Tensor] = {}
+        self.last_choice: Choice | None = None
+
+    # -- facts -------------------------------------------------------------------------------
+    def backend_for(self, device_type: str) -> str | None:
+        """The backend that moves tensors of ``device_type`` in this group, or None."""
+        return self._backends.get(device_type)
+
+    def group_rank(self, global_rank: int) -> int | None:
+        return self._group_rank.get(global_rank)
+
+    def algorithms(self, op: str, dtype: torch.dtype | None = None, device_type: str | None = None) -> list[str]:
+        """Algorithm names usable for ``op`` on this group (and ``dtype`` / ``device_type``)."""
+        from .algorithms import for_op
+
+        backend = self.backend_for(device_type or self.device_types[0])
+        return for_op(op, dtype, backend)
+
+    # -- internals used by algorithms -------------------------------------------------------
+    def next_tag(self) -> int:
+        with self._lock:
+            self._tag = (self._tag + 1) % (1 << 30)
+            return self._tag
+
+    def _worker(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"commops-r{self.rank}")
+            return self._executor
+
+    def _workspace(self, key: str, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
+        """Flat scratch of at least ``numel`` elements.
+
+        On CPU it is kept per thread and reused (fresh host allocations fault in every page); on
+        GPUs the caching allocator already reuses memory and keeps it stream-safe.
+        """
+        if device.type != "cpu":
+            return torch.empty(numel, dtype=dtype, device=device)
+        k = (key, threading.get_ident(), dtype)
+        buf = self._scratch.get(k)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(max(numel, 1024), dtype=dtype)
+            self._scratch[k] = buf
+        return buf[:numel]
+
+    def close(self) -> None:
+        """Stop the worker thread and free scratch. Local only: sends nothing."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        self._scratch.clear()
+
+    # -- verbs -------------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: Any = ReduceOp.SUM, async_op: bool = False, *,
+                   algorithm: str = "auto") -> Work | None:
+        """In-place all-reduce of ``tensor`` over the group (``torch.distributed.all_reduce``)."""
+        return dispatch(Call("all_reduce", self, tensor, reduce_op=normalize_reduce_op(op),
+                             async_op=async_op, algorithm=algorithm))
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM,
+                              async_op: bool = False, *, algorithm: str = "auto") -> Work | None:
+        """Reduce ``input`` ([world * n]) over the group; rank r gets elements [r*n, (r+1)*n) in ``output``."""
+        return dispatch(Call("reduce_scatter", self, output, input, reduce_op=normalize_reduce_op(op),
+                             async_op=async_op, algorithm=algorithm))
+
+    reduce_scatter_tensor = reduce_scatter_single
+
+    def all_gather_single(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, async_op: bool = False,
+                          *, algorithm: str = "auto") -> Work | None:
+        """Concatenate every rank's ``input_tensor`` ([n]) in rank order into ``output_tensor`` ([world * n])."""
+        return dispatch(Call("all_gather", self, output_tensor, input_tensor, async_op=async_op, algorithm=algorithm))
+
+    all_gather_into_tensor = all_gather_single
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Any = None,
+                          input_split_sizes: Any = None, async_op: bool = False, *,
+                          algorithm: str = "auto") -> Work | None:
+        """Rank r sends rows ``input_split_sizes[q]`` of ``input`` to rank q and receives ``output_split_sizes[q]`` rows from q."""
+        return dispatch(Call("all_to_all", self, output, input, in_rows=input_split_sizes,
+                             out_rows=output_split_sizes, async_op=async_op, algorithm=algorithm))
+
+    def broadcast(self, tensor: torch.Tensor, src: int | None = None, async_op: bool = False, *,
+                  group_src: int | None = None, algorithm: str = "auto") -> Work | None:
+        """Copy ``tensor`` of global rank ``src`` (or group rank ``group_src``) to every rank."""
+        return dispatch(Call("broadcast", self, tensor, root=src, group_root=group_src,
+                             async_op=async_op, algorithm=algorithm))
+
+    def reduce(self, tensor: torch.Tensor, dst: int | None = None, op: Any = ReduceOp.SUM, async_op: bool = False,
+               *, group_dst: int | None = None, algorithm: str = "auto") -> Work | None:
+        """Reduce ``tensor`` over the group into global rank ``dst`` (or group rank ``group_dst``)."""
+        return dispatch(Call("reduce", self, tensor, reduce_op=normalize_reduce_op(op), root=dst,
+                             group_root=group_dst, async_op=async_op, algorithm=algorithm))
+
+    def barrier(self, async_op: bool = False) -> Work | None:
+        """Block until every rank of the group has reached this call."""
+        return dispatch(Call("barrier", self, None, async_op=async_op, algorithm="native"))
+
+    def __repr__(self) -> str:
+        return f"Communicator(rank={self.rank}, size={self.size}, backend={self.backend!r})"
+
+
+def get_communicator(group: dist.ProcessGroup | None = None) -> Communicator:
+    """The (cached) communicator of ``group``; ``None`` means the default group."""
+    if group is None:
+        if _WORLD and _WORLD[0].group is dist.GroupMember.WORLD:
+            return _WORLD[0]
+        if not dist.is_initialized():
+            Communicator()  # raises NotInitializedError with the how-to
+        comm = Communicator()
+        _WORLD[:] = [comm]
+        return comm
+    comm = _COMMS.get(group)
+    if comm is None:
+        comm = _COMMS[group] = Communicator(group)
+    return comm

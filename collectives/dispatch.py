@@ -1,0 +1,187 @@
+"""The one dispatch point every collective passes through.
+
+``dispatch(call)`` validates the arguments (before anything is sent), resolves the algorithm
+(an explicit name, or ``auto`` through :mod:`collectives.selection`), notifies the trace hooks,
+labels the call for profilers, and hands it to the algorithm. No verb bypasses it.
+
+Design note: the call is a small ``__slots__`` object rather than a dataclass and the profiler
+label is only built when a profiler is recording, because this function sits on every
+collective's path and its cost is measured against calling torch.distributed directly
+(``launch/bench_dispatch.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import _env
+from ._validate import validate
+from .algorithms import REGISTRY, Algorithm, ScheduledAlgorithm, for_op
+from .algorithms._schedule import Layout
+from .errors import UnsupportedError
+from .selection import Choice, choose
+from .work import EventWork, FutureWork, TorchWork, Work
+
+if TYPE_CHECKING:
+    from .communicator import Communicator
+
+__all__ = ["Call", "dispatch", "add_trace_hook", "remove_trace_hook", "TraceHook"]
+
+# A trace hook is called as hook(event, call, detail) with event "start" (after validation and
+# choice, before anything is sent), "end" (the call returned; async calls may still run) or
+# "error" (detail is the exception).
+TraceHook = Callable[[str, "Call", Any], None]
+_HOOKS: list[TraceHook] = []
+
+
+def add_trace_hook(hook: TraceHook) -> None:
+    _HOOKS.append(hook)
+
+
+def remove_trace_hook(hook: TraceHook) -> None:
+    _HOOKS.remove(hook)
+
+
+class Call:
+    """One collective call: what was asked, on which communicator, and what ran it."""
+
+    __slots__ = ("op", "comm", "input", "output", "reduce_op", "root", "group_root", "in_rows",
+                 "out_rows", "async_op", "algorithm", "choice", "seq", "tag")
+
+    def __init__(self, op: str, comm: Communicator, output: Any, input: Any = None, *,
+                 reduce_op: str | None = None, root: int | None = None, group_root: int | None = None,
+                 in_rows: Any = None, out_rows: Any = None, async_op: bool = False,
+                 algorithm: str = "auto") -> None:
+        self.op = op
+        self.comm = comm
+        self.output = output
+        self.input = output if input is None else input
+        self.reduce_op = reduce_op
+        self.root = root
+        self.group_root = group_root
+        self.in_rows = in_rows
+        self.out_rows = out_rows
+        self.async_op = async_op
+        self.algorithm = algorithm
+        self.choice: Choice | None = None
+        self.seq = 0
+        self.tag = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the op's larger buffer (nccl-tests' "size")."""
+        if self.output is None:
+            return 0
+        return max(self.output.numel(), self.input.numel()) * self.output.element_size()
+
+    def layout(self) -> Layout:
+        comm, op = self.comm, self.op
+        if op == "all_to_all":
+            row_in = _row(self.input)
+            row_out = _row(self.output)
+            return Layout(op, comm.size, comm.rank,
+                          in_splits=tuple(r * row_in for r in self.in_rows),
+                          out_splits=tuple(r * row_out for r in self.out_rows))
+        count = self.input.numel() if op == "all_gather" else self.output.numel()
+        return Layout(op, comm.size, comm.rank, count, self.root)
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return {"in": self.input.view(-1), "out": self.output.view(-1)}
+
+    def __repr__(self) -> str:
+        return (f"Call(op={self.op}, algorithm={self.algorithm}, seq={self.seq}, rank={self.comm.rank}/"
+                f"{self.comm.size}, bytes={self.nbytes})")
+
+
+def _row(t: torch.Tensor) -> int:
+    n = 1
+    for s in t.shape[1:]:
+        n *= s
+    return n
+
+
+def _resolve(call: Call) -> Algorithm:
+    op, comm = call.op, call.comm
+    t = call.output
+    dtype = t.dtype if t is not None else None
+    backend = comm.backend_for(t.device.type) if t is not None else comm.backend
+    if call.algorithm == "auto":
+        call.choice = choose(call, backend or "")
+        comm.last_choice = call.choice
+        return REGISTRY[call.choice.algorithm]
+    algo = REGISTRY.get(call.algorithm)
+    if algo is None or not algo.supports(op, dtype, backend):
+        usable = for_op(op, dtype, backend)
+        why = "is not a registered algorithm" if algo is None else f"does not run {op} on {dtype} with {backend}"
+        raise UnsupportedError("algorithm", call.algorithm, why, f"pass 'auto' or one of {usable}")
+    if algo.equal_splits_only and op == "all_to_all" and (len(set(call.in_rows)) > 1 or len(set(call.out_rows)) > 1):
+        raise UnsupportedError("algorithm", call.algorithm, "needs equal all-to-all splits",
+                               f"use 'pairwise' or 'native' for uneven splits (usable: {for_op(op, dtype, backend)})")
+    call.choice = Choice(algo.name, "requested", "algorithm= given by the caller")
+    return algo
+
+
+# True while torch.profiler (or the legacy autograd profiler) records; a C call, cheap enough
+# to ask on every collective.
+_profiling = torch._C._autograd._profiler_enabled
+
+
+def dispatch(call: Call) -> Work | None:
+    """Validate, choose, trace and run ``call``; returns a handle when ``call.async_op``."""
+    validate(call)
+    algo = _resolve(call)
+    comm = call.comm
+    comm.seq += 1
+    call.seq = comm.seq
+    hooks = _HOOKS
+    if hooks:
+        for h in hooks:
+            h("start", call, None)
+    label = None
+    nvtx = False
+    if _profiling() or (call.output is not None and call.output.is_cuda and _env.NVTX.get()):
+        label = f"commops.{call.op}[{algo.name}] {call.nbytes}B"
+        nvtx = call.output is not None and call.output.is_cuda and _env.NVTX.get()
+    try:
+        if label is None:
+            result = _run(algo, call)
+        else:
+            if nvtx:
+                torch.cuda.nvtx.range_push(label)
+            try:
+                with torch.profiler.record_function(label):
+                    result = _run(algo, call)
+            finally:
+                if nvtx:
+                    torch.cuda.nvtx.range_pop()
+    except BaseException as exc:
+        if hooks:
+            for h in hooks:
+                h("error", call, exc)
+        raise
+    if hooks:
+        for h in hooks:
+            h("end", call, result)
+    return result
+
+
+def _run(algo: Algorithm, call: Call) -> Work | None:
+    if not isinstance(algo, ScheduledAlgorithm):
+        work = algo.run(call)
+        return TorchWork(work) if call.async_op else None
+    call.tag = call.comm.next_tag()
+    if not call.async_op:
+        algo.run(call)
+        return None
+    if call.output.is_cuda:
+        # Point-to-point steps only order streams on GPUs: enqueue now, hand back an event.
+        algo.run(call)
+        event = torch.cuda.Event()
+        event.record()
+        return EventWork(event)
+    return FutureWork(call.comm._worker().submit(algo.run, call))
+
+

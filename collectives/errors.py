@@ -1,0 +1,60 @@
+"""Typed errors raised by commops.
+
+Every error raised before communication names the argument, the value it had and how to fix it,
+so that a user reading one line of a rank's log knows what to change. All of them derive from
+:class:`CommopsError`; argument errors are also ``ValueError``/``TypeError`` so that code written
+against torch.distributed's exceptions keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CommopsError",
+    "InvalidArgumentError",
+    "InvalidTypeError",
+    "UnsupportedError",
+    "NotInitializedError",
+    "LaunchError",
+]
+
+
+class CommopsError(Exception):
+    """Base class of every error commops raises on purpose."""
+
+
+class InvalidArgumentError(CommopsError, ValueError):
+    """An argument has a value the collective cannot accept; raised before anything is sent."""
+
+    def __init__(self, argument: str, value: object, problem: str, fix: str) -> None:
+        self.argument = argument
+        self.value = value
+        self.problem = problem
+        self.fix = fix
+        super().__init__(f"{argument}={_short(value)}: {problem}. Fix: {fix}")
+
+
+class InvalidTypeError(InvalidArgumentError, TypeError):
+    """An argument has the wrong Python type (a list where a tensor belongs, say)."""
+
+
+class UnsupportedError(InvalidArgumentError):
+    """The chosen algorithm or backend cannot run this op, dtype or device; names those that can."""
+
+
+class NotInitializedError(CommopsError, RuntimeError):
+    """A collective was called before torch.distributed was initialised."""
+
+
+class LaunchError(CommopsError, RuntimeError):
+    """The process was not started by a launcher that ``collectives.init`` understands."""
+
+
+def _short(value: object) -> str:
+    # Tensors print their data; a shape and dtype is what the reader needs.
+    shape = getattr(value, "shape", None)
+    dtype = getattr(value, "dtype", None)
+    if shape is not None and dtype is not None:
+        device = getattr(value, "device", "?")
+        return f"<tensor shape={tuple(shape)} dtype={dtype} device={device}>"
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
