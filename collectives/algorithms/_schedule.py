@@ -146,6 +146,9 @@ class Schedule:
             for t in (*step.sends, *step.recvs):
                 assert 0 <= t.peer < lay.world and t.peer != lay.rank, f"step {i}: bad peer {t.peer}"
                 assert t.count > 0, f"step {i}: empty transfer with {t.peer}"
+            # One message per peer and direction per step: matching never depends on post order.
+            assert len({t.peer for t in step.sends}) == len(step.sends), f"step {i}: two sends to one peer"
+            assert len({t.peer for t in step.recvs}) == len(step.recvs), f"step {i}: two receives from one peer"
             # Data landing in place is written while sends of the same step may still read.
             in_place = [r for rv in step.recvs if rv.lands_in_place for r in rv.dst]
             folded = [r for rv in step.recvs if not rv.lands_in_place for r in rv.dst]
