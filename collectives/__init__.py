@@ -114,7 +114,7 @@ def algorithms(op: str, group: Group = None, *, dtype: torch.dtype | None = None
                backend: str | None = None) -> list[str]:
     """Algorithm names usable for canonical ``op`` ("all_reduce", "reduce_scatter", "all_gather",
     "all_to_all", "broadcast", "reduce") on ``group``'s backend (or the given ``backend``)."""
-    from .algorithms import for_op
+    from .algos import for_op
 
     if op not in OPS:
         raise InvalidArgumentError("op", op, "is not a canonical op name", f"pass one of {', '.join(OPS)}")

@@ -145,12 +145,20 @@ def _all_to_all(call: Call) -> None:
     for name, t in (("input", inp), ("output", out)):
         if t.dim() == 0:
             raise InvalidArgumentError(name, t, "is 0-dimensional", f"pass {name} with a leading dimension to split")
+    if inp.numel() and out.numel() and _overlaps(inp, out):
+        raise InvalidArgumentError("output", out, "shares memory with input",
+                                   "all_to_all_single is out of place: pass a separate output tensor")
     if inp.shape[1:] != out.shape[1:]:
         raise InvalidArgumentError("output", out, f"has rows of shape {tuple(out.shape[1:])} but input's are {tuple(inp.shape[1:])}",
                                    "give input and output the same shape after dim 0")
     w = call.comm.size
     call.in_rows = _splits("input_split_sizes", call.in_rows, inp.shape[0], w)
     call.out_rows = _splits("output_split_sizes", call.out_rows, out.shape[0], w)
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def _broadcast(call: Call) -> None:

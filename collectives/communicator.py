@@ -81,7 +81,7 @@ class Communicator:
 
     def algorithms(self, op: str, dtype: torch.dtype | None = None, device_type: str | None = None) -> list[str]:
         """Algorithm names usable for ``op`` on this group (and ``dtype`` / ``device_type``)."""
-        from .algorithms import for_op
+        from .algos import for_op
 
         backend = self.backend_for(device_type or self.device_types[0])
         return for_op(op, dtype, backend)

@@ -19,8 +19,8 @@ import torch
 
 from . import _env
 from ._validate import validate
-from .algorithms import REGISTRY, Algorithm, ScheduledAlgorithm, for_op
-from .algorithms._schedule import Layout
+from .algos import REGISTRY, Algorithm, ScheduledAlgorithm, for_op
+from .algos._schedule import Layout
 from .errors import UnsupportedError
 from .selection import Choice, choose
 from .work import EventWork, FutureWork, TorchWork, Work

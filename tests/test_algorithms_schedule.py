@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from bench.reference import expected, rank_data, split_matrix
-from collectives.algorithms import REGISTRY, Layout, ScheduledAlgorithm
-from collectives.algorithms.simulate import simulate
+from collectives.algos import REGISTRY, Layout, ScheduledAlgorithm
+from collectives.algos.simulate import simulate
 
 SCHEDULED = [(name, op) for name, a in REGISTRY.items() if isinstance(a, ScheduledAlgorithm) for op in sorted(a.ops)]
 WORLDS = list(range(1, 14))

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import collectives as C
 from bench.reference import count_wrong, expected, rank_data, split_matrix, tolerance
-from collectives.algorithms import REGISTRY, for_op
+from collectives.algos import REGISTRY, for_op
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64]
 REDUCE_OPS = ["sum", "avg", "max", "min", "prod"]

@@ -1,4 +1,4 @@
-"""Runs a :class:`~collectives.algorithms._schedule.Schedule` with torch.distributed point-to-point ops.
+"""Runs a :class:`~collectives.algos._schedule.Schedule` with torch.distributed point-to-point ops.
 
 Design note: each step posts all of its sends and receives in one ``batch_isend_irecv`` (NCCL
 groups them into one launch; Gloo and MPI post them concurrently) and waits for them before
