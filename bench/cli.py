@@ -1,0 +1,129 @@
+"""The command line behind ``launch/bench_*.py``: nccl-tests' flags plus ``--algorithms``.
+
+Run under a launcher (``torchrun --nproc-per-node N`` or ``mpiexec -n N``); rank 0 prints the
+table and writes the files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shlex
+import sys
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+import collectives as C
+
+from .harness import prepare, sweep
+from .report import Progress, format_table, plot, write_csv, write_json
+
+__all__ = ["parse_size", "sizes", "build_parser", "main"]
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+DTYPES = {"float": torch.float32, "float32": torch.float32, "double": torch.float64, "float64": torch.float64,
+          "half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "int32": torch.int32, "int": torch.int32, "int64": torch.int64}
+
+
+def parse_size(text: str) -> int:
+    """'8', '1K', '16M', '1G' (powers of 1024, as nccl-tests) -> bytes."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMGB]?)B?\s*", text.upper())
+    if not m:
+        raise argparse.ArgumentTypeError(f"size {text!r}: use a number with an optional K, M or G suffix (e.g. 64K)")
+    return int(m.group(1)) * _UNITS[m.group(2)]
+
+
+def sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
+    if factor < 2:
+        raise argparse.ArgumentTypeError("--step-factor must be at least 2")
+    out = []
+    s = max(1, min_bytes)
+    while s <= max_bytes:
+        out.append(s)
+        s *= factor
+    return out
+
+
+def build_parser(op: str | None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=f"Benchmark {'collectives' if op is None else op}: every algorithm against native.")
+    if op is None:
+        p.add_argument("--op", required=True, choices=C.DATA_OPS)
+    p.add_argument("-b", "--min-bytes", type=parse_size, default=parse_size("8"))
+    p.add_argument("-e", "--max-bytes", type=parse_size, default=parse_size("64M"))
+    p.add_argument("-f", "--step-factor", type=int, default=2)
+    p.add_argument("-d", "--dtype", default="float", choices=sorted(DTYPES))
+    p.add_argument("-n", "--iters", type=int, default=20, help="calls per timed loop")
+    p.add_argument("-w", "--warmup", type=int, default=5, help="untimed calls first")
+    p.add_argument("-r", "--reps", type=int, default=5, help="timed loops; the table shows their median")
+    p.add_argument("-c", "--check", type=int, default=1, help="1: count #wrong on fresh data before timing")
+    p.add_argument("-a", "--algorithms", default="all", help="comma-separated names, 'all' (default) or 'auto'")
+    p.add_argument("-G", "--graph", choices=["0", "1", "both"], default="0", help="CUDA graph capture of the timed loop")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--csv", metavar="PATH")
+    p.add_argument("--plot", metavar="PATH")
+    p.add_argument("--backend", default=None, help="force a backend (default: nccl on GPUs, else gloo)")
+    return p
+
+
+def _meta(args: argparse.Namespace, comm: C.Communicator, device: torch.device, op: str) -> dict[str, object]:
+    meta: dict[str, object] = {
+        "op": op, "command": " ".join(shlex.quote(a) for a in sys.argv), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "world": comm.size, "backend": comm.backend, "torch": torch.__version__, "python": platform.python_version(),
+        "host": platform.node(), "cpus": os.cpu_count(), "args": {k: v for k, v in vars(args).items()},
+    }
+    if device.type == "cuda":
+        meta["cuda"] = torch.version.cuda
+        meta["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        meta["gpu"] = torch.cuda.get_device_name(device)
+    launcher = "mpiexec" if any(k in os.environ for k in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")) else "torchrun"
+    meta["launcher"] = launcher
+    return meta
+
+
+def main(argv: Sequence[str] | None = None, op: str | None = None) -> int:
+    args = build_parser(op).parse_args(argv)
+    op = op or args.op
+    assert op is not None
+    comm = C.init(backend=args.backend)
+    device = torch.device("cuda", torch.cuda.current_device()) if comm.backend_for("cuda") and torch.cuda.is_available() \
+        else torch.device("cpu")
+    dtype = DTYPES[args.dtype]
+    algos = prepare(op, [a.strip() for a in args.algorithms.split(",")], comm, dtype, device)
+    modes = {"0": (False,), "1": (True,), "both": (False, True)}[args.graph]
+    if device.type != "cuda" and any(modes):
+        raise SystemExit("--graph needs CUDA tensors (a GPU backend)")
+    lead = comm.rank == 0
+    if lead:
+        print(f"# commops {op} benchmark: {comm.size} ranks, backend {comm.backend}, device {device.type}, "
+              f"dtype {args.dtype}, iters {args.iters} x reps {args.reps}, warmup {args.warmup}", flush=True)
+        print(f"# algorithms: {', '.join(algos)}", flush=True)
+    records = sweep(comm, op, algos, sizes(args.min_bytes, args.max_bytes, args.step_factor), dtype, device,
+                    graph_modes=modes, progress=Progress(lead), iters=args.iters, warmup=args.warmup, reps=args.reps,
+                    check=bool(args.check), seed=args.seed)
+    if lead:
+        print(format_table(records), flush=True)
+        meta = _meta(args, comm, device, op)
+        if args.json:
+            write_json(records, args.json, meta)
+        if args.csv:
+            write_csv(records, args.csv)
+        if args.plot:
+            plot(records, args.plot, f"{op}, {comm.size} ranks, {comm.backend} ({meta.get('gpu', device.type)}), {args.dtype}")
+        if args.json or args.csv or args.plot:
+            print("# wrote " + ", ".join(p for p in (args.json, args.csv, args.plot) if p), flush=True)
+    bad = sum(r.wrong or 0 for r in records)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""Timing collectives the way nccl-tests does, as functions that return records.
+
+Conventions (nccl-tests' ``PERFORMANCE.md``): ``bytes`` is the op's "size" (the all-reduce
+buffer, the reduce-scatter input, the all-gather output, the all-to-all send buffer, the
+broadcast/reduce buffer); ``algbw = bytes / time``; ``busbw = algbw * factor(op, world)``;
+``#wrong`` counts output elements outside the float64 reference's rounding bound, checked on
+fresh random data before timing.
+
+Timing: ``warmup`` calls, then ``reps`` loops of ``iters`` back-to-back calls. On GPUs a loop is
+timed with CUDA events (or replayed as one captured CUDA graph with ``graph=True``); on CPUs
+with ``perf_counter``. A loop's time per call is the maximum over ranks (the slowest rank sets
+the pace); the record holds the median, min and max over loops.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+import collectives as C
+from collectives.algos import busbw_factor
+
+from . import reference as R
+
+__all__ = ["Record", "measure", "sweep", "element_count", "prepare"]
+
+_DIVIDED = ("reduce_scatter", "all_gather", "all_to_all")
+
+
+@dataclass
+class Record:
+    op: str
+    algorithm: str
+    dtype: str
+    bytes: int
+    count: int
+    world: int
+    backend: str
+    device: str
+    graph: bool
+    time_us: float
+    time_us_min: float
+    time_us_max: float
+    algbw_GBps: float
+    busbw_GBps: float
+    wrong: int | None
+    chosen: str | None = None  # what "auto" ran
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def element_count(op: str, nbytes: int, dtype: torch.dtype, world: int) -> int:
+    """Elements of the op's "size" buffer for about ``nbytes``: a multiple of ``world`` where the op divides it."""
+    n = max(1, nbytes // torch.empty((), dtype=dtype).element_size())
+    if op in _DIVIDED:
+        n = max(world, n - n % world)
+    return n
+
+
+class _Case:
+    """Buffers and the call for one (op, algorithm, size), built once and called many times."""
+
+    def __init__(self, comm: C.Communicator, op: str, algorithm: str, total: int, dtype: torch.dtype,
+                 device: torch.device, seed: int, root: int = 0) -> None:
+        self.comm, self.op, self.algorithm, self.total = comm, op, algorithm, total
+        self.dtype, self.device, self.seed, self.root = dtype, device, seed, root
+        w, r = comm.size, comm.rank
+        n_in = total if op != "all_gather" else total // w
+        self.inp = R.rank_data(r, n_in, dtype, seed, device)
+        if op in ("reduce_scatter", "all_gather", "all_to_all"):
+            self.out = torch.empty(total // w if op == "reduce_scatter" else total, dtype=dtype, device=device)
+        else:
+            self.out = self.inp
+
+    def call(self) -> None:
+        a, op = self.algorithm, self.op
+        if op == "all_reduce":
+            C.all_reduce(self.out, algorithm=a, group=self.comm.group)
+        elif op == "reduce_scatter":
+            C.reduce_scatter_single(self.out, self.inp, group=self.comm.group, algorithm=a)
+        elif op == "all_gather":
+            C.all_gather_single(self.out, self.inp, group=self.comm.group, algorithm=a)
+        elif op == "all_to_all":
+            C.all_to_all_single(self.out, self.inp, group=self.comm.group, algorithm=a)
+        elif op == "broadcast":
+            C.broadcast(self.out, group=self.comm.group, group_src=self.root, algorithm=a)
+        elif op == "reduce":
+            C.reduce(self.out, group=self.comm.group, group_dst=self.root, algorithm=a)
+        else:
+            raise ValueError(op)
+
+    def check(self) -> int:
+        """#wrong of one call on fresh data (all ranks' inputs regenerated locally)."""
+        w, r = self.comm.size, self.comm.rank
+        n_in = self.inp.numel()
+        xs = [R.rank_data(q, n_in, self.dtype, self.seed + 1, self.device) for q in range(w)]
+        self.inp.copy_(xs[r])
+        if self.out is not self.inp:
+            self.out.fill_(float("nan") if self.dtype.is_floating_point else -1)
+        self.call()
+        if self.op == "reduce" and r != self.root:
+            return 0
+        splits = [[n_in // w] * w for _ in range(w)] if self.op == "all_to_all" else None
+        ref = R.expected(self.op, xs, r, "sum", self.root, splits)
+        tol = R.tolerance(self.op, xs, r, self.dtype, "sum", self.root)
+        return R.count_wrong(self.out, ref, tol)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _slowest(comm: C.Communicator, seconds: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(seconds, dtype=torch.float64, device=device)
+    dist.all_reduce(t, dist.ReduceOp.MAX, group=comm.group)
+    return t.tolist()
+
+
+def _time_loops(case: _Case, iters: int, reps: int, graph: bool) -> list[float]:
+    dev = case.device
+    if dev.type != "cuda":
+        out = []
+        for _ in range(reps):
+            dist.barrier(group=case.comm.group)
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                case.call()
+            out.append((time.perf_counter() - t0) / iters)
+        return out
+    if graph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm the side stream before capture
+                case.call()
+        torch.cuda.current_stream().wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(iters):
+                case.call()
+        run = g.replay
+    else:
+        def run() -> None:
+            for _ in range(iters):
+                case.call()
+    out = []
+    for _ in range(reps):
+        _sync(dev)
+        dist.barrier(group=case.comm.group)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end) / 1e3 / iters)
+    return out
+
+
+def measure(comm: C.Communicator, op: str, algorithm: str, nbytes: int, dtype: torch.dtype, device: torch.device, *,
+            iters: int = 20, warmup: int = 5, reps: int = 5, check: bool = True, graph: bool = False,
+            seed: int = 0) -> Record:
+    """Time one (op, algorithm, size); see the module docstring for the conventions."""
+    w = comm.size
+    total = element_count(op, nbytes, dtype, w)
+    case = _Case(comm, op, algorithm, total, dtype, device, seed)
+    wrong = case.check() if check else None
+    chosen = comm.last_choice.algorithm if algorithm == "auto" and comm.last_choice else None
+    for _ in range(warmup):
+        case.call()
+    _sync(device)
+    per_call = _slowest(comm, _time_loops(case, iters, reps, graph), device)
+    if wrong is not None:
+        wrong = int(_slowest(comm, [float(wrong)], device)[0])
+    med = statistics.median(per_call)
+    size = total * torch.empty((), dtype=dtype).element_size()
+    algbw = size / med / 1e9 if med > 0 else 0.0
+    return Record(op, algorithm, str(dtype).removeprefix("torch."), size, total, w,
+                  comm.backend_for(device.type) or comm.backend, str(device), graph, med * 1e6,
+                  min(per_call) * 1e6, max(per_call) * 1e6, algbw, algbw * busbw_factor(op, w), wrong, chosen)
+
+
+def prepare(op: str, algorithms: Iterable[str], comm: C.Communicator, dtype: torch.dtype, device: torch.device) -> list[str]:
+    """The algorithms to sweep: "all" expands to every registered one usable here, plus "auto"."""
+    usable = comm.algorithms(op, dtype, device.type)
+    names: list[str] = []
+    for a in algorithms:
+        if a == "all":
+            names += usable + ["auto"]
+        elif a == "auto" or a in usable:
+            names.append(a)
+        else:
+            raise C.UnsupportedError("--algorithms", a, f"does not run {op} on {dtype} here", f"use one of {usable + ['auto']}")
+    return list(dict.fromkeys(names))
+
+
+def sweep(comm: C.Communicator, op: str, algorithms: list[str], sizes: list[int], dtype: torch.dtype,
+          device: torch.device, *, graph_modes: tuple[bool, ...] = (False,),
+          progress: Callable[[int, int, str], None] | None = None, **kw: object) -> list[Record]:
+    """Measure every (size, algorithm, graph mode); returns the records in that order."""
+    out = []
+    jobs = [(s, a, g) for s in sizes for g in graph_modes for a in algorithms]
+    for i, (s, a, g) in enumerate(jobs):
+        if progress is not None:
+            progress(i, len(jobs), f"{op} {a}{' graph' if g else ''} {s} B")
+        out.append(measure(comm, op, a, s, dtype, device, graph=g, **kw))  # type: ignore[arg-type]
+    if progress is not None:
+        progress(len(jobs), len(jobs), "done")
+    return out
