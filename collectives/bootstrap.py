@@ -101,7 +101,8 @@ def _from_mpi() -> tuple[LaunchInfo, dist.Store]:
     same_host = local_size == size
     if rank == 0:
         addr = _env.MPI_MASTER_ADDR.get() or ("127.0.0.1" if same_host else socket.gethostname())
-        store = dist.TCPStore(addr, 0, size, is_master=True,
+        # wait_for_workers=False: the others learn the port only from the broadcast below.
+        store = dist.TCPStore(addr, 0, size, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=300))
         world.bcast((addr, store.port), root=0)
     else:
