@@ -103,24 +103,34 @@ def _row(t: torch.Tensor) -> int:
     return n
 
 
+# (algorithm, op, dtype, device type, backend) -> (algorithm, its Choice): an explicit algorithm's
+# capability check is the same for every call with the same key, so it runs once.
+_RESOLVED: dict[tuple[Any, ...], tuple[Algorithm, Choice]] = {}
+
+
 def _resolve(call: Call) -> Algorithm:
     op, comm = call.op, call.comm
     t = call.output
-    dtype = t.dtype if t is not None else None
-    backend = comm.backend_for(t.device.type) if t is not None else comm.backend
+    dtype, dev = (t.dtype, t.device.type) if t is not None else (None, None)
     if call.algorithm == "auto":
+        backend = comm.backend_for(dev) if dev is not None else comm.backend
         call.choice = choose(call, backend or "")
         comm.last_choice = call.choice
         return REGISTRY[call.choice.algorithm]
-    algo = REGISTRY.get(call.algorithm)
-    if algo is None or not algo.supports(op, dtype, backend):
-        usable = for_op(op, dtype, backend)
-        why = "is not a registered algorithm" if algo is None else f"does not run {op} on {dtype} with {backend}"
-        raise UnsupportedError("algorithm", call.algorithm, why, f"pass 'auto' or one of {usable}")
+    key = (call.algorithm, op, dtype, dev, comm.backend)
+    hit = _RESOLVED.get(key)
+    if hit is None:
+        backend = comm.backend_for(dev) if dev is not None else comm.backend
+        algo = REGISTRY.get(call.algorithm)
+        if algo is None or not algo.supports(op, dtype, backend):
+            usable = for_op(op, dtype, backend)
+            why = "is not a registered algorithm" if algo is None else f"does not run {op} on {dtype} with {backend}"
+            raise UnsupportedError("algorithm", call.algorithm, why, f"pass 'auto' or one of {usable}")
+        hit = _RESOLVED[key] = (algo, Choice(algo.name, "requested", "algorithm= given by the caller"))
+    algo, call.choice = hit
     if algo.equal_splits_only and op == "all_to_all" and (len(set(call.in_rows)) > 1 or len(set(call.out_rows)) > 1):
         raise UnsupportedError("algorithm", call.algorithm, "needs equal all-to-all splits",
-                               f"use 'pairwise' or 'native' for uneven splits (usable: {for_op(op, dtype, backend)})")
-    call.choice = Choice(algo.name, "requested", "algorithm= given by the caller")
+                               f"use 'pairwise' or 'native' for uneven splits (usable: {for_op(op, dtype, comm.backend_for(dev or 'cpu'))})")
     return algo
 
 

@@ -36,10 +36,13 @@ def _is_single_rank(world: int) -> bool:
     return world == 1
 
 
+_SINGLE = Choice("native", "single_rank", "one rank: the backend's collective is a local copy")
+
+
 def choose(call: Call, backend: str) -> Choice:
     op, world = call.op, call.comm.size
     if _is_single_rank(world):
-        return Choice("native", "single_rank", "one rank: the backend's collective is a local copy")
+        return _SINGLE
     if _backend_is_vendor_tuned(backend):
         return Choice("native", "vendor_tuned", f"{backend} tunes its own algorithms per size and topology")
     return Choice("native", "default", f"no algorithm of ours measured faster than {backend}'s {op} here")

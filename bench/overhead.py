@@ -1,0 +1,71 @@
+"""What our dispatch point costs per call, measured against calling torch.distributed directly.
+
+Both paths call the same backend collective on the same tiny tensor; blocks of calls alternate
+(ours, theirs, ours, ...) so that drift in the machine's speed hits both alike, and the overhead
+is the median over rounds of the paired difference of per-call times.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+import collectives as C
+
+__all__ = ["dispatch_overhead"]
+
+
+def _per_call(fn: Callable[[], object], calls: int, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) / calls
+
+
+def dispatch_overhead(comm: C.Communicator, device: torch.device, *, calls: int = 200, rounds: int = 41,
+                      op: str = "all_reduce") -> dict[str, float]:
+    """Median per-call microseconds of ``C.<op>(algorithm="native")`` and of ``torch.distributed.<op>``."""
+    x = torch.ones(1, device=device)
+    g = comm.group
+    if op == "all_reduce":
+        def ours() -> object:
+            return C.all_reduce(x, group=g, algorithm="native")
+
+        def theirs() -> object:
+            return dist.all_reduce(x, group=g)
+    elif op == "broadcast":
+        def ours() -> object:
+            return C.broadcast(x, 0, group=g, algorithm="native")
+
+        def theirs() -> object:
+            return dist.broadcast(x, 0, group=g)
+    else:
+        raise ValueError(op)
+    for _ in range(3):
+        _per_call(ours, calls // 4 + 1, device)
+        _per_call(theirs, calls // 4 + 1, device)
+    mine, base, diff = [], [], []
+    for i in range(rounds):
+        dist.barrier(group=g)
+        # alternate which goes first so that neither always follows the barrier
+        if i % 2:
+            a = _per_call(ours, calls, device)
+            b = _per_call(theirs, calls, device)
+        else:
+            b = _per_call(theirs, calls, device)
+            a = _per_call(ours, calls, device)
+        mine.append(a)
+        base.append(b)
+        diff.append(a - b)
+    t = torch.tensor([statistics.median(mine), statistics.median(base), statistics.median(diff)], dtype=torch.float64)
+    dist.all_reduce(t, dist.ReduceOp.MAX, group=g) if dist.get_backend(g) == "gloo" else None
+    return {"ours_us": t[0].item() * 1e6, "torch_us": t[1].item() * 1e6, "overhead_us": t[2].item() * 1e6,
+            "calls_per_round": calls, "rounds": rounds, "world": comm.size}
