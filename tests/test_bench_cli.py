@@ -1,0 +1,74 @@
+"""The benchmark's pure parts: sizes, counts, busbw factors (nccl-tests' numbers), reports."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+
+import pytest
+import torch
+
+from bench.cli import parse_size, sizes
+from bench.harness import Record, element_count
+from bench.reference import count_wrong
+from bench.report import format_table, plot, write_csv, write_json
+from collectives.algos import REGISTRY, busbw_factor
+
+
+def test_sizes_follow_nccl_tests_units() -> None:
+    assert [parse_size(s) for s in ("8", "1K", "16M", "1G", "64KB")] == [8, 1024, 16 << 20, 1 << 30, 64 << 10]
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_size("12X")
+    assert sizes(1024, 16384, 2) == [1024, 2048, 4096, 8192, 16384]
+    assert sizes(8, 100, 4) == [8, 32]
+
+
+def test_element_counts() -> None:
+    assert element_count("all_reduce", 8, torch.bfloat16, 2) == 4
+    assert element_count("all_gather", 1000, torch.float32, 3) == 249  # 250 elements, down to a multiple of 3
+    assert element_count("reduce_scatter", 2, torch.float32, 4) == 4  # at least one element per rank
+
+
+@pytest.mark.parametrize("op,world,factor", [("all_reduce", 4, 1.5), ("all_reduce", 2, 1.0), ("all_gather", 4, 0.75),
+                                             ("reduce_scatter", 8, 0.875), ("all_to_all", 2, 0.5), ("broadcast", 5, 1.0),
+                                             ("reduce", 3, 1.0)])
+def test_busbw_factors_are_nccl_tests(op: str, world: int, factor: float) -> None:
+    assert busbw_factor(op, world) == pytest.approx(factor)
+    for algo in REGISTRY.values():
+        if op in algo.ops:
+            assert algo.busbw_factor(op, world) == pytest.approx(factor)
+
+
+def test_count_wrong_counts_nan_and_far_values() -> None:
+    ref = torch.arange(5, dtype=torch.float64)
+    out = ref.clone()
+    out[1] = float("nan")
+    out[3] += 0.5
+    assert count_wrong(out, ref, 0.1) == 2
+    assert count_wrong(ref, ref, 0.0) == 0
+
+
+def _records() -> list[Record]:
+    rs = []
+    for nbytes, t_native, t_ring in ((1024, 100.0, 50.0), (2048, 120.0, 240.0)):
+        for algo, t in (("native", t_native), ("ring", t_ring)):
+            rs.append(Record("all_reduce", algo, "float32", nbytes, nbytes // 4, 4, "gloo", "cpu", False, t, t * 0.9,
+                             t * 1.1, nbytes / t / 1e3, nbytes / t / 1e3 * 1.5, 0))
+    return rs
+
+
+def test_reports(tmp_path) -> None:  # noqa: ANN001
+    rs = _records()
+    table = format_table(rs)
+    lines = [ln.split() for ln in table.splitlines() if ln.strip().startswith(("1024", "2048"))]
+    assert [(ln[3], ln[-1]) for ln in lines] == [("native", "1.00"), ("ring", "0.50"), ("native", "1.00"), ("ring", "2.00")]
+    assert "out-of-bounds values: 0" in table
+    write_json(rs, str(tmp_path / "r.json"), {"command": "x"})
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["meta"]["command"] == "x" and len(data["records"]) == 4 and data["records"][1]["algorithm"] == "ring"
+    write_csv(rs, str(tmp_path / "r.csv"))
+    rows = list(csv.DictReader(open(tmp_path / "r.csv")))
+    assert len(rows) == 4 and rows[3]["time_us"] == "240.0"
+    plot(rs, str(tmp_path / "r.png"), "t")
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
