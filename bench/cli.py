@@ -51,10 +51,18 @@ def sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
     return out
 
 
+def _ops(text: str) -> list[str]:
+    ops = list(C.DATA_OPS) if text == "all" else [o.strip() for o in text.split(",")]
+    bad = [o for o in ops if o not in C.DATA_OPS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"--op {bad}: use {', '.join(C.DATA_OPS)}, a comma-separated list, or 'all'")
+    return ops
+
+
 def build_parser(op: str | None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=f"Benchmark {'collectives' if op is None else op}: every algorithm against native.")
     if op is None:
-        p.add_argument("--op", required=True, choices=C.DATA_OPS)
+        p.add_argument("--op", required=True, type=_ops, help=f"one of {', '.join(C.DATA_OPS)}, a comma-separated list, or 'all'")
     p.add_argument("-b", "--min-bytes", type=parse_size, default=parse_size("8"))
     p.add_argument("-e", "--max-bytes", type=parse_size, default=parse_size("64M"))
     p.add_argument("-f", "--step-factor", type=int, default=2)
@@ -90,27 +98,30 @@ def _meta(args: argparse.Namespace, comm: C.Communicator, device: torch.device, 
 
 def main(argv: Sequence[str] | None = None, op: str | None = None) -> int:
     args = build_parser(op).parse_args(argv)
-    op = op or args.op
-    assert op is not None
+    ops = [op] if op else args.op
     comm = C.init(backend=args.backend)
     device = torch.device("cuda", torch.cuda.current_device()) if comm.backend_for("cuda") and torch.cuda.is_available() \
         else torch.device("cpu")
     dtype = DTYPES[args.dtype]
-    algos = prepare(op, [a.strip() for a in args.algorithms.split(",")], comm, dtype, device)
     modes = {"0": (False,), "1": (True,), "both": (False, True)}[args.graph]
     if device.type != "cuda" and any(modes):
         raise SystemExit("--graph needs CUDA tensors (a GPU backend)")
     lead = comm.rank == 0
+    records = []
+    for one in ops:
+        algos = prepare(one, [a.strip() for a in args.algorithms.split(",")], comm, dtype, device)
+        if lead:
+            print(f"# commops {one} benchmark: {comm.size} ranks, backend {comm.backend}, device {device.type}, "
+                  f"dtype {args.dtype}, iters {args.iters} x reps {args.reps}, warmup {args.warmup}", flush=True)
+            print(f"# algorithms: {', '.join(algos)}", flush=True)
+        done = sweep(comm, one, algos, sizes(args.min_bytes, args.max_bytes, args.step_factor), dtype, device,
+                     graph_modes=modes, progress=Progress(lead), iters=args.iters, warmup=args.warmup, reps=args.reps,
+                     check=bool(args.check), seed=args.seed)
+        if lead:
+            print(format_table(done), flush=True)
+        records += done
     if lead:
-        print(f"# commops {op} benchmark: {comm.size} ranks, backend {comm.backend}, device {device.type}, "
-              f"dtype {args.dtype}, iters {args.iters} x reps {args.reps}, warmup {args.warmup}", flush=True)
-        print(f"# algorithms: {', '.join(algos)}", flush=True)
-    records = sweep(comm, op, algos, sizes(args.min_bytes, args.max_bytes, args.step_factor), dtype, device,
-                    graph_modes=modes, progress=Progress(lead), iters=args.iters, warmup=args.warmup, reps=args.reps,
-                    check=bool(args.check), seed=args.seed)
-    if lead:
-        print(format_table(records), flush=True)
-        meta = _meta(args, comm, device, op)
+        meta = _meta(args, comm, device, ",".join(ops))
         if args.json:
             write_json(records, args.json, meta)
         if args.csv:
