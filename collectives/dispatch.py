@@ -150,19 +150,23 @@ def dispatch(call: Call) -> Work | None:
     if hooks:
         for h in hooks:
             h("start", call, None)
-    label = None
-    nvtx = False
-    if _profiling() or (call.output is not None and call.output.is_cuda and _env.NVTX.get()):
-        label = f"commops.{call.op}[{algo.name}] {call.nbytes}B"
-        nvtx = call.output is not None and call.output.is_cuda and _env.NVTX.get()
+    # Labels cost host time on every call (record_function alone is several microseconds), so
+    # each is paid only when someone can see it: a torch profiler that is recording, or, on CUDA
+    # tensors, NVTX (COMMOPS_NVTX=0 turns that off).
+    profiling = _profiling()
+    nvtx = call.output is not None and call.output.is_cuda and _env.NVTX.get()
     try:
-        if label is None:
+        if not (profiling or nvtx):
             result = _run(algo, call)
         else:
+            label = f"commops.{call.op}[{algo.name}] {call.nbytes}B"
             if nvtx:
                 torch.cuda.nvtx.range_push(label)
             try:
-                with torch.profiler.record_function(label):
+                if profiling:
+                    with torch.profiler.record_function(label):
+                        result = _run(algo, call)
+                else:
                     result = _run(algo, call)
             finally:
                 if nvtx:
