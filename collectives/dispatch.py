@@ -152,9 +152,9 @@ def dispatch(call: Call) -> Work | None:
             h("start", call, None)
     # Labels cost host time on every call (record_function alone is several microseconds), so
     # each is paid only when someone can see it: a torch profiler that is recording, or, on CUDA
-    # tensors, NVTX (COMMOPS_NVTX=0 turns that off).
+    # tensors, NVTX while a tool listens (COMMOPS_NVTX, see collectives/_env.py).
     profiling = _profiling()
-    nvtx = call.output is not None and call.output.is_cuda and _env.NVTX.get()
+    nvtx = call.output is not None and call.output.is_cuda and _env.nvtx_enabled()
     try:
         if not (profiling or nvtx):
             result = _run(algo, call)
