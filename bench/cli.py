@@ -131,9 +131,9 @@ def main(argv: Sequence[str] | None = None, op: str | None = None) -> int:
         if args.json or args.csv or args.plot:
             print("# wrote " + ", ".join(p for p in (args.json, args.csv, args.plot) if p), flush=True)
     bad = sum(r.wrong or 0 for r in records)
-    comm.close()
     dist.barrier()
-    dist.destroy_process_group()
+    del comm
+    C.destroy()
     return 1 if bad else 0
 
 

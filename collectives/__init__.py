@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ._types import DATA_OPS, OPS, REDUCE_OPS, ReduceOp
 from .bootstrap import LaunchInfo, init
-from .communicator import Communicator, get_communicator
+from .communicator import Communicator, destroy, get_communicator
 from .dispatch import Call, add_trace_hook, remove_trace_hook
 from .errors import (
     CommopsError,
@@ -36,7 +36,7 @@ from .selection import Choice
 from .work import Work
 
 __all__ = [
-    "init", "Communicator", "get_communicator", "algorithms", "last_choice",
+    "init", "destroy", "Communicator", "get_communicator", "algorithms", "last_choice",
     "all_reduce", "reduce_scatter_single", "reduce_scatter_tensor", "all_gather_single",
     "all_gather_into_tensor", "all_to_all_single", "broadcast", "reduce", "barrier",
     "ReduceOp", "Work", "Choice", "Call", "add_trace_hook", "remove_trace_hook", "LaunchInfo",

@@ -23,7 +23,7 @@ from .errors import NotInitializedError
 from .selection import Choice
 from .work import Work
 
-__all__ = ["Communicator", "get_communicator"]
+__all__ = ["Communicator", "get_communicator", "destroy"]
 
 _COMMS: WeakKeyDictionary[Any, Communicator] = WeakKeyDictionary()
 _WORLD: list[Communicator] = []  # the world communicator of the current default group
@@ -183,3 +183,28 @@ def get_communicator(group: dist.ProcessGroup | None = None) -> Communicator:
     if comm is None:
         comm = _COMMS[group] = Communicator(group)
     return comm
+
+
+def destroy(group: dist.ProcessGroup | None = None) -> None:
+    """Close and forget the communicator(s), then ``torch.distributed.destroy_process_group(group)``.
+
+    ``None`` closes every communicator and destroys every group. Use this instead of calling
+    torch's function directly when commops created communicators: a cached communicator would
+    otherwise keep the process group alive until interpreter shutdown, where Gloo's destructor can
+    abort the process ("terminate called without an active exception").
+    """
+    if group is None:
+        comms = list(_COMMS.values()) + _WORLD
+        _COMMS.clear()
+        _WORLD.clear()
+    else:
+        comms = [c for c in (_COMMS.pop(group, None),) if c is not None]
+        if _WORLD and _WORLD[0].group is group:
+            comms += _WORLD
+            _WORLD.clear()
+    for c in comms:
+        c.close()
+        c.group = None  # type: ignore[assignment]
+    del comms
+    if dist.is_initialized():
+        dist.destroy_process_group(group)

@@ -40,7 +40,8 @@ def main() -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=1)
-    torch.distributed.destroy_process_group()
+    del comm
+    C.destroy()
     return 0
 
 

@@ -67,7 +67,9 @@ def _rank_main(rank: int, size: int, store_path: str, conn: Connection, stack_pa
             except BaseException:  # noqa: BLE001 - everything goes back to the parent
                 out = ("err", traceback.format_exc())
             conn.send(out)
-        dist.destroy_process_group()
+        import collectives
+
+        collectives.destroy()  # also drops cached communicators, so the group dies here, not at exit
 
 
 class World:
