@@ -6,6 +6,8 @@ the strings below once, at the dispatch point; algorithms only ever see the stri
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -60,5 +62,5 @@ def normalize_reduce_op(op: object) -> str:
     )
 
 
-def torch_reduce_op(name: str) -> dist.ReduceOp:
+def torch_reduce_op(name: str) -> Any:  # a ReduceOp member (typed RedOpType by torch's stubs)
     return _TO_TORCH[name]

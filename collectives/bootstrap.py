@@ -19,6 +19,7 @@ import datetime
 import os
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -135,7 +136,7 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
     cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
     name = select_backend(backend, cuda=cuda, npu=False if cuda else _npu_present(),
                           mpi_available=dist.is_mpi_available())
-    kwargs: dict[str, object] = {}
+    kwargs: dict[str, Any] = {}
     if timeout is not None:
         kwargs["timeout"] = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
     if "nccl" in name and cuda:

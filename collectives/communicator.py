@@ -53,7 +53,9 @@ class Communicator:
                 "torch.distributed is not initialised: call collectives.init() (under torchrun or mpiexec) "
                 "or torch.distributed.init_process_group() before any collective"
             )
-        self.group = dist.group.WORLD if group is None else group
+        world = dist.group.WORLD
+        assert world is not None
+        self.group: dist.ProcessGroup = world if group is None else group
         self.rank = dist.get_rank(self.group)
         self.size = dist.get_world_size(self.group)
         if self.group is dist.group.WORLD:
@@ -179,10 +181,10 @@ def get_communicator(group: dist.ProcessGroup | None = None) -> Communicator:
         comm = Communicator()
         _WORLD[:] = [comm]
         return comm
-    comm = _COMMS.get(group)
-    if comm is None:
-        comm = _COMMS[group] = Communicator(group)
-    return comm
+    found = _COMMS.get(group)
+    if found is None:
+        found = _COMMS[group] = Communicator(group)
+    return found
 
 
 def destroy(group: dist.ProcessGroup | None = None) -> None:

@@ -13,7 +13,7 @@ world sizes. It depends on the op only, not on the algorithm.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -65,7 +65,8 @@ class Algorithm:
         """The steps rank ``layout.rank`` takes; backends' own collectives have none to show."""
         raise NotImplementedError(f"{self.name} runs the backend's collective and has no schedule")
 
-    def run(self, call: Call) -> None:
+    def run(self, call: Call) -> Any:
+        """Run one validated call; the backend's ``Work`` when ``call.async_op`` (native), else None."""
         raise NotImplementedError
 
 

@@ -134,7 +134,11 @@ class Schedule:
         return tuple(s for s in self.steps if s.is_comm)
 
     def peers(self) -> set[int]:
-        return {t.peer for s in self.steps for t in (*s.sends, *s.recvs)}
+        return {t.peer for s in self.steps for t in self._transfers(s)}
+
+    @staticmethod
+    def _transfers(step: Step) -> tuple[Send | Recv, ...]:
+        return (*step.sends, *step.recvs)
 
     def elements_sent(self) -> int:
         return sum(t.count for s in self.steps for t in s.sends)
@@ -143,7 +147,7 @@ class Schedule:
         """Assert the invariants the executor relies on (internal; used by tests)."""
         lay = self.layout
         for i, step in enumerate(self.steps):
-            for t in (*step.sends, *step.recvs):
+            for t in self._transfers(step):
                 assert 0 <= t.peer < lay.world and t.peer != lay.rank, f"step {i}: bad peer {t.peer}"
                 assert t.count > 0, f"step {i}: empty transfer with {t.peer}"
             # One message per peer and direction per step: matching never depends on post order.

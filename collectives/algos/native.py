@@ -31,18 +31,19 @@ class Native(Algorithm):
     def run(self, call: Call) -> dist.Work | None:
         op, g, a = call.op, call.comm.group, call.async_op
         if op == "all_reduce":
-            return dist.all_reduce(call.output, torch_reduce_op(call.reduce_op), g, a)
+            return dist.all_reduce(call.output, torch_reduce_op(call.reduce_op or "sum"), g, a)
         if op == "reduce_scatter":
-            return _reduce_scatter(call.output, call.input, torch_reduce_op(call.reduce_op), g, a)
+            return _reduce_scatter(call.output, call.input, torch_reduce_op(call.reduce_op or "sum"), g, a)
         if op == "all_gather":
             return _all_gather(call.output, call.input, g, a)
         if op == "all_to_all":
             return dist.all_to_all_single(call.output, call.input, call.out_rows, call.in_rows, g, a)
         if op == "barrier":
             return dist.barrier(g, async_op=a)
+        assert call.root is not None  # set by validation
         root = call.comm.global_ranks[call.root]
         if op == "broadcast":
             return dist.broadcast(call.output, root, g, a)
         if op == "reduce":
-            return dist.reduce(call.output, root, torch_reduce_op(call.reduce_op), g, a)
+            return dist.reduce(call.output, root, torch_reduce_op(call.reduce_op or "sum"), g, a)
         raise AssertionError(op)

@@ -29,7 +29,7 @@ class Pairwise(ScheduledAlgorithm):
         in_at = [0, *accumulate(ins)]
         out_at = [0, *accumulate(outs)]
         steps = []
-        copies = ()
+        copies: tuple[Copy, ...] = ()
         if ins[r]:
             copies = (Copy(Region("in", in_at[r], ins[r]), Region("out", out_at[r], outs[r])),)
         steps.append(Step(copies=copies))
