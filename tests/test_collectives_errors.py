@@ -75,7 +75,6 @@ def body_errors(rank: int, world: int) -> dict[str, str]:
     for n, fn in saved.items():
         setattr(dist, n, counting(n, fn))
     import collectives.algos.native as native
-    import collectives.algos._executor as executor
     saved_native = (native._reduce_scatter, native._all_gather)
     native._reduce_scatter, native._all_gather = counting("rs", native._reduce_scatter), counting("ag", native._all_gather)
     report = {}
@@ -101,7 +100,6 @@ def body_errors(rank: int, world: int) -> dict[str, str]:
         for n, fn in saved.items():
             setattr(dist, n, fn)
         native._reduce_scatter, native._all_gather = saved_native
-        del executor
     # The group still works afterwards.
     x = torch.ones(2)
     C.all_reduce(x)
