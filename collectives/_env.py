@@ -56,7 +56,12 @@ MPI_MASTER_ADDR: EnvVar[str] = EnvVar(
     "(default: 127.0.0.1 when every rank is on one host, else rank 0's host name).",
 )
 
-VARIABLES = (NVTX, MPI_MASTER_ADDR)
+TOPOLOGY: EnvVar[str] = EnvVar(
+    "COMMOPS_TOPOLOGY", "",
+    "Path of a topology JSON file that replaces discovery (topology.discover).",
+)
+
+VARIABLES = (NVTX, MPI_MASTER_ADDR, TOPOLOGY)
 
 
 @functools.cache
