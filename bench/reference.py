@@ -13,9 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["rank_data", "split_matrix", "expected", "tolerance", "count_wrong", "FLOAT_DTYPES"]
-
-FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+__all__ = ["rank_data", "split_matrix", "expected", "tolerance", "count_wrong"]
 
 
 def _generator(seed: int, rank: int, device: torch.device | str) -> torch.Generator:

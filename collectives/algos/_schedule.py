@@ -116,7 +116,6 @@ class Schedule:
     layout: Layout
     steps: tuple[Step, ...]
     scratch: int = 0
-    notes: dict[str, object] = field(default_factory=dict, compare=False)
     # Elements of staging the executor needs in the busiest step: received data that is reduced or
     # scattered into several regions lands there first, and sends of several regions are packed there.
     staging: int = field(init=False, compare=False)
