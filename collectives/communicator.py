@@ -72,6 +72,8 @@ class Communicator:
         self._executor: ThreadPoolExecutor | None = None
         self._scratch: dict[tuple[Any, ...], torch.Tensor] = {}
         self.last_choice: Choice | None = None
+        self._topology: Any = None
+        self._derived: Any = None
 
     # -- facts -------------------------------------------------------------------------------
     def backend_for(self, device_type: str) -> str | None:
@@ -87,6 +89,35 @@ class Communicator:
 
         backend = self.backend_for(device_type or self.device_types[0])
         return for_op(op, dtype, backend)
+
+    @property
+    def topology(self) -> Any:
+        """This group's :class:`topology.Topology`, discovered on first use.
+
+        Discovery exchanges a few facts over the group, so the first access is collective: every
+        rank must reach it (the topology-aware algorithms and ``auto`` all ask at the same call).
+        ``COMMOPS_TOPOLOGY`` or :meth:`set_topology` replaces discovery.
+        """
+        if self._topology is None:
+            from topology import discover
+
+            self._topology = discover(self.group)
+        return self._topology
+
+    def set_topology(self, topo: Any) -> None:
+        """Use ``topo`` instead of discovering it (``None``: discover again). Local; give every rank the same one."""
+        if topo is not None and topo.world != self.size:
+            raise ValueError(f"topology has {topo.world} ranks but this group has {self.size}")
+        self._topology = topo
+        self._derived = None
+
+    def derived_groups(self) -> Any:
+        """This rank's :class:`topology.groups.DerivedGroups`, created on first use (collective)."""
+        if self._derived is None:
+            from topology.groups import derive
+
+            self._derived = derive(self.topology, self.rank, self.global_ranks, self.backend)
+        return self._derived
 
     # -- internals used by algorithms -------------------------------------------------------
     def next_tag(self) -> int:
@@ -208,5 +239,9 @@ def destroy(group: dist.ProcessGroup | None = None) -> None:
         c.close()
         c.group = None  # type: ignore[assignment]
     del comms
+    if group is None:
+        from topology import groups
+
+        groups.clear()
     if dist.is_initialized():
         dist.destroy_process_group(group)

@@ -143,6 +143,8 @@ def dispatch(call: Call) -> Work | None:
     """Validate, choose, trace and run ``call``; returns a handle when ``call.async_op``."""
     validate(call)
     algo = _resolve(call)
+    if algo.topology_aware:
+        algo.check(call)
     comm = call.comm
     comm.seq += 1
     call.seq = comm.seq
@@ -183,15 +185,16 @@ def dispatch(call: Call) -> Work | None:
 
 
 def _run(algo: Algorithm, call: Call) -> Work | None:
-    if not isinstance(algo, ScheduledAlgorithm):
+    if algo.returns_work:
         work = algo.run(call)
         return TorchWork(work) if call.async_op else None
-    call.tag = call.comm.next_tag()
+    if isinstance(algo, ScheduledAlgorithm):
+        call.tag = call.comm.next_tag()
     if not call.async_op:
         algo.run(call)
         return None
     if call.output.is_cuda:
-        # Point-to-point steps only order streams on GPUs: enqueue now, hand back an event.
+        # Point-to-point steps and the backends' collectives only order streams on GPUs: enqueue now, hand back an event.
         algo.run(call)
         event = torch.cuda.Event()
         event.record()

@@ -62,7 +62,50 @@ def _check(fails: list[str], what: str, out: torch.Tensor, ref: torch.Tensor, to
         fails.append(f"{what}: #wrong={wrong} of {out.numel()}")
 
 
-def body_conformance(rank: int, world: int, op: str, algo: str, seed: int) -> list[str]:
+# Nodes emulated through the topology override, for the topology-aware algorithms: equal nodes,
+# nodes whose rails are not in rank order, and nodes of unequal size.
+LAYOUTS: dict[int, list[list[list[int]]]] = {
+    1: [[[0]]], 2: [[[0], [1]]], 3: [[[0, 1], [2]]],
+    4: [[[0, 1], [2, 3]], [[0, 3], [1, 2]], [[0, 1, 2], [3]]], 5: [[[0, 2, 4], [1, 3]]],
+}
+UNSUPPORTED = "unsupported"
+
+
+def _needs_grid(op: str, algo: str) -> bool:
+    # Documented limits: the two-level all-to-all and the 2D grid need nodes of equal size.
+    return (algo == "hierarchical" and op == "all_to_all") or algo == "grid2d"
+
+
+def _unequal(nodes: list[list[int]]) -> bool:
+    return 1 < len(nodes) < sum(map(len, nodes)) and len({len(n) for n in nodes}) > 1
+
+
+def body_conformance(rank: int, world: int, op: str, algo: str, seed: int,
+                     nodes: list[list[int]] | None = None) -> list[str]:
+    if nodes is None:
+        return _conformance(rank, world, op, algo, seed)
+    from topology import Topology
+
+    comm = C.get_communicator()
+    comm.set_topology(Topology.from_nodes(nodes))
+    try:
+        if _needs_grid(op, algo) and _unequal(nodes):
+            # Must refuse on every rank before sending anything, with the typed error.
+            x = torch.ones(world * 4)
+            try:
+                if op == "all_reduce":
+                    C.all_reduce(x, algorithm=algo)
+                else:
+                    C.all_to_all_single(torch.empty_like(x), x, algorithm=algo)
+            except C.UnsupportedError:
+                return [UNSUPPORTED]
+            return [f"{algo} ran {op} on nodes {nodes} instead of refusing"]
+        return _conformance(rank, world, op, algo, seed)
+    finally:
+        comm.set_topology(None)
+
+
+def _conformance(rank: int, world: int, op: str, algo: str, seed: int) -> list[str]:
     fails: list[str] = []
     torch_op = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
                 "min": dist.ReduceOp.MIN, "prod": dist.ReduceOp.PRODUCT}
@@ -158,6 +201,11 @@ def body_conformance(rank: int, world: int, op: str, algo: str, seed: int) -> li
 
 @pytest.mark.parametrize("op,algo", PAIRS, ids=[f"{o}-{a}" for o, a in PAIRS])
 def test_conformance(world, op: str, algo: str) -> None:  # noqa: ANN001
-    results = world.run(body_conformance, op, algo, 1000 * world.size, timeout=600)
-    fails = [f"rank {r}: {f}" for r, fs in enumerate(results) for f in fs]
-    assert not fails, "\n".join(fails[:30])
+    layouts = LAYOUTS[world.size] if REGISTRY[algo].topology_aware else [None]
+    for nodes in layouts:
+        results = world.run(body_conformance, op, algo, 1000 * world.size, nodes, timeout=600)
+        if nodes is not None and _needs_grid(op, algo) and _unequal(nodes):
+            assert results == [[UNSUPPORTED]] * world.size, f"nodes {nodes}: {results}"
+            continue
+        fails = [f"rank {r} nodes {nodes}: {f}" for r, fs in enumerate(results) for f in fs]
+        assert not fails, "\n".join(fails[:30])

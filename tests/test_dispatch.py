@@ -72,6 +72,17 @@ def test_auto_records_its_choice_and_reason(worlds) -> None:  # noqa: ANN001
 
 
 def body_async(rank: int, world: int, algo: str) -> list[bool]:
+    from topology import Topology
+
+    # Two nodes of two ranks, so the topology-aware algorithms take their two-tier path.
+    C.get_communicator().set_topology(Topology.from_nodes([[0, 1], [2, 3]]))
+    try:
+        return _async(rank, world, algo)
+    finally:
+        C.get_communicator().set_topology(None)
+
+
+def _async(rank: int, world: int, algo: str) -> list[bool]:
     results = []
     xs = [torch.full((1001,), float(rank + i)) for i in range(3)]
     works = [C.all_reduce(x, async_op=True, algorithm=algo) for x in xs]
@@ -82,7 +93,8 @@ def body_async(rank: int, world: int, algo: str) -> list[bool]:
         results.append(bool(torch.all(x == sum(range(world)) + world * i)))
     y = torch.full((world * 5,), float(rank))
     out = torch.empty(5)
-    with C.reduce_scatter_single(out, y, async_op=True, algorithm=algo if algo != "recursive_doubling" else "native"):
+    rs = algo if algo in for_op("reduce_scatter", backend="gloo") else "native"
+    with C.reduce_scatter_single(out, y, async_op=True, algorithm=rs):
         pass
     results.append(bool(torch.all(out == sum(range(world)))))
     return results
@@ -90,7 +102,7 @@ def body_async(rank: int, world: int, algo: str) -> list[bool]:
 
 @pytest.mark.parametrize("algo", for_op("all_reduce", backend="gloo"))
 def test_async_handles(worlds, algo: str) -> None:  # noqa: ANN001
-    for res in worlds(3).run(body_async, algo):
+    for res in worlds(4).run(body_async, algo):
         assert all(res), res
 
 

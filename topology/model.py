@@ -86,6 +86,16 @@ class Topology:
             return self.tier("nvlink")
         return self.tier("node")
 
+    @classmethod
+    def from_nodes(cls, nodes: list[list[int]], tiers: tuple[Tier, ...] | None = None) -> Topology:
+        """A topology with the given rank sets as nodes (host names ``node<k>``), e.g. ``[[0, 2], [1, 3]]``."""
+        where = {r: (k, i) for k, members in enumerate(nodes) for i, r in enumerate(sorted(members))}
+        if sorted(where) != list(range(len(where))):
+            raise ValueError(f"nodes must hold each rank 0..{len(where) - 1} exactly once, got {nodes}")
+        places = tuple(RankPlace(r, where[r][0], where[r][1], f"node{where[r][0]}") for r in range(len(where)))
+        default = (Tier("node"), Tier("network")) if len(nodes) > 1 else (Tier("node"),)
+        return cls(places, tiers or default)
+
     def to_dict(self) -> dict[str, Any]:
         return {"ranks": [asdict(p) for p in self.ranks], "tiers": [asdict(t) for t in self.tiers],
                 "nvlinks": {str(k): v for k, v in self.nvlinks.items()}}

@@ -13,7 +13,9 @@ from ._base import Algorithm, ScheduledAlgorithm, busbw_factor
 from ._schedule import Copy, Layout, Recv, Region, Schedule, Send, Step
 from .binomial_tree import BinomialTree
 from .bruck import Bruck
+from .grid2d import Grid2D
 from .halving_doubling import HalvingDoubling
+from .hierarchical import Hierarchical
 from .native import Native
 from .pairwise import Pairwise
 from .recursive_doubling import RecursiveDoubling
@@ -50,3 +52,5 @@ register(HalvingDoubling())
 register(BinomialTree())
 register(Pairwise())
 register(Bruck())
+register(Hierarchical())
+register(Grid2D())

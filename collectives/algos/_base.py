@@ -48,6 +48,10 @@ class Algorithm:
     # Only equal all-to-all splits (Bruck); checked by the dispatcher with a clear error.
     equal_splits_only: ClassVar[bool] = False
     summary: ClassVar[str] = ""
+    # run() returns the backend's own Work for async calls (only the backend's collectives can).
+    returns_work: ClassVar[bool] = False
+    # check(call) must run before anything is sent (it reads the group's topology).
+    topology_aware: ClassVar[bool] = False
 
     def supports(self, op: str, dtype: torch.dtype | None = None, backend: str | None = None) -> bool:
         if op not in self.ops:
@@ -60,6 +64,9 @@ class Algorithm:
 
     def busbw_factor(self, op: str, world: int) -> float:
         return busbw_factor(op, world)
+
+    def check(self, call: Call) -> None:
+        """Raise a typed error if this algorithm cannot run ``call`` (only if ``topology_aware``)."""
 
     def schedule(self, layout: Layout) -> Schedule:
         """The steps rank ``layout.rank`` takes; backends' own collectives have none to show."""

@@ -27,6 +27,7 @@ class Native(Algorithm):
     name = "native"
     ops = frozenset(OPS)
     summary = "the backend's own collective"
+    returns_work = True
 
     def run(self, call: Call) -> dist.Work | None:
         op, g, a = call.op, call.comm.group, call.async_op

@@ -1,0 +1,298 @@
+"""Hierarchical all-reduce, reduce-scatter, all-gather and all-to-all: the backend's collectives on
+the groups the topology derives (intra-node, inter-node rails), so that each byte crosses the slow
+inter-node tier as few times as it must.
+
+With ``n`` nodes of ``g`` ranks (rail ``j`` = the ``j``-th rank of every node), ``m`` elements::
+
+    all_reduce      intra reduce-scatter [g*c -> c]  ->  rail all-reduce [c]  ->  intra all-gather [c -> g*c]
+                    (c = ceil(m/g); each rank sends 2(n-1)/n * m/g across nodes: the node as a
+                    whole sends 2(n-1)/n * m, the minimum for an all-reduce between n nodes)
+    reduce_scatter  pack the blocks rail-major  ->  intra reduce-scatter [g*n*c -> n*c]
+                    ->  rail reduce-scatter [n*c -> c]      ((n-1)*c per rank across nodes)
+    all_gather      rail all-gather [c -> n*c]  ->  intra all-gather [n*c -> g*n*c]  ->  unpack
+    all_to_all      splits shared in the node  ->  intra all-to-all that gathers, on local rank j,
+                    everything the node sends to rail j  ->  one rail all-to-all (one message per
+                    node pair and rail, instead of g*g)  ->  unpack by source. Uneven splits work:
+                    the node's split matrix rides along (Tutel's 2DH all-to-all, Hwang et al. 2023).
+
+Nodes of unequal size have no rails: all-reduce then reduces to each node's first rank, all-reduces
+among those leaders and broadcasts inside the node (Jia et al. 2018's hierarchical all-reduce);
+reduce-scatter does that all-reduce and keeps its block; all-gather gathers in the node, exchanges
+padded node blocks among leaders and broadcasts. All-to-all needs equal nodes and says so before
+anything is sent.
+
+Cost (alpha-beta per tier, intra ``a_i, b_i``, inter ``a_e, b_e``; the sub-collectives' own
+formulas, see ``topology/cost.py``): all-reduce ``T_RS,intra(g, m) + T_AR,inter(n, m/g) +
+T_AG,intra(g, m)``. Design note: the sub-collectives are the backend's own (NCCL, Gloo), not our
+point-to-point schedules, because inside one tier the backend's tuned kernels are the fastest we
+have (issue measurements in ``bench/results/``); the hierarchy is what they lack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from .._types import torch_reduce_op
+from ..errors import UnsupportedError
+from ._base import Algorithm, _divide
+from .native import Native, _all_gather, _reduce_scatter
+
+if TYPE_CHECKING:
+    from topology import Topology
+
+    from ..dispatch import Call
+
+__all__ = ["Hierarchical", "Phase", "plan", "run_flat"]
+
+_NATIVE = Native()
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One sub-collective of a plan: ``op`` over each rank set in ``groups`` at once.
+
+    ``tier`` is "intra" (inside a node) or "inter" (across nodes); ``elements`` is the larger
+    buffer of the sub-collective per rank (nccl-tests' size), or for all-to-all the elements each
+    rank sends in all.
+    """
+
+    op: str
+    tier: str
+    groups: tuple[tuple[int, ...], ...]
+    elements: int
+
+
+def _equal(nodes: list[list[int]]) -> bool:
+    return len({len(n) for n in nodes}) == 1
+
+
+def plan(op: str, topo: Topology, elements: int) -> list[Phase]:
+    """The sub-collectives ``hierarchical`` runs for ``op`` on ``elements`` (nccl-tests' size)."""
+    from topology.groups import rails_of
+
+    nodes = topo.nodes()
+    n, p = len(nodes), topo.world
+    intra = tuple(tuple(x) for x in nodes)
+    if n == 1 or p == n:
+        return [Phase(op, "intra" if n == 1 else "inter", (tuple(range(p)),), elements)]
+    if not _equal(nodes):
+        leaders = (tuple(x[0] for x in nodes),)
+        if op == "all_gather":
+            big = max(len(x) for x in nodes) * (elements // p)
+            return [Phase("all_gather", "intra", intra, elements // p * len(nodes[0])),
+                    Phase("all_gather", "inter", leaders, n * big), Phase("broadcast", "intra", intra, n * big)]
+        return [Phase("reduce", "intra", intra, elements), Phase("all_reduce", "inter", leaders, elements),
+                Phase("broadcast", "intra", intra, elements)]
+    g = p // n
+    rails = tuple(rails_of(nodes))
+    if op == "all_reduce":
+        c = -(-elements // g)
+        return [Phase("reduce_scatter", "intra", intra, g * c), Phase("all_reduce", "inter", rails, c),
+                Phase("all_gather", "intra", intra, g * c)]
+    c = elements // p
+    if op == "reduce_scatter":
+        return [Phase("reduce_scatter", "intra", intra, g * n * c), Phase("reduce_scatter", "inter", rails, n * c)]
+    if op == "all_gather":
+        return [Phase("all_gather", "inter", rails, n * c), Phase("all_gather", "intra", intra, g * n * c)]
+    if op == "all_to_all":  # even splits of c elements per destination
+        return [Phase("all_to_all", "intra", intra, p * c), Phase("all_to_all", "inter", rails, p * c)]
+    raise ValueError(f"no hierarchical plan for {op}")
+
+
+def _rop(call: Call) -> Any:
+    red = call.reduce_op or "sum"
+    return torch_reduce_op("sum" if red == "avg" else red)
+
+
+def _index(order: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(order, dtype=torch.long, device=device)
+
+
+class Hierarchical(Algorithm):
+    name = "hierarchical"
+    ops = frozenset({"all_reduce", "reduce_scatter", "all_gather", "all_to_all"})
+    topology_aware = True
+    summary = "intra-node then inter-node (rails) with the backend's collectives; two-level all-to-all"
+
+    def check(self, call: Call) -> None:
+        nodes = call.comm.topology.nodes()
+        if len(nodes) == 1 or len(nodes) == call.comm.size:
+            return
+        if call.op == "all_to_all" and not _equal(nodes):
+            raise UnsupportedError(
+                "algorithm", self.name, f"all-to-all needs nodes of equal size; this group's nodes have "
+                f"{[len(n) for n in nodes]} ranks", "use 'pairwise' or 'native' on nodes of unequal size")
+        call.comm.derived_groups()  # created here, on the caller's thread, before anything is sent
+
+    def run(self, call: Call) -> None:
+        comm = call.comm
+        nodes = comm.topology.nodes()
+        if len(nodes) == 1 or len(nodes) == comm.size:
+            # One node, or one rank per node: a single tier, nothing to stage.
+            run_flat(call)
+            return
+        d = comm.derived_groups()
+        op = call.op
+        if op == "all_reduce":
+            self._all_reduce(call, d) if d.rails else _leader_all_reduce(call, d, call.output.view(-1))
+        elif op == "reduce_scatter":
+            self._reduce_scatter(call, d) if d.rails else self._leader_reduce_scatter(call, d)
+        elif op == "all_gather":
+            self._all_gather(call, d) if d.rails else self._leader_all_gather(call, d)
+        else:
+            self._all_to_all(call, d)
+        if call.reduce_op == "avg":
+            _divide(call, comm.size)
+
+    # -- equal nodes -------------------------------------------------------------------------------
+    def _all_reduce(self, call: Call, d: Any) -> None:
+        x = call.output.view(-1)
+        m, g = x.numel(), len(d.intra_ranks)
+        if m == 0:
+            return
+        c = -(-m // g)
+        if m == g * c:
+            buf = x
+        else:
+            buf = call.comm._workspace("hier.ar.buf", x.dtype, x.device, g * c)
+            buf[:m].copy_(x)
+            buf[m:].zero_()
+        shard = call.comm._workspace("hier.ar.shard", x.dtype, x.device, c)
+        _reduce_scatter(shard, buf, _rop(call), d.intra)
+        dist.all_reduce(shard, _rop(call), d.rail)
+        _all_gather(buf, shard, d.intra)
+        if buf is not x:
+            x.copy_(buf[:m])
+
+    def _reduce_scatter(self, call: Call, d: Any) -> None:
+        out, inp = call.output.view(-1), call.input.view(-1)
+        c, p, g, n = out.numel(), call.comm.size, len(d.intra_ranks), len(d.nodes)
+        if c == 0:
+            return
+        order = [r for rail in d.rails for r in rail]  # block i of the packed buffer is rank order[i]'s
+        pack = call.comm._workspace("hier.rs.pack", out.dtype, out.device, p * c)
+        torch.index_select(inp.view(p, c), 0, _index(order, out.device), out=pack.view(p, c))
+        tmp = call.comm._workspace("hier.rs.tmp", out.dtype, out.device, n * c)
+        _reduce_scatter(tmp, pack, _rop(call), d.intra)
+        _reduce_scatter(out, tmp, _rop(call), d.rail)
+
+    def _all_gather(self, call: Call, d: Any) -> None:
+        out, inp = call.output.view(-1), call.input.view(-1)
+        c, p, n = inp.numel(), call.comm.size, len(d.nodes)
+        if c == 0:
+            return
+        t1 = call.comm._workspace("hier.ag.rail", out.dtype, out.device, n * c)
+        _all_gather(t1, inp, d.rail)
+        t2 = call.comm._workspace("hier.ag.node", out.dtype, out.device, p * c)
+        _all_gather(t2, t1, d.intra)
+        order = [r for rail in d.rails for r in rail]
+        out.view(p, c).index_copy_(0, _index(order, out.device), t2.view(p, c))
+
+    def _all_to_all(self, call: Call, d: Any) -> None:
+        comm = call.comm
+        lay = call.layout()
+        ins, outs = list(lay.in_splits), list(lay.out_splits)
+        inp, out = call.input.view(-1), call.output.view(-1)
+        p, g, me = comm.size, len(d.intra_ranks), d.local
+        rails: list[tuple[int, ...]] = d.rails
+        node_of = {r: k for k, members in enumerate(d.nodes) for r in members}
+        # Every rank of the node learns what the others send where: S[i][q] elements from local i to q.
+        mine = torch.tensor(ins, dtype=torch.int64, device=inp.device)
+        every = torch.empty(g * p, dtype=torch.int64, device=inp.device)
+        _all_gather(every, mine, d.intra)
+        S = every.view(g, p).tolist()
+        in_off = [0] * (p + 1)
+        for q in range(p):
+            in_off[q + 1] = in_off[q] + ins[q]
+        # Phase 1 (intra): local rank j collects everything the node sends to rail j.
+        send1 = [sum(ins[q] for q in rails[j]) for j in range(g)]
+        recv1 = [sum(S[i][q] for q in rails[me]) for i in range(g)]
+        pack1 = comm._workspace("hier.a2a.pack1", inp.dtype, inp.device, sum(send1))
+        segs = [inp[in_off[q]:in_off[q + 1]] for j in range(g) for q in rails[j]]
+        if segs:
+            torch.cat(segs, out=pack1)
+        got1 = comm._workspace("hier.a2a.got1", inp.dtype, inp.device, sum(recv1))
+        dist.all_to_all_single(got1, pack1, recv1, send1, group=d.intra)
+        # got1 holds, for each local source i, its blocks for rail members in rail order; regroup by
+        # rail member (the inter-node destination), sources in local order.
+        off, pieces = 0, {}
+        for i in range(g):
+            for q in rails[me]:
+                pieces[(q, i)] = got1[off:off + S[i][q]]
+                off += S[i][q]
+        send2 = [sum(S[i][q] for i in range(g)) for q in rails[me]]
+        pack2 = comm._workspace("hier.a2a.pack2", inp.dtype, inp.device, sum(send2))
+        segs = [pieces[(q, i)] for q in rails[me] for i in range(g)]
+        if segs:
+            torch.cat(segs, out=pack2)
+        # Phase 2 (inter): one message per rail peer; it carries every source of its node, in local order.
+        sources = [s for q in rails[me] for s in d.nodes[node_of[q]]]
+        recv2 = [sum(outs[s] for s in d.nodes[node_of[q]]) for q in rails[me]]
+        if sources == list(range(p)):
+            dist.all_to_all_single(out, pack2, recv2, send2, group=d.rail)
+            return
+        got2 = comm._workspace("hier.a2a.got2", inp.dtype, inp.device, sum(recv2))
+        dist.all_to_all_single(got2, pack2, recv2, send2, group=d.rail)
+        out_off = [0] * (p + 1)
+        for s in range(p):
+            out_off[s + 1] = out_off[s] + outs[s]
+        off = 0
+        for s in sources:
+            out[out_off[s]:out_off[s + 1]].copy_(got2[off:off + outs[s]])
+            off += outs[s]
+
+    # -- nodes of unequal size ---------------------------------------------------------------------
+    def _leader_reduce_scatter(self, call: Call, d: Any) -> None:
+        out, inp = call.output.view(-1), call.input.view(-1)
+        c, r = out.numel(), call.comm.rank
+        full = call.comm._workspace("hier.rs.full", inp.dtype, inp.device, inp.numel())
+        full.copy_(inp)
+        _leader_all_reduce(call, d, full)
+        out.copy_(full[r * c:(r + 1) * c])
+
+    def _leader_all_gather(self, call: Call, d: Any) -> None:
+        comm = call.comm
+        out, inp = call.output.view(-1), call.input.view(-1)
+        c, n = inp.numel(), len(d.nodes)
+        if c == 0:
+            return
+        big = max(len(x) for x in d.nodes)
+        mine = comm._workspace("hier.ag.mine", out.dtype, out.device, len(d.intra_ranks) * c)
+        _all_gather(mine, inp, d.intra)
+        every = comm._workspace("hier.ag.every", out.dtype, out.device, n * big * c)
+        if d.leaders is not None:
+            padded = comm._workspace("hier.ag.pad", out.dtype, out.device, big * c)
+            padded[:mine.numel()].copy_(mine)
+            padded[mine.numel():].zero_()
+            _all_gather(every, padded, d.leaders)
+        dist.broadcast(every, comm.global_ranks[d.intra_ranks[0]], d.intra)
+        for k, members in enumerate(d.nodes):
+            for i, r in enumerate(members):
+                out[r * c:(r + 1) * c].copy_(every[(k * big + i) * c:(k * big + i + 1) * c])
+
+
+def run_flat(call: Call) -> None:
+    """The backend's collective on the whole group, synchronously (the caller handles async)."""
+    was = call.async_op
+    call.async_op = False
+    try:
+        _NATIVE.run(call)
+    finally:
+        call.async_op = was
+
+
+def _leader_all_reduce(call: Call, d: Any, x: torch.Tensor) -> None:
+    """Reduce to each node's first rank, all-reduce among those, broadcast inside the node."""
+    if x.numel() == 0:
+        return
+    leader = call.comm.global_ranks[d.intra_ranks[0]]
+    if len(d.intra_ranks) > 1:
+        dist.reduce(x, leader, _rop(call), d.intra)
+    if d.leaders is not None:
+        dist.all_reduce(x, _rop(call), d.leaders)
+    if len(d.intra_ranks) > 1:
+        dist.broadcast(x, leader, d.intra)
