@@ -22,7 +22,7 @@ import torch.distributed as dist
 import collectives as C
 
 from .harness import prepare, sweep
-from .report import Progress, format_table, plot, write_csv, write_json
+from .report import Progress, format_table, plot, tuned_table, write_csv, write_json
 
 __all__ = ["parse_size", "sizes", "build_parser", "main"]
 
@@ -77,6 +77,7 @@ def build_parser(op: str | None) -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--csv", metavar="PATH")
     p.add_argument("--plot", metavar="PATH")
+    p.add_argument("--tune", metavar="PATH", help="write the measured-fastest algorithm per size (for COMMOPS_TUNED)")
     p.add_argument("--backend", default=None, help="force a backend (default: nccl on GPUs, else gloo)")
     return p
 
@@ -91,6 +92,10 @@ def _meta(args: argparse.Namespace, comm: C.Communicator, device: torch.device, 
         meta["cuda"] = torch.version.cuda
         meta["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
         meta["gpu"] = torch.cuda.get_device_name(device)
+    nodes = comm.topology.nodes()
+    meta["nodes"] = len(nodes)
+    meta["topology"] = nodes
+    meta["calibration"] = os.environ.get("COMMOPS_CALIBRATION", "")
     launcher = "mpiexec" if any(k in os.environ for k in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")) else "torchrun"
     meta["launcher"] = launcher
     return meta
@@ -107,6 +112,7 @@ def main(argv: Sequence[str] | None = None, op: str | None = None) -> int:
     if device.type != "cuda" and any(modes):
         raise SystemExit("--graph needs CUDA tensors (a GPU backend)")
     lead = comm.rank == 0
+    comm.topology  # noqa: B018 - discovery is collective: every rank, before rank 0 writes the metadata
     records = []
     for one in ops:
         algos = prepare(one, [a.strip() for a in args.algorithms.split(",")], comm, dtype, device)
@@ -128,8 +134,12 @@ def main(argv: Sequence[str] | None = None, op: str | None = None) -> int:
             write_csv(records, args.csv)
         if args.plot:
             plot(records, args.plot, f"{op}, {comm.size} ranks, {comm.backend} ({meta.get('gpu', device.type)}), {args.dtype}")
-        if args.json or args.csv or args.plot:
-            print("# wrote " + ", ".join(p for p in (args.json, args.csv, args.plot) if p), flush=True)
+        if args.tune:
+            with open(args.tune, "w") as f:
+                json.dump(tuned_table(records, meta), f, indent=1)
+                f.write("\n")
+        if args.json or args.csv or args.plot or args.tune:
+            print("# wrote " + ", ".join(p for p in (args.json, args.csv, args.plot, args.tune) if p), flush=True)
     bad = sum(r.wrong or 0 for r in records)
     dist.barrier()
     del comm

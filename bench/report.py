@@ -97,3 +97,29 @@ class Progress:
         if done >= total:
             sys.stderr.write("\n")
         sys.stderr.flush()
+
+
+def tuned_table(records: Sequence[Record], meta: dict[str, Any]) -> dict[str, Any]:
+    """The measured-fastest algorithm per (op, dtype, size), as ``algorithm="auto"`` reads it (``COMMOPS_TUNED``).
+
+    Only eager records of explicit algorithms count ("auto" is what the table steers); each entry
+    covers sizes up to its own, so a size between two measured ones takes the larger one's choice.
+    """
+    best: dict[tuple[str, str, int], Record] = {}
+    native: dict[tuple[str, str, int], Record] = {}
+    for r in records:
+        if r.graph or r.algorithm == "auto":
+            continue
+        key = (r.op, r.dtype, r.bytes)
+        if r.algorithm == "native":
+            native[key] = r
+        if key not in best or r.time_us < best[key].time_us:
+            best[key] = r
+    entries = []
+    for key in sorted(best):
+        r = best[key]
+        base = native.get(key)
+        note = f"{r.time_us:.0f} us" + (f", native {base.time_us:.0f} us" if base is not None else "")
+        entries.append({"op": r.op, "dtype": r.dtype, "max_bytes": r.bytes, "algorithm": r.algorithm, "note": note})
+    keep = ("world", "nodes", "backend", "date", "command", "torch", "nccl", "gpu")
+    return {"meta": {k: meta[k] for k in keep if k in meta}, "entries": entries}

@@ -61,7 +61,18 @@ TOPOLOGY: EnvVar[str] = EnvVar(
     "Path of a topology JSON file that replaces discovery (topology.discover).",
 )
 
-VARIABLES = (NVTX, MPI_MASTER_ADDR, TOPOLOGY)
+CALIBRATION: EnvVar[str] = EnvVar(
+    "COMMOPS_CALIBRATION", "",
+    "Path of a calibration file (launch/calibrate.py) for algorithm='auto'; default: a shipped one "
+    "in topology/calibrations/ that matches the backend, device and node count, if any.",
+)
+
+TUNED: EnvVar[str] = EnvVar(
+    "COMMOPS_TUNED", "",
+    "Path of a tuned table (bench CLI --tune) whose measured choices algorithm='auto' follows first.",
+)
+
+VARIABLES = (NVTX, MPI_MASTER_ADDR, TOPOLOGY, CALIBRATION, TUNED)
 
 
 @functools.cache

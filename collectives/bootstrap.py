@@ -49,6 +49,7 @@ class LaunchInfo:
     world_size: int
     local_rank: int
     local_world_size: int
+    group_rank: int | None = None  # torchrun's node rank (GROUP_RANK)
 
 
 def launcher_environment(environ: dict[str, str] | None = None) -> LaunchInfo | None:
@@ -57,7 +58,8 @@ def launcher_environment(environ: dict[str, str] | None = None) -> LaunchInfo | 
     if all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
         local = int(env.get("LOCAL_RANK", rank))
-        return LaunchInfo("torchrun", rank, world, local, int(env.get("LOCAL_WORLD_SIZE", world)))
+        group = int(env["GROUP_RANK"]) if "GROUP_RANK" in env else None
+        return LaunchInfo("torchrun", rank, world, local, int(env.get("LOCAL_WORLD_SIZE", world)), group)
     if any(k in env for k in _MPI_SIZE_VARS):
         return LaunchInfo("mpi", -1, -1, -1, -1)
     return None

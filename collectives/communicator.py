@@ -74,6 +74,7 @@ class Communicator:
         self.last_choice: Choice | None = None
         self._topology: Any = None
         self._derived: Any = None
+        self._choices: dict[Any, Any] = {}  # auto's cached choices and calibration (selection.py)
 
     # -- facts -------------------------------------------------------------------------------
     def backend_for(self, device_type: str) -> str | None:
@@ -110,6 +111,37 @@ class Communicator:
             raise ValueError(f"topology has {topo.world} ranks but this group has {self.size}")
         self._topology = topo
         self._derived = None
+        self._choices.clear()
+
+    def set_calibration(self, machine: Any) -> None:
+        """Price ``auto``'s choices with ``machine`` (a :class:`topology.cost.Machine`, or a
+        calibration file's path); ``None`` goes back to ``COMMOPS_CALIBRATION`` or a shipped file.
+        Local; give every rank the same one."""
+        if isinstance(machine, (str, bytes)) or hasattr(machine, "__fspath__"):
+            from topology.cost import Machine
+
+            machine = Machine.load(machine)
+        self._forget_choices(keep="tuned_table")
+        if machine is not None:
+            self._choices["calibration"] = machine
+
+    def set_tuned(self, table: Any) -> None:
+        """Follow this tuned table (the dict ``bench/cli.py --tune`` writes, or its path) first in
+        ``auto``; ``None`` goes back to ``COMMOPS_TUNED``. Local; give every rank the same one."""
+        if isinstance(table, (str, bytes)) or hasattr(table, "__fspath__"):
+            import json
+            from pathlib import Path
+
+            table = json.loads(Path(table).read_text())
+        self._forget_choices(keep="calibration")
+        if table is not None:
+            self._choices["tuned_table"] = table
+
+    def _forget_choices(self, keep: str) -> None:
+        kept = self._choices.get(keep)
+        self._choices.clear()
+        if kept is not None:
+            self._choices[keep] = kept
 
     def derived_groups(self) -> Any:
         """This rank's :class:`topology.groups.DerivedGroups`, created on first use (collective)."""
@@ -204,7 +236,7 @@ class Communicator:
 
 def get_communicator(group: dist.ProcessGroup | None = None) -> Communicator:
     """The (cached) communicator of ``group``; ``None`` means the default group."""
-    if group is None:
+    if group is None or group is dist.GroupMember.WORLD:
         if _WORLD and _WORLD[0].group is dist.GroupMember.WORLD:
             return _WORLD[0]
         if not dist.is_initialized():

@@ -1,20 +1,39 @@
-"""How ``algorithm="auto"`` picks an algorithm until the topology cost model replaces this rule.
+"""How ``algorithm="auto"`` picks an algorithm.
 
-The rule is a short list of named predicates, each one condition with its reason; thresholds that
-come from measurements say where and when they were measured. Every choice is returned as a
-:class:`Choice` that carries the rule that fired and a sentence a user can read
-(``Communicator.last_choice``).
+In order, each a named predicate with its reason:
+
+1. ``single_rank``: one rank runs the backend's collective (a local copy).
+2. ``tuned_table``: a tuned table (``COMMOPS_TUNED``, written by the benchmark's ``--tune``) for
+   this op, dtype, world and node count names the algorithm measured fastest at this size.
+3. ``cost_model``: with a calibration for this machine (``COMMOPS_CALIBRATION``, or a shipped file
+   in ``topology/calibrations/`` matching the backend, device and node count), the algorithm with
+   the least predicted time (``topology.cost``) on this group's topology; the reason lists every
+   candidate's predicted time.
+4. Without either, the measured rules of the core issue: ``vendor_tuned`` (NCCL/HCCL: native),
+   ``cpu_small_all_reduce`` (Gloo/MPI <= 512 KB: recursive doubling), else ``default`` (native).
+
+Choices are cached per (op, dtype, size) on the communicator: the model costs about a
+millisecond per size, once. Every choice is a :class:`Choice` with the rule that fired and a
+sentence a user can read (``Communicator.last_choice``).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from . import _env
+from .errors import UnsupportedError
 
 if TYPE_CHECKING:
+    from .communicator import Communicator
     from .dispatch import Call
 
-__all__ = ["Choice", "choose"]
+__all__ = ["Choice", "choose", "calibration_for", "SHIPPED"]
+
+SHIPPED = Path(__file__).resolve().parent.parent / "topology" / "calibrations"
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,14 +45,14 @@ class Choice:
     reason: str
 
 
+def _is_single_rank(world: int) -> bool:
+    return world == 1
+
+
 def _backend_is_vendor_tuned(backend: str) -> bool:
     # NCCL and HCCL pick among their own tuned kernels per size and topology; our point-to-point
     # schedules pay one launch and one synchronisation per step on top of the same links.
     return backend in ("nccl", "hccl")
-
-
-def _is_single_rank(world: int) -> bool:
-    return world == 1
 
 
 # Measured 2026-11-30 on a 2-core VM, Gloo, 3 and 4 ranks, float32 (launch/bench_allreduce.py):
@@ -50,13 +69,116 @@ def _is_cpu_small_all_reduce(op: str, backend: str, nbytes: int) -> bool:
 _SINGLE = Choice("native", "single_rank", "one rank: the backend's collective is a local copy")
 
 
+def _device_name(device: Any) -> str:
+    from topology.calibrate import device_label
+
+    return device_label(device)
+
+
+def _matches(meta: dict[str, Any], backend: str, device: str, nodes: int) -> bool:
+    return (meta.get("match", True) and meta.get("backend") == backend and meta.get("device") == device
+            and meta.get("nodes") == nodes)
+
+
+def calibration_for(comm: Communicator, backend: str, device: Any) -> Any:
+    """The :class:`topology.cost.Machine` ``auto`` prices with on ``comm``, or None (cached)."""
+    cache = comm._choices
+    if "calibration" in cache:  # Communicator.set_calibration
+        return cache["calibration"]
+    key = ("calibration", backend, getattr(device, "type", None))
+    if key in cache:
+        return cache[key]
+    from topology.cost import Machine
+
+    found = None
+    path = _env.CALIBRATION.get()
+    if path:
+        found = Machine.load(path)
+    else:
+        nodes = len(comm.topology.nodes())
+        for f in sorted(SHIPPED.glob("*.json")):
+            m = Machine.load(f)
+            if _matches(m.meta, backend, _device_name(device), nodes):
+                found = m
+                break
+    cache[key] = found
+    return found
+
+
+def _tuned(comm: Communicator, op: str, dtype: str, nbytes: int) -> Choice | None:
+    data = comm._choices.get("tuned_table")  # Communicator.set_tuned
+    path = "the tuned table given to set_tuned"
+    if data is None:
+        path = _env.TUNED.get()
+        if not path:
+            return None
+        data = comm._choices.get(("tuned", path))
+        if data is None:
+            data = comm._choices[("tuned", path)] = json.loads(Path(path).read_text())
+    meta = data.get("meta", {})
+    nodes = len(comm.topology.nodes())
+    if meta.get("world", comm.size) != comm.size or meta.get("nodes", nodes) != nodes:
+        return None  # measured on another shape of cluster
+    table = data.get("entries", [])
+    rows = sorted((e for e in table if e["op"] == op and e["dtype"] == dtype), key=lambda e: e["max_bytes"])
+    if not rows:
+        return None
+    row = next((e for e in rows if nbytes <= e["max_bytes"]), rows[-1])
+    return Choice(row["algorithm"], "tuned_table",
+                  f"{path}: measured fastest for {op} {dtype} up to {row['max_bytes']} B ({row.get('note', '')})".rstrip(" ()"))
+
+
+def _modelled(call: Call, backend: str, machine: Any) -> Choice:
+    from topology.cost import algorithms_for, predict
+
+    from .algos import REGISTRY
+
+    comm, op = call.comm, call.op
+    dtype = call.output.dtype if call.output is not None else None
+    nodes = comm.topology.nodes()
+    times = {}
+    for name in algorithms_for(op):
+        algo = REGISTRY.get(name)
+        if algo is None or not algo.supports(op, dtype, backend):
+            continue
+        if algo.topology_aware:
+            try:
+                algo.check(call)
+            except UnsupportedError:
+                continue
+        if algo.equal_splits_only and op == "all_to_all" and (len(set(call.in_rows)) > 1 or len(set(call.out_rows)) > 1):
+            continue
+        times[name] = predict(name, op, nodes, machine, call.nbytes)
+    best = min(times, key=times.__getitem__)
+    listed = ", ".join(f"{a} {t * 1e6:.0f} us" for a, t in sorted(times.items(), key=lambda kv: kv[1]))
+    return Choice(best, "cost_model", f"least predicted time on {machine.name} ({len(nodes)} node(s)): {listed}")
+
+
 def choose(call: Call, backend: str) -> Choice:
-    op, world = call.op, call.comm.size
-    if _is_single_rank(world):
+    op, comm = call.op, call.comm
+    if _is_single_rank(comm.size):
         return _SINGLE
+    nbytes = call.nbytes
+    dtype = str(call.output.dtype).removeprefix("torch.") if call.output is not None else ""
+    even = op != "all_to_all" or (len(set(call.in_rows)) <= 1 and len(set(call.out_rows)) <= 1)
+    key = (op, dtype, nbytes, backend, even)
+    hit = comm._choices.get(key)
+    if hit is not None:
+        return hit
+    choice = _tuned(comm, op, dtype, nbytes) if op != "barrier" else None
+    if choice is None and op != "barrier":
+        machine = calibration_for(comm, backend, call.output.device if call.output is not None else None)
+        if machine is not None:
+            choice = _modelled(call, backend, machine)
+    if choice is None:
+        choice = _rules(op, backend, nbytes)
+    comm._choices[key] = choice
+    return choice
+
+
+def _rules(op: str, backend: str, nbytes: int) -> Choice:
     if _backend_is_vendor_tuned(backend):
         return Choice("native", "vendor_tuned", f"{backend} tunes its own algorithms per size and topology")
-    nbytes = call.nbytes
     if _is_cpu_small_all_reduce(op, backend, nbytes):
         return Choice("recursive_doubling", "cpu_small_all_reduce",
                       f"{nbytes} B <= {SMALL_ALL_REDUCE_BYTES} B on {backend}: log2(p) exchanges beat {backend}'s all-reduce")

@@ -45,7 +45,10 @@ def test_calls_are_labelled_for_the_profiler(worlds) -> None:  # noqa: ANN001
         assert names == ["commops.all_gather[native] 8000B", "commops.all_reduce[ring] 4000B"]
 
 
-def body_auto(rank: int, world: int) -> list:
+def body_auto(rank: int, world: int, calibrated: bool) -> list:
+    comm = C.get_communicator()
+    if not calibrated:  # the rules that apply where no calibration matches the machine
+        comm._choices["calibration"] = None
     out = []
     for nbytes in (64, 1 << 16, 4 << 20):
         x = torch.randn(nbytes // 4)
@@ -53,21 +56,34 @@ def body_auto(rank: int, world: int) -> list:
         dist.all_reduce(ref)
         C.all_reduce(x)
         ch = C.last_choice()
-        out.append((nbytes, ch.algorithm, ch.rule, bool(ch.reason), bool(torch.allclose(x, ref, atol=1e-4))))
+        out.append((nbytes, ch.algorithm, ch.rule, ch.reason, bool(torch.allclose(x, ref, atol=1e-4))))
+    comm.set_calibration(None)
     return out
 
 
 def test_auto_records_its_choice_and_reason(worlds) -> None:  # noqa: ANN001
+    import re
+
     from collectives.selection import SMALL_ALL_REDUCE_BYTES
 
-    for rows in worlds(3).run(body_auto):
-        for nbytes, algo, rule, has_reason, ok in rows:
-            assert ok and has_reason
+    for rows in worlds(3).run(body_auto, False):
+        for nbytes, algo, rule, reason, ok in rows:
+            assert ok and reason
             if nbytes <= SMALL_ALL_REDUCE_BYTES:
                 assert (algo, rule) == ("recursive_doubling", "cpu_small_all_reduce")
             else:
                 assert algo == "native"
-    for rows in worlds(1).run(body_auto):
+    # With this machine's shipped calibration (if one matches), the model decides and says why:
+    # every candidate with its predicted time, the chosen one the least.
+    for rows in worlds(3).run(body_auto, True):
+        for nbytes, algo, rule, reason, ok in rows:
+            assert ok and reason
+            if rule == "cost_model":
+                listed = {a: int(t) for a, t in re.findall(r"(\w+) (\d+) us", reason)}
+                assert "native" in listed and listed[algo] == min(listed.values()), reason
+            else:
+                assert rule in ("cpu_small_all_reduce", "default"), (rule, reason)
+    for rows in worlds(1).run(body_auto, True):
         assert all(r[1:3] == ("native", "single_rank") for r in rows)
 
 

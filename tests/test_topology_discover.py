@@ -65,3 +65,41 @@ def test_python_m_topology_under_torchrun() -> None:
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert res.returncode == 0, res.stdout + res.stderr
     assert "2 ranks on 1 node(s)" in res.stdout and "rank    1  local   1  cpu" in res.stdout
+
+
+def test_launcher_node_and_local_ranks_win_over_host_names() -> None:
+    # torchrun's GROUP_RANK splits one host into two nodes (e.g. emulated nodes); LOCAL_RANK orders ranks.
+    facts = [{"host": "h", "boot_id": "1", "device": "cpu", "group_rank": gr, "local_rank": lr}
+             for gr, lr in [(0, 1), (0, 0), (1, 0), (1, 1)]]
+    t = from_facts(facts)
+    assert t.nodes() == [[0, 1], [2, 3]]
+    assert [p.local_rank for p in t.ranks] == [1, 0, 0, 1]
+
+
+def test_nvlink_matrix_from_each_rank_s_nvml_facts() -> None:
+    # Two GPUs joined by 18 NVLinks (2xH200), a third on the node with none: what NVML reports per rank.
+    bus = ["0000:19:00.0", "0000:3b:00.0", "0000:4c:00.0"]
+    gpus = [{"bus_id": bus[0], "nvlinks": {bus[1]: 18}, "name": "H200", "numa": 0},
+            {"bus_id": bus[1], "nvlinks": {bus[0]: 18}, "name": "H200", "numa": 0},
+            {"bus_id": bus[2], "nvlinks": {}, "name": "H200", "numa": 1}]
+    facts = [{"host": "g", "boot_id": "1", "device": f"cuda:{i}", "gpu": gpus[i]} for i in range(3)]
+    t = from_facts(facts)
+    assert t.nvlinks == {0: [[0, 18, 0], [18, 0, 0], [0, 0, 0]]}
+    assert [x.name for x in t.tiers] == ["nvlink", "node"]
+    assert t.tier_between(0, 1).name == "nvlink" and t.tier_between(1, 2).name == "node"
+    text = t.describe()
+    assert "NV18" in text and "NUMA 1" in text
+    assert Topology.from_dict(t.to_dict()) == t
+
+
+def test_normalized_bus_ids_match_across_nvml_formats() -> None:
+    from topology.nvml import normalize_bus_id
+
+    assert normalize_bus_id("00000000:19:00.0") == normalize_bus_id(b"0000:19:00.0") == "0000:19:00.0"
+
+
+def test_from_nodes_builds_emulated_nodes() -> None:
+    t = Topology.from_nodes([[0, 2], [1, 3]])
+    assert t.nodes() == [[0, 2], [1, 3]] and [p.local_rank for p in t.ranks] == [0, 0, 1, 1]
+    with pytest.raises(ValueError, match="exactly once"):
+        Topology.from_nodes([[0, 1], [1, 2]])

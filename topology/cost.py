@@ -65,13 +65,21 @@ class Machine:
 
     Attributes:
         name: a label (also the calibration file's key).
-        intra: link between two ranks of one node, as our point-to-point schedules see it.
-        inter: link between nodes, per NIC (None for single-node machines).
+        intra: link between two ranks of one node, one way, as our point-to-point schedules see it.
+        inter: link between nodes, per NIC, one way (None for single-node machines).
         nics_per_node: how many concurrent inter-node flows of one node run at full speed.
         gamma: seconds to reduce one byte.
         native: op -> the pattern the backend's own collective runs (e.g. Gloo's ring all-reduce).
         native_intra / native_inter: the backend's own collectives' links where they differ from our
             point-to-point steps (NCCL's fused kernels pay one launch, not one per step).
+        intra_exchange / inter_exchange: the same links when both ranks of a pair send to each
+            other at once over one connection (recursive doubling, 2-rank rings, all-to-all);
+            two-way TCP gets less than twice the one-way rate. None: as one way.
+        uplink / uplink_exchange: a whole node's inter-node capacity (beta per byte the node
+            sends), measured with every local rank sending at once; None: ``inter`` over
+            ``nics_per_node``. Several connections can fill a link that one cannot.
+        step: host seconds our point-to-point executor adds to every round (Python, staging,
+            launching the reduction): fitted from our ring all-reduce at small sizes.
         meta: where and how it was measured.
     """
 
@@ -83,6 +91,11 @@ class Machine:
     native: dict[str, str] = field(default_factory=lambda: dict(GLOO_NATIVE))
     native_intra: LinkCost | None = None
     native_inter: LinkCost | None = None
+    intra_exchange: LinkCost | None = None
+    inter_exchange: LinkCost | None = None
+    uplink: LinkCost | None = None
+    uplink_exchange: LinkCost | None = None
+    step: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -95,20 +108,29 @@ class Machine:
 
         return cls(d["name"], LinkCost(**d["intra"]), link(d.get("inter")), d.get("nics_per_node", 1),
                    d.get("gamma", 0.0), dict(d.get("native") or GLOO_NATIVE), link(d.get("native_intra")),
-                   link(d.get("native_inter")), dict(d.get("meta") or {}))
+                   link(d.get("native_inter")), link(d.get("intra_exchange")), link(d.get("inter_exchange")),
+                   link(d.get("uplink")), link(d.get("uplink_exchange")), d.get("step", 0.0),
+                   dict(d.get("meta") or {}))
 
     def dump(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> Machine:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """A machine file, or a calibration file (``{"machine": ..., "points": ...}``)."""
+        data = json.loads(Path(path).read_text())
+        return cls.from_dict(data.get("machine", data))
 
     def for_native(self) -> Machine:
         if self.native_intra is None and self.native_inter is None:
             return self
+        # Links fitted from the backend's whole all-reduce already include its reduction: no gamma.
         return Machine(self.name, self.native_intra or self.intra, self.native_inter or self.inter,
-                       self.nics_per_node, self.gamma, self.native)
+                       self.nics_per_node, 0.0, self.native,
+                       intra_exchange=None if self.native_intra else self.intra_exchange,
+                       inter_exchange=None if self.native_inter else self.inter_exchange,
+                       uplink=None if self.native_inter else self.uplink,
+                       uplink_exchange=None if self.native_inter else self.uplink_exchange)
 
 
 # What torch's Gloo backend runs (gloo/allreduce.cc: ring unless told otherwise; allgather: ring;
@@ -220,44 +242,52 @@ class _Coef:
 
     count: int
     intra: float   # largest bytes/n a rank sends inside a node (0: none)
-    inter: float   # largest bytes/n a node moves across nodes per usable NIC (0: none)
+    inter: float   # bytes/n of one inter-node flow (0: none)
+    node: float    # largest bytes/n one node sends or receives across nodes, all its flows together
     red: float     # bytes/n reduced per rank
+    exchange: bool = False  # pairs send to each other at once (one connection, both ways)
 
 
-def _coef(rd: Round, node_of: np.ndarray, nics: int) -> _Coef:
+def _coef(rd: Round, node_of: np.ndarray) -> _Coef:
     p, k = rd.dst.shape
     src = np.repeat(np.arange(p), k)
     dst = rd.dst.ravel()
     ok = dst >= 0
     src, dst = src[ok], dst[ok]
     if src.size == 0:
-        return _Coef(rd.count, 0.0, 0.0, 0.0)
+        return _Coef(rd.count, 0.0, 0.0, 0.0, 0.0)
     cross = node_of[src] != node_of[dst]
     intra = 0.0
     if (~cross).any():
         intra = float(np.bincount(src[~cross], minlength=p).max()) * rd.frac
-    inter = 0.0
+    inter = node = 0.0
     if cross.any():
+        inter = rd.frac
         nodes = int(node_of.max()) + 1
         for side in (node_of[src[cross]], node_of[dst[cross]]):
-            flows = np.bincount(side, minlength=nodes)
-            inter = max(inter, float((flows / np.minimum(np.maximum(flows, 1), nics)).max()) * rd.frac)
+            node = max(node, float(np.bincount(side, minlength=nodes).max()) * rd.frac)
     red = rd.frac * (float(np.bincount(dst, minlength=p).max()) if rd.reduce else 0.0)
-    return _Coef(rd.count, intra, inter, red)
+    ids = src * p + dst
+    exchange = bool(np.isin(dst * p + src, ids).sum() * 2 >= ids.size)
+    return _Coef(rd.count, intra, inter, node, red, exchange)
 
 
-def _time(coefs: list[_Coef], m: Machine, sizes: np.ndarray) -> np.ndarray:
+def _time(coefs: list[_Coef], m: Machine, sizes: np.ndarray, step: float = 0.0) -> np.ndarray:
+    up_one = m.uplink.beta if m.uplink else None
+    up_two = m.uplink_exchange.beta if m.uplink_exchange else up_one
     t = np.zeros_like(sizes, dtype=float)
     for c in coefs:
         parts = []
         if c.intra:
-            parts.append(m.intra.alpha + m.intra.beta * c.intra * sizes)
+            link = (m.intra_exchange if c.exchange else None) or m.intra
+            parts.append(link.alpha + link.beta * c.intra * sizes)
         if c.inter:
-            link = m.inter or m.intra
-            parts.append(link.alpha + link.beta * c.inter * sizes)
+            link = (m.inter_exchange if c.exchange else None) or m.inter or m.intra
+            node_beta = (up_two if c.exchange else up_one) or link.beta / m.nics_per_node
+            parts.append(link.alpha + np.maximum(link.beta * c.inter, node_beta * c.node) * sizes)
         if not parts:  # a round in which nobody sends (a folded rank's idle step)
             continue
-        t += c.count * (np.maximum.reduce(parts) + m.gamma * c.red * sizes)
+        t += c.count * (np.maximum.reduce(parts) + m.gamma * c.red * sizes + step)
     return t
 
 
@@ -273,6 +303,11 @@ def _place(rds: Iterable[Round], groups: list[tuple[int, ...]], p: int, scale: f
             dst[arr] = glob
         out.append(Round(dst, rd.frac * scale, rd.reduce, rd.count))
     return out
+
+
+# Our point-to-point schedules (priced on the plain links); everything else runs the backend's own
+# collectives (priced on the backend's links).
+_POINT_TO_POINT = ("ring", "recursive_doubling", "halving_doubling", "binomial_tree", "pairwise", "bruck", "direct")
 
 
 def algorithms_for(op: str) -> list[str]:
@@ -297,20 +332,20 @@ def rounds(algorithm: str, op: str, nodes: list[list[int]], machine: Machine) ->
     another, and the outer list's entries are run concurrently (grid2d's two halves) per phase."""
     p = sum(len(n) for n in nodes)
     world = [tuple(range(p))]
-    if algorithm in ("native", "ring", "recursive_doubling", "halving_doubling", "binomial_tree", "pairwise",
-                     "bruck", "direct"):
+    if algorithm == "native" or algorithm in _POINT_TO_POINT:
         pattern = machine.native.get(op, "ring") if algorithm == "native" else algorithm
         return [_place(flat_rounds(pattern, op, p), world, p, 1.0)]
-    if algorithm not in ("hierarchical", "grid2d"):
-        raise KeyError(f"the cost model has no formula for {algorithm}")
-    from collectives.algos.hierarchical import plan as hier_plan  # the plan the algorithm runs
+    from collectives.algos import REGISTRY  # the plan the algorithm runs
 
     from .model import Topology
 
+    algo = REGISTRY.get(algorithm)
+    if algo is None or not (hasattr(algo, "plan") or algorithm == "grid2d"):
+        raise KeyError(f"the cost model has no formula for {algorithm}")
     topo = Topology.from_nodes([list(n) for n in nodes])
     native = machine.native
-    if algorithm == "hierarchical":
-        phases = hier_plan(op, topo, 1 << 20)
+    if algorithm != "grid2d":
+        phases = algo.plan(op, topo, 1 << 20)  # type: ignore[attr-defined]
         out: list[Round] = []
         for ph in phases:
             q = len(ph.groups[0])
@@ -337,6 +372,21 @@ def rounds(algorithm: str, op: str, nodes: list[list[int]], machine: Machine) ->
     return [[*ra] for ra in half_a] + [[*rb] for rb in half_b]  # 6 lists: phases 0-2 of A, then of B
 
 
+def _phases(algorithm: str, op: str, nodes: list[list[int]], machine: Machine) -> list[list[Round]]:
+    """``rounds`` of a plan-based algorithm, one list per phase."""
+    from collectives.algos import REGISTRY
+
+    from .model import Topology
+
+    p = sum(len(n) for n in nodes)
+    topo = Topology.from_nodes([list(n) for n in nodes])
+    out = []
+    for ph in REGISTRY[algorithm].plan(op, topo, 1 << 20):  # type: ignore[attr-defined]
+        pattern = machine.native.get(ph.op, "ring")
+        out.append(_place(flat_rounds(pattern, ph.op, len(ph.groups[0])), list(ph.groups), p, ph.elements / float(1 << 20)))
+    return out
+
+
 def predict_many(algorithm: str, op: str, nodes: list[list[int]], machine: Machine, sizes: Iterable[float]) -> np.ndarray:
     """Predicted seconds of ``algorithm`` for ``op`` at each nccl-tests size in ``sizes`` (bytes)."""
     s = np.asarray(list(sizes), dtype=float)
@@ -348,9 +398,19 @@ def predict_many(algorithm: str, op: str, nodes: list[list[int]], machine: Machi
         node_of[list(members)] = k
     # The backend's own collectives (native, and the phases of the hierarchical algorithms) run on
     # the backend's links; our point-to-point schedules on the plain ones.
-    m = machine.for_native() if algorithm in ("native", "hierarchical", "grid2d") else machine
+    m = machine if algorithm in _POINT_TO_POINT else machine.for_native()
     parts = rounds(algorithm, op, nodes, machine)
-    times = [_time([_coef(rd, node_of, machine.nics_per_node) for rd in ph], m, s) for ph in parts]
+    if algorithm == "hierarchical" and op == "all_reduce" and len(parts[0]) and 1 < len(nodes) < p:
+        # Pipelined in k chunks (collectives/algos/hierarchical.py): the phases of one chunk once,
+        # plus the slowest phase k-1 more times.
+        from collectives.algos.hierarchical import pipeline_chunks
+
+        k = np.array([pipeline_chunks(int(x)) for x in s], dtype=float)
+        stages = _phases(algorithm, op, nodes, machine)
+        per = [_time([_coef(rd, node_of) for rd in st], m, s / k) for st in stages]
+        return sum(per) + (k - 1) * np.maximum.reduce(per)
+    step = machine.step if algorithm in _POINT_TO_POINT else 0.0
+    times = [_time([_coef(rd, node_of) for rd in ph], m, s, step) for ph in parts]
     if algorithm == "grid2d" and len(times) == 6:
         return sum(np.maximum(times[i], times[i + 3]) for i in range(3))
     return sum(times)

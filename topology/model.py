@@ -46,6 +46,8 @@ class Topology:
     ranks: tuple[RankPlace, ...]
     tiers: tuple[Tier, ...] = (Tier("node"), Tier("network"))
     nvlinks: dict[int, list[list[int]]] = field(default_factory=dict)
+    # rank -> what NVML reported about its GPU (bus id, NVLinks per peer, P2P, PCIe, NUMA)
+    gpus: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if [p.rank for p in self.ranks] != list(range(len(self.ranks))):
@@ -98,12 +100,14 @@ class Topology:
 
     def to_dict(self) -> dict[str, Any]:
         return {"ranks": [asdict(p) for p in self.ranks], "tiers": [asdict(t) for t in self.tiers],
-                "nvlinks": {str(k): v for k, v in self.nvlinks.items()}}
+                "nvlinks": {str(k): v for k, v in self.nvlinks.items()},
+                "gpus": {str(k): v for k, v in self.gpus.items()}}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Topology:
         return cls(tuple(RankPlace(**p) for p in data["ranks"]), tuple(Tier(**t) for t in data["tiers"]),
-                   {int(k): v for k, v in data.get("nvlinks", {}).items()})
+                   {int(k): v for k, v in data.get("nvlinks", {}).items()},
+                   {int(k): v for k, v in data.get("gpus", {}).items()})
 
     def dump(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
@@ -121,7 +125,10 @@ class Topology:
             first = self.ranks[members[0]]
             lines.append(f"node {first.node} ({first.host}): ranks {members}")
             for r in members:
-                lines.append(f"  rank {r:>4}  local {self.ranks[r].local_rank:>3}  {self.ranks[r].device}")
+                gpu = self.gpus.get(r, {})
+                about = "  ".join(str(x) for x in (gpu.get("name"), gpu.get("bus_id"), gpu.get("pcie"),
+                                                   f"NUMA {gpu['numa']}" if "numa" in gpu else None) if x)
+                lines.append(f"  rank {r:>4}  local {self.ranks[r].local_rank:>3}  {self.ranks[r].device}  {about}".rstrip())
             links = self.nvlinks.get(first.node)
             if links:
                 head = "        " + "".join(f"L{j:<5}" for j in range(len(links)))

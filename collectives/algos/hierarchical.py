@@ -6,7 +6,8 @@ With ``n`` nodes of ``g`` ranks (rail ``j`` = the ``j``-th rank of every node), 
 
     all_reduce      intra reduce-scatter [g*c -> c]  ->  rail all-reduce [c]  ->  intra all-gather [c -> g*c]
                     (c = ceil(m/g); each rank sends 2(n-1)/n * m/g across nodes: the node as a
-                    whole sends 2(n-1)/n * m, the minimum for an all-reduce between n nodes)
+                    whole sends 2(n-1)/n * m, the minimum for an all-reduce between n nodes),
+                    pipelined in up to 8 chunks so the intra-node phases hide behind the inter-node one
     reduce_scatter  pack the blocks rail-major  ->  intra reduce-scatter [g*n*c -> n*c]
                     ->  rail reduce-scatter [n*c -> c]      ((n-1)*c per rank across nodes)
     all_gather      rail all-gather [c -> n*c]  ->  intra all-gather [n*c -> g*n*c]  ->  unpack
@@ -25,7 +26,13 @@ Cost (alpha-beta per tier, intra ``a_i, b_i``, inter ``a_e, b_e``; the sub-colle
 formulas, see ``topology/cost.py``): all-reduce ``T_RS,intra(g, m) + T_AR,inter(n, m/g) +
 T_AG,intra(g, m)``. Design note: the sub-collectives are the backend's own (NCCL, Gloo), not our
 point-to-point schedules, because inside one tier the backend's tuned kernels are the fastest we
-have (issue measurements in ``bench/results/``); the hierarchy is what they lack.
+have (measurements in ``bench/results/``); the hierarchy is what they lack.
+
+Tried and rejected: a rail phase of reduce-to-root plus broadcast, roots spread over the nodes, so
+that no connection carries both directions at once (two-way Gloo exchanges measured 30 MB/s per
+connection against 48 MB/s one way on the emulated 400 Mbit/s link). In the emulated 2x2 cluster it
+ran at 0.95-1.29x native Gloo's time where the rail all-reduce ran at 0.73-0.77x: two concurrent
+exchanges fill the link better than one connection does.
 """
 
 from __future__ import annotations
@@ -103,6 +110,18 @@ def plan(op: str, topo: Topology, elements: int) -> list[Phase]:
     raise ValueError(f"no hierarchical plan for {op}")
 
 
+# Pipelining the two-level all-reduce in chunks of at least this many bytes, at most MAX_CHUNKS
+# of them. Each chunk costs one latency per phase (milliseconds on Gloo with 4 ranks on 2 cores),
+# so chunks stay large; 8 chunks hide all but an eighth of the intra-node phases.
+PIPELINE_CHUNK_BYTES = 2 << 20
+MAX_CHUNKS = 8
+
+
+def pipeline_chunks(nbytes: int) -> int:
+    """How many chunks the two-level all-reduce of ``nbytes`` is pipelined in (same on every rank)."""
+    return max(1, min(MAX_CHUNKS, nbytes // PIPELINE_CHUNK_BYTES))
+
+
 def _rop(call: Call) -> Any:
     red = call.reduce_op or "sum"
     return torch_reduce_op("sum" if red == "avg" else red)
@@ -117,6 +136,10 @@ class Hierarchical(Algorithm):
     ops = frozenset({"all_reduce", "reduce_scatter", "all_gather", "all_to_all"})
     topology_aware = True
     summary = "intra-node then inter-node (rails) with the backend's collectives; two-level all-to-all"
+
+    def plan(self, op: str, topo: Topology, elements: int) -> list[Phase]:
+        """The sub-collectives this algorithm runs (what the cost model prices)."""
+        return plan(op, topo, elements)
 
     def check(self, call: Call) -> None:
         nodes = call.comm.topology.nodes()
@@ -154,23 +177,39 @@ class Hierarchical(Algorithm):
         m, g = x.numel(), len(d.intra_ranks)
         if m == 0:
             return
-        c = -(-m // g)
-        if m == g * c:
+        k = pipeline_chunks(m * x.element_size())
+        c = -(-m // (g * k))  # shard elements per chunk
+        if m == k * g * c:
             buf = x
         else:
-            buf = call.comm._workspace("hier.ar.buf", x.dtype, x.device, g * c)
+            buf = call.comm._workspace("hier.ar.buf", x.dtype, x.device, k * g * c)
             buf[:m].copy_(x)
             buf[m:].zero_()
-        shard = call.comm._workspace("hier.ar.shard", x.dtype, x.device, c)
-        _reduce_scatter(shard, buf, _rop(call), d.intra)
-        dist.all_reduce(shard, _rop(call), d.rail)
-        _all_gather(buf, shard, d.intra)
+        shards = call.comm._workspace("hier.ar.shard", x.dtype, x.device, k * c)
+        chunk = [buf[i * g * c:(i + 1) * g * c] for i in range(k)]
+        shard = [shards[i * c:(i + 1) * c] for i in range(k)]
+        rop = _rop(call)
+        # Chunks flow through three queues (intra, rail, intra): while chunk i crosses the nodes,
+        # chunk i+1 is reduce-scattered and chunk i-1 all-gathered inside the node.
+        #   intra: RS0 RS1 RS2 ...          AG0 AG1 AG2
+        #   rail :     AR0 AR1 AR2 ...
+        rs = [_reduce_scatter(shard[i], chunk[i], rop, d.intra, True) for i in range(k)]
+        ar = []
+        for i in range(k):
+            rs[i].wait()
+            ar.append(dist.all_reduce(shard[i], rop, d.rail, async_op=True))
+        ag = []
+        for i in range(k):
+            ar[i].wait()
+            ag.append(_all_gather(chunk[i], shard[i], d.intra, True))
+        for w in ag:
+            w.wait()
         if buf is not x:
             x.copy_(buf[:m])
 
     def _reduce_scatter(self, call: Call, d: Any) -> None:
         out, inp = call.output.view(-1), call.input.view(-1)
-        c, p, g, n = out.numel(), call.comm.size, len(d.intra_ranks), len(d.nodes)
+        c, p, n = out.numel(), call.comm.size, len(d.nodes)
         if c == 0:
             return
         order = [r for rail in d.rails for r in rail]  # block i of the packed buffer is rank order[i]'s

@@ -1,0 +1,180 @@
+"""Predict collectives at scale: ``python -m topology.simulate [--preset NAME | --machine FILE] ...``.
+
+For each GPU count (8 to 4096 by default), collective and message size, the cost model
+(``topology/cost.py``) predicts every algorithm's time and bus bandwidth on ``gpus / per_node``
+nodes laid out as torchrun does (node-major ranks), and names what ``algorithm="auto"`` would pick
+(the least predicted time). A table goes to stdout; ``--json`` and ``--plot`` write the numbers
+and a busbw-vs-GPUs plot.
+
+Presets are named hardware, with link figures from vendor data sheets (per GPU and direction):
+
+* ``hgx-h100-ndr400``: 8 H100 SXM per node on NVLink 4 (900 GB/s bidirectional per GPU, taken as
+  370 GB/s of achievable bus bandwidth, NCCL's measured all-reduce busbw on such nodes) and one
+  ConnectX-7 NDR 400 Gb/s NIC per GPU (rail-optimised: 50 GB/s, 8 NICs per node).
+* ``pcie-roce200``: 8 GPUs per node on PCIe Gen4 x16 (~24 GB/s achievable) with two 200 Gb/s RoCE NICs.
+* ``pcie-roce100``: the same with one 100 Gb/s RoCE NIC per node.
+* ``h200x2-measured``, ``emu-2x2-measured``: our calibrations (``topology/calibrations/``), extended
+  to more nodes of the same shape.
+
+Latencies are typical published orders (NCCL's per-step latency on NVLink of a few microseconds,
+RDMA round trips of about 10 us); they matter for small messages only. A user machine is a JSON
+file of :class:`topology.cost.Machine` fields (``--machine``), e.g. a calibration file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from .cost import NCCL_NATIVE, LinkCost, Machine, algorithms_for, predict_many
+
+__all__ = ["PRESETS", "simulate", "main"]
+
+CALIBRATIONS = Path(__file__).resolve().parent / "calibrations"
+
+# (machine, ranks per node)
+PRESETS: dict[str, tuple[Machine, int]] = {
+    "hgx-h100-ndr400": (Machine("hgx-h100-ndr400", LinkCost(5e-6, 1 / 370e9), LinkCost(10e-6, 1 / 50e9), 8, 1 / 2000e9,
+                                dict(NCCL_NATIVE)), 8),
+    "pcie-roce200": (Machine("pcie-roce200", LinkCost(8e-6, 1 / 24e9), LinkCost(12e-6, 1 / 25e9), 2, 1 / 1000e9,
+                             dict(NCCL_NATIVE)), 8),
+    "pcie-roce100": (Machine("pcie-roce100", LinkCost(8e-6, 1 / 24e9), LinkCost(12e-6, 1 / 12.5e9), 1, 1 / 1000e9,
+                             dict(NCCL_NATIVE)), 8),
+}
+_MEASURED = {"h200x2-measured": ("h200x2_nccl.json", 2), "emu-2x2-measured": ("emu_2x2_400mbit.json", 2)}
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+
+
+def machine_named(name: str) -> tuple[Machine, int]:
+    if name in PRESETS:
+        return PRESETS[name]
+    if name in _MEASURED:
+        file, per_node = _MEASURED[name]
+        path = CALIBRATIONS / file
+        if not path.exists():
+            raise SystemExit(f"--preset {name}: calibration {path} is missing")
+        return Machine.load(path), per_node
+    raise SystemExit(f"--preset {name!r} is not known; use one of {sorted(PRESETS) + sorted(_MEASURED)} or --machine FILE")
+
+
+def _busbw_factor(op: str, p: int) -> float:
+    if op == "all_reduce":
+        return 2 * (p - 1) / p
+    return (p - 1) / p
+
+
+def simulate(machine: Machine, per_node: int, gpus: list[int], ops: list[str], sizes: list[int]) -> list[dict[str, Any]]:
+    """One row per (gpus, op, algorithm, size): predicted seconds, busbw GB/s, and whether auto picks it."""
+    rows = []
+    for p in gpus:
+        g = min(per_node, p)
+        nodes = [list(range(k * g, min((k + 1) * g, p))) for k in range((p + g - 1) // g)]
+        for op in ops:
+            names = [a for a in algorithms_for(op) if not (a == "bruck" and p > 512)]  # Bruck: equal splits, small p
+            table = {a: predict_many(a, op, nodes, machine, sizes) for a in names}
+            for i, size in enumerate(sizes):
+                best = min(names, key=lambda a: table[a][i])
+                for a in names:
+                    t = float(table[a][i])
+                    rows.append({"gpus": p, "nodes": len(nodes), "op": op, "algorithm": a, "bytes": size,
+                                 "time_us": t * 1e6, "busbw_GBps": size / t * _busbw_factor(op, p) / 1e9 if t else 0.0,
+                                 "auto": a == best})
+    return rows
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    out = []
+    keyed: dict[tuple[int, str, int], list[dict[str, Any]]] = {}
+    for r in rows:
+        keyed.setdefault((r["gpus"], r["op"], r["bytes"]), []).append(r)
+    algos = sorted({r["algorithm"] for r in rows}, key=lambda a: (a != "native", a))
+    out.append(f"{'gpus':>5} {'nodes':>5} {'op':<15} {'size':>8}  " + "".join(f"{a[:12]:>13}" for a in algos)
+               + "   auto (busbw GB/s)")
+    for (p, op, size), rs in keyed.items():
+        by = {r["algorithm"]: r for r in rs}
+        pick = next(r for r in rs if r["auto"])
+        cells = "".join(f"{by[a]['time_us']:>11.0f}us" if a in by else f"{'-':>13}" for a in algos)
+        out.append(f"{p:>5} {rs[0]['nodes']:>5} {op:<15} {_size(size):>8}  {cells}   {pick['algorithm']} ({pick['busbw_GBps']:.1f})")
+    return "\n".join(out)
+
+
+def _size(n: int) -> str:
+    for unit, k in (("G", 30), ("M", 20), ("K", 10)):
+        if n >= 1 << k and n % (1 << k) == 0:
+            return f"{n >> k}{unit}"
+    return str(n)
+
+
+def _parse_size(text: str) -> int:
+    text = text.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(float(text[:-1] if text[-1:] in "KMG" else text) * mult)
+
+
+def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = sorted({r["op"] for r in rows})
+    size = max(r["bytes"] for r in rows)
+    fig, axes = plt.subplots(1, len(ops), figsize=(5 * len(ops), 4), squeeze=False)
+    for ax, op in zip(axes[0], ops):
+        sel = [r for r in rows if r["op"] == op and r["bytes"] == size]
+        for a in sorted({r["algorithm"] for r in sel}):
+            pts = sorted((r["gpus"], r["busbw_GBps"]) for r in sel if r["algorithm"] == a)
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=a)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("GPUs")
+        ax.set_ylabel(f"predicted busbw at {_size(size)} (GB/s)")
+        ax.set_title(op)
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m topology.simulate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="hgx-h100-ndr400",
+                   help=f"one of {', '.join(sorted(PRESETS) + sorted(_MEASURED))}")
+    p.add_argument("--machine", help="a machine or calibration JSON file (overrides --preset)")
+    p.add_argument("--per-node", type=int, help="ranks per node (default: the preset's)")
+    p.add_argument("--gpus", default="8,16,64,256,1024,4096")
+    p.add_argument("--op", default=",".join(OPS))
+    p.add_argument("--sizes", default="64K,1M,16M,256M,1G")
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--plot", metavar="PATH")
+    args = p.parse_args(argv)
+    if args.machine:
+        machine, per_node = Machine.load(args.machine), 8
+    else:
+        machine, per_node = machine_named(args.preset)
+    per_node = args.per_node or per_node
+    gpus = [int(x) for x in args.gpus.split(",")]
+    bad = [g for g in gpus if g < 1]
+    if bad:
+        p.error(f"--gpus must be positive, got {bad}")
+    ops = [o.strip() for o in args.op.split(",")]
+    unknown = [o for o in ops if o not in OPS]
+    if unknown:
+        p.error(f"--op {unknown} not simulated; use {', '.join(OPS)}")
+    sizes = [_parse_size(s) for s in args.sizes.split(",")]
+    rows = simulate(machine, per_node, gpus, ops, sizes)
+    print(f"# {machine.name}: {per_node} ranks per node; predicted time per algorithm, auto = least predicted")
+    print(format_rows(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": machine.to_dict(), "per_node": per_node, "rows": rows},
+                                              indent=1) + "\n")
+    if args.plot:
+        plot(rows, args.plot, f"{machine.name}, {per_node} per node (predicted)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
