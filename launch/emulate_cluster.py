@@ -12,7 +12,7 @@ Traffic between ranks of one node stays on that namespace's loopback, unshaped.
 On every node one real ``torchrun --nnodes N --node-rank k --nproc-per-node M`` starts, with a
 c10d rendezvous at node 0's address; torch.distributed and Gloo see nothing but hosts on a
 network. Each node's output is streamed with a ``[node k]`` prefix; the exit code is the worst of
-the nodes'. Namespaces, links and per-namespace ``/etc/netns`` files are always removed, on
+the nodes'. When a node fails, the others get 15 s to finish before they are stopped. Namespaces, links and per-namespace ``/etc/netns`` files are always removed, on
 success, failure, Ctrl-C, SIGTERM or ``--timeout``; ``--cleanup`` removes what a killed run
 (SIGKILL) left behind.
 
@@ -40,7 +40,11 @@ from pathlib import Path
 PREFIX = "cmx"  # namespace names: cmx<run>-sw (the bridge), cmx<run>-n<k> (node k)
 SUBNET = "10.77.0"
 RDZV_PORT = 29400
+FAIL_GRACE_S = 15.0
 NETNS_ETC = Path("/etc/netns")
+# Per-namespace TCP settings of a cluster network: no slow start after idle (collectives leave a
+# connection idle between steps and must not ramp up again each time).
+SYSCTLS = {"net.ipv4.tcp_slow_start_after_idle": "0"}
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -110,6 +114,8 @@ class Cluster:
             _ip("-n", ns, "addr", "add", f"{self.addrs[k]}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
             _ip("-n", ns, "link", "set", "lo", "up")
+            for key, value in SYSCTLS.items():
+                _netns_exec(ns, "sysctl", "-q", "-w", f"{key}={value}", check=False)
             self._shape(ns, "eth0")           # node -> bridge (uplink)
             self._shape(self.switch, f"p{k}")  # bridge -> node (downlink)
 
@@ -239,17 +245,31 @@ def main(argv: list[str] | None = None) -> int:
             t.start()
             threads.append(t)
         deadline = time.monotonic() + args.timeout
-        for k, proc in enumerate(procs):
-            try:
-                rc = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                print(f"emulate_cluster: timeout after {args.timeout:g} s; node(s) still running: "
-                      f"{[j for j, q in enumerate(procs) if q.poll() is None]}", file=sys.stderr, flush=True)
-                worst = 124
+        # A node that fails leaves the others waiting on a rendezvous that cannot complete: after
+        # the first failure the rest get FAIL_GRACE_S to finish, then they are stopped.
+        stop_at = deadline
+        codes: dict[int, int] = {}
+        while len(codes) < len(procs):
+            for k, proc in enumerate(procs):
+                if k in codes or proc.poll() is None:
+                    continue
+                codes[k] = proc.returncode
+                if proc.returncode != 0:
+                    print(f"emulate_cluster: node {k} exited with {proc.returncode}", file=sys.stderr, flush=True)
+                    worst = max(worst, proc.returncode if proc.returncode > 0 else 128 - proc.returncode)
+                    stop_at = min(stop_at, time.monotonic() + FAIL_GRACE_S)
+            now = time.monotonic()
+            if len(codes) < len(procs) and now >= stop_at:
+                running = [j for j in range(len(procs)) if j not in codes]
+                if now >= deadline:
+                    print(f"emulate_cluster: timeout after {args.timeout:g} s; node(s) still running: {running}",
+                          file=sys.stderr, flush=True)
+                    worst = 124
+                else:
+                    print(f"emulate_cluster: stopping node(s) {running} {FAIL_GRACE_S:g} s after a node failed",
+                          file=sys.stderr, flush=True)
                 break
-            if rc != 0:
-                print(f"emulate_cluster: node {k} exited with {rc}", file=sys.stderr, flush=True)
-                worst = max(worst, rc if rc > 0 else 128 - rc)
+            time.sleep(0.2)
         for t in threads:
             t.join(timeout=5)
     except KeyboardInterrupt as exc:

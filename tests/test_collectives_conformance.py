@@ -209,3 +209,46 @@ def test_conformance(world, op: str, algo: str) -> None:  # noqa: ANN001
             continue
         fails = [f"rank {r} nodes {nodes}: {f}" for r, fs in enumerate(results) for f in fs]
         assert not fails, "\n".join(fails[:30])
+
+
+def body_six(rank: int, world: int, nodes: list[list[int]]) -> list[str]:
+    """The branches world 1-5 cannot reach: three ranks per node, and three nodes (rail all-reduce)."""
+    from topology import Topology
+
+    comm = C.get_communicator()
+    comm.set_topology(Topology.from_nodes(nodes))
+    fails: list[str] = []
+    try:
+        for n in (1, 7 * world + 1, 40_001):
+            seed = 6000 + n
+            xs = [rank_data(q, n, torch.float32, seed) for q in range(world)]
+            for algo in ("hierarchical", "grid2d"):
+                x = xs[rank].clone()
+                C.all_reduce(x, algorithm=algo)
+                _check(fails, f"all_reduce/{algo} n={n}", x, expected("all_reduce", xs, rank),
+                       tolerance("all_reduce", xs, rank, torch.float32))
+                if not _same_everywhere(x):
+                    fails.append(f"all_reduce/{algo} n={n}: ranks hold different bits")
+            big = [rank_data(q, n * world, torch.float32, seed) for q in range(world)]
+            out = _poison(torch.empty(n))
+            C.reduce_scatter_single(out, big[rank].clone(), algorithm="hierarchical")
+            _check(fails, f"reduce_scatter n={n}", out, expected("reduce_scatter", big, rank),
+                   tolerance("reduce_scatter", big, rank, torch.float32))
+            out = _poison(torch.empty(n * world))
+            C.all_gather_single(out, xs[rank].clone(), algorithm="hierarchical")
+            _check(fails, f"all_gather n={n}", out, expected("all_gather", xs, rank), 0.0)
+            m = split_matrix(world, seed, "uneven", max(1, n // world))
+            ins = [rank_data(q, sum(m[q]), torch.float32, seed) for q in range(world)]
+            out_rows = [m[q][rank] for q in range(world)]
+            out = _poison(torch.empty(sum(out_rows)))
+            C.all_to_all_single(out, ins[rank].clone(), out_rows, m[rank], algorithm="hierarchical")
+            _check(fails, f"all_to_all n={n}", out, expected("all_to_all", ins, rank, splits=m), 0.0)
+    finally:
+        comm.set_topology(None)
+    return fails
+
+
+@pytest.mark.parametrize("nodes", [[[0, 1, 2], [3, 4, 5]], [[0, 1], [2, 3], [4, 5]]], ids=["2x3", "3x2"])
+def test_topology_aware_algorithms_on_six_ranks(worlds, nodes: list[list[int]]) -> None:  # noqa: ANN001
+    fails = [f"rank {r}: {f}" for r, fs in enumerate(worlds(6).run(body_six, nodes, timeout=600)) for f in fs]
+    assert not fails, "\n".join(fails[:30])

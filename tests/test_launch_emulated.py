@@ -41,14 +41,14 @@ def _namespaces() -> list[str]:
     return [ln.split()[0] for ln in out.splitlines() if ln.startswith("cmx")]
 
 
-def _run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+def _run(args: list[str], timeout: float = 280) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return subprocess.run(EMULATE + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def test_collectives_across_two_emulated_nodes() -> None:
     before = _namespaces()
-    res = _run(["--nodes", "2", "--procs-per-node", "2", "--inter-node-mbit", "1000", "--timeout", "500",
+    res = _run(["--nodes", "2", "--procs-per-node", "2", "--inter-node-mbit", "1000", "--timeout", "250",
                 "--", "tests/emulated_check.py", "2"])
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-6000:]

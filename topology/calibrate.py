@@ -12,6 +12,9 @@ Collective over the group (run it on every rank, e.g. ``torchrun ... launch/cali
 * **gamma**: a local ``add_`` over the message;
 * **step**: our ring all-reduce at the smallest sizes, minus what the links explain, per round:
   the host time our point-to-point executor adds to every step;
+* **native all-to-all** (optional): the backend's all-to-all with equal splits, fitted as one line
+  for this group's topology (Gloo posts every send before its receives, and over TCP that
+  halves the rate of some exchanges at random, which no link cost describes);
 * **native** (optional): the backend's all-reduce over the whole group, fitted with the ring formula
   ``2(p-1) a + 2(p-1)/p n b`` into the backend's own link cost (NCCL runs a fused kernel whose
   per-step cost differs from our point-to-point steps').
@@ -87,11 +90,11 @@ def exchange_times(pairs: dict[int, int], sizes: Sequence[int], device: torch.de
         send = torch.randn(n, device=device)
         recv = torch.empty(n, device=device)
 
-        ops = []
-        if to is not None:
-            ops.append(dist.P2POp(dist.isend, send, glob[to], group))
+        ops = []  # receive first, as the executor does (collectives/algos/_executor.py)
         if frm is not None:
             ops.append(dist.P2POp(dist.irecv, recv, glob[frm], group))
+        if to is not None:
+            ops.append(dist.P2POp(dist.isend, send, glob[to], group))
 
         def once() -> None:
             if ops:
@@ -139,7 +142,7 @@ def _timed(fn: Any, device: torch.device, iters: int, reps: int, group: Any) -> 
 
 
 def measure(topo: Topology, sizes: Sequence[int], device: torch.device, *, iters: int = 5, reps: int = 3,
-            native: bool = False, group: Any = None, log: Any = None) -> dict[str, Any]:
+            native: bool = False, native_a2a: bool = False, group: Any = None, log: Any = None) -> dict[str, Any]:
     """Every measurement the fit needs, as plain lists of seconds per size (collective)."""
     import collectives as C
 
@@ -182,6 +185,14 @@ def measure(topo: Topology, sizes: Sequence[int], device: torch.device, *, iters
             times.append(_timed(lambda: dist.all_reduce(x, group=group), device, iters, reps, group))
         raw["native_all_reduce"] = times
         say("native all-reduce: " + ", ".join(f"{t * 1e6:.0f}" for t in times) + " us")
+    if native_a2a:
+        times = []
+        for nbytes in sizes:
+            n = max(topo.world, nbytes // 4 // topo.world * topo.world)
+            x, y = torch.randn(n, device=device), torch.empty(n, device=device)
+            times.append(_timed(lambda: dist.all_to_all_single(y, x, group=group), device, iters, reps, group))
+        raw["native_all_to_all"] = times
+        say("native all-to-all: " + ", ".join(f"{t * 1e6:.0f}" for t in times) + " us")
     return raw
 
 
@@ -207,8 +218,9 @@ def fit_machine(name: str, raw: dict[str, Any], backend: str, meta: dict[str, An
         native = LinkCost(ring.alpha / (2 * (p - 1)), ring.beta)
         native_intra, native_inter = (native, None) if len(nodes) == 1 else (None, native)
     table = NCCL_NATIVE if backend == "nccl" else GLOO_NATIVE
+    a2a = fit(sizes, raw["native_all_to_all"]) if "native_all_to_all" in raw else None
     machine = Machine(name, intra or inter or LinkCost(0.0, 0.0), inter, nics, raw["gamma_s_per_byte"], dict(table),
-                      native_intra, native_inter, intra_x, inter_x, uplink, uplink_x, 0.0, meta)
+                      native_intra, native_inter, intra_x, inter_x, uplink, uplink_x, 0.0, a2a, meta)
     # What our ring all-reduce took beyond what the links explain, per round: the executor's host time.
     rounds = 2 * (p - 1)
     extra = [(t - predict("ring", "all_reduce", nodes, machine, n)) / rounds
@@ -217,10 +229,11 @@ def fit_machine(name: str, raw: dict[str, Any], backend: str, meta: dict[str, An
 
 
 def calibrate(name: str, topo: Topology, sizes: Sequence[int], device: torch.device, *, iters: int = 5,
-              reps: int = 3, backend: str = "gloo", native: bool = False, group: Any = None,
-              log: Any = None) -> tuple[Machine, dict[str, Any]]:
+              reps: int = 3, backend: str = "gloo", native: bool = False, native_a2a: bool = False,
+              group: Any = None, log: Any = None) -> tuple[Machine, dict[str, Any]]:
     """Measure and fit; returns the machine and the raw points (for the calibration file)."""
-    raw = measure(topo, sizes, device, iters=iters, reps=reps, native=native, group=group, log=log)
+    raw = measure(topo, sizes, device, iters=iters, reps=reps, native=native, native_a2a=native_a2a, group=group,
+                  log=log)
     nodes = topo.nodes()
     meta = {"backend": backend, "device": _device_name(device), "nodes": len(nodes),
             "ranks_per_node": [len(n) for n in nodes], "world": topo.world, "dtype": "float32",

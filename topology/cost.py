@@ -59,6 +59,15 @@ class LinkCost:
         return 1e-9 / self.beta if self.beta > 0 else math.inf
 
 
+# What torch's Gloo backend runs (gloo/allreduce.cc: ring unless told otherwise; allgather: ring;
+# alltoall(v): every send and receive posted at once; broadcast/reduce: from/to the root;
+# ProcessGroupGloo's reduce_scatter_tensor clones the input and runs a whole all-reduce).
+GLOO_NATIVE = {"all_reduce": "ring", "reduce_scatter": "ring_all_reduce", "all_gather": "ring",
+               "all_to_all": "direct", "broadcast": "binomial_tree", "reduce": "binomial_tree"}
+NCCL_NATIVE = {"all_reduce": "ring", "reduce_scatter": "ring", "all_gather": "ring", "all_to_all": "direct",
+               "broadcast": "ring", "reduce": "ring"}
+
+
 @dataclass(frozen=True)
 class Machine:
     """Calibrated link costs of one kind of cluster.
@@ -80,6 +89,8 @@ class Machine:
             ``nics_per_node``. Several connections can fill a link that one cannot.
         step: host seconds our point-to-point executor adds to every round (Python, staging,
             launching the reduction): fitted from our ring all-reduce at small sizes.
+        native_all_to_all: the backend's all-to-all measured on the calibrated topology
+            (``meta["ranks_per_node"]``), as seconds = alpha + beta * bytes; used for that topology.
         meta: where and how it was measured.
     """
 
@@ -96,6 +107,7 @@ class Machine:
     uplink: LinkCost | None = None
     uplink_exchange: LinkCost | None = None
     step: float = 0.0
+    native_all_to_all: LinkCost | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -110,7 +122,7 @@ class Machine:
                    d.get("gamma", 0.0), dict(d.get("native") or GLOO_NATIVE), link(d.get("native_intra")),
                    link(d.get("native_inter")), link(d.get("intra_exchange")), link(d.get("inter_exchange")),
                    link(d.get("uplink")), link(d.get("uplink_exchange")), d.get("step", 0.0),
-                   dict(d.get("meta") or {}))
+                   link(d.get("native_all_to_all")), dict(d.get("meta") or {}))
 
     def dump(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
@@ -131,14 +143,6 @@ class Machine:
                        inter_exchange=None if self.native_inter else self.inter_exchange,
                        uplink=None if self.native_inter else self.uplink,
                        uplink_exchange=None if self.native_inter else self.uplink_exchange)
-
-
-# What torch's Gloo backend runs (gloo/allreduce.cc: ring unless told otherwise; allgather: ring;
-# alltoall(v): every send and receive posted at once; broadcast/reduce: from/to the root).
-GLOO_NATIVE = {"all_reduce": "ring", "reduce_scatter": "ring", "all_gather": "ring", "all_to_all": "direct",
-               "broadcast": "binomial_tree", "reduce": "binomial_tree"}
-NCCL_NATIVE = {"all_reduce": "ring", "reduce_scatter": "ring", "all_gather": "ring", "all_to_all": "direct",
-               "broadcast": "ring", "reduce": "ring"}
 
 
 @dataclass(frozen=True)
@@ -191,6 +195,8 @@ def flat_rounds(pattern: str, op: str, q: int) -> tuple[Round, ...]:
             return (Round(ring, 1 / q, op == "reduce_scatter", q - 1),)
         if op in ("broadcast", "reduce"):  # pipelined chain: about the message once per hop, chunks overlap
             return (Round(ring, 1.0, op == "reduce", 1), Round(ring, 0.0, False, q - 2))
+    if pattern == "ring_all_reduce" and op == "reduce_scatter":  # a reduce-scatter done as an all-reduce
+        return flat_rounds("ring", "all_reduce", q)
     if pattern == "recursive_doubling":
         pre, post, p2, real = _fold_rounds(q)
         k = p2.bit_length() - 1
@@ -349,7 +355,7 @@ def rounds(algorithm: str, op: str, nodes: list[list[int]], machine: Machine) ->
         out: list[Round] = []
         for ph in phases:
             q = len(ph.groups[0])
-            pattern = native.get(ph.op, "ring")
+            pattern = ph.pattern or native.get(ph.op, "ring")
             out += _place(flat_rounds(pattern, ph.op, q), list(ph.groups), p, ph.elements / float(1 << 20))
         return [out]
     # grid2d: half A rows-first (hierarchical all-reduce of n/2), half B columns-first.
@@ -382,7 +388,7 @@ def _phases(algorithm: str, op: str, nodes: list[list[int]], machine: Machine) -
     topo = Topology.from_nodes([list(n) for n in nodes])
     out = []
     for ph in REGISTRY[algorithm].plan(op, topo, 1 << 20):  # type: ignore[attr-defined]
-        pattern = machine.native.get(ph.op, "ring")
+        pattern = ph.pattern or machine.native.get(ph.op, "ring")
         out.append(_place(flat_rounds(pattern, ph.op, len(ph.groups[0])), list(ph.groups), p, ph.elements / float(1 << 20)))
     return out
 
@@ -399,21 +405,25 @@ def predict_many(algorithm: str, op: str, nodes: list[list[int]], machine: Machi
     # The backend's own collectives (native, and the phases of the hierarchical algorithms) run on
     # the backend's links; our point-to-point schedules on the plain ones.
     m = machine if algorithm in _POINT_TO_POINT else machine.for_native()
+    fitted = machine.native_all_to_all
+    if algorithm == "native" and op == "all_to_all" and fitted is not None \
+            and [len(n) for n in nodes] == machine.meta.get("ranks_per_node"):
+        return fitted.alpha + fitted.beta * s
     parts = rounds(algorithm, op, nodes, machine)
     if algorithm == "hierarchical" and op == "all_reduce" and len(parts[0]) and 1 < len(nodes) < p:
         # Pipelined in k chunks (collectives/algos/hierarchical.py): the phases of one chunk once,
         # plus the slowest phase k-1 more times.
         from collectives.algos.hierarchical import pipeline_chunks
 
-        k = np.array([pipeline_chunks(int(x)) for x in s], dtype=float)
+        chunks = np.array([pipeline_chunks(int(x)) for x in s], dtype=float)
         stages = _phases(algorithm, op, nodes, machine)
-        per = [_time([_coef(rd, node_of) for rd in st], m, s / k) for st in stages]
-        return sum(per) + (k - 1) * np.maximum.reduce(per)
+        per = [_time([_coef(rd, node_of) for rd in st], m, s / chunks) for st in stages]
+        return np.sum(per, axis=0) + (chunks - 1) * np.maximum.reduce(per)
     step = machine.step if algorithm in _POINT_TO_POINT else 0.0
     times = [_time([_coef(rd, node_of) for rd in ph], m, s, step) for ph in parts]
     if algorithm == "grid2d" and len(times) == 6:
-        return sum(np.maximum(times[i], times[i + 3]) for i in range(3))
-    return sum(times)
+        return np.sum([np.maximum(times[i], times[i + 3]) for i in range(3)], axis=0)
+    return np.sum(times, axis=0)
 
 
 def predict(algorithm: str, op: str, nodes: list[list[int]], machine: Machine, nbytes: float) -> float:

@@ -92,7 +92,8 @@ class Topology:
     def from_nodes(cls, nodes: list[list[int]], tiers: tuple[Tier, ...] | None = None) -> Topology:
         """A topology with the given rank sets as nodes (host names ``node<k>``), e.g. ``[[0, 2], [1, 3]]``."""
         where = {r: (k, i) for k, members in enumerate(nodes) for i, r in enumerate(sorted(members))}
-        if sorted(where) != list(range(len(where))):
+        listed = sorted(r for members in nodes for r in members)
+        if listed != list(range(len(listed))):
             raise ValueError(f"nodes must hold each rank 0..{len(where) - 1} exactly once, got {nodes}")
         places = tuple(RankPlace(r, where[r][0], where[r][1], f"node{where[r][0]}") for r in range(len(where)))
         default = (Tier("node"), Tier("network")) if len(nodes) > 1 else (Tier("node"),)

@@ -16,6 +16,13 @@ Presets are named hardware, with link figures from vendor data sheets (per GPU a
 * ``h200x2-measured``, ``emu-2x2-measured``: our calibrations (``topology/calibrations/``), extended
   to more nodes of the same shape.
 
+Limits, read before trusting a row: ``native`` is priced as the pattern in ``Machine.native``
+(NCCL: ring), so at hundreds of nodes it pays 2(p-1) latencies where NCCL would switch to its tree
+or PAT algorithms: native is pessimistic there. An all-to-all round is charged one latency however
+many messages a rank posts, so ``native``/``hierarchical`` all-to-all at thousands of ranks are
+optimistic for small messages. Only the 2-node configurations were ever checked against
+measurements (``bench/results/model_vs_measured.md``).
+
 Latencies are typical published orders (NCCL's per-step latency on NVLink of a few microseconds,
 RDMA round trips of about 10 us); they matter for small messages only. A user machine is a JSON
 file of :class:`topology.cost.Machine` fields (``--machine``), e.g. a calibration file.
@@ -35,14 +42,18 @@ __all__ = ["PRESETS", "simulate", "main"]
 
 CALIBRATIONS = Path(__file__).resolve().parent / "calibrations"
 
+# Host time our point-to-point executor adds per round on a GPU host, as fitted on 2xH200
+# (topology/calibrations/h200x2_nccl.json, 2026-11-30); the backend's own collectives do not pay it.
+GPU_STEP_S = 47e-6
+
 # (machine, ranks per node)
 PRESETS: dict[str, tuple[Machine, int]] = {
     "hgx-h100-ndr400": (Machine("hgx-h100-ndr400", LinkCost(5e-6, 1 / 370e9), LinkCost(10e-6, 1 / 50e9), 8, 1 / 2000e9,
-                                dict(NCCL_NATIVE)), 8),
+                                dict(NCCL_NATIVE), step=GPU_STEP_S), 8),
     "pcie-roce200": (Machine("pcie-roce200", LinkCost(8e-6, 1 / 24e9), LinkCost(12e-6, 1 / 25e9), 2, 1 / 1000e9,
-                             dict(NCCL_NATIVE)), 8),
+                             dict(NCCL_NATIVE), step=GPU_STEP_S), 8),
     "pcie-roce100": (Machine("pcie-roce100", LinkCost(8e-6, 1 / 24e9), LinkCost(12e-6, 1 / 12.5e9), 1, 1 / 1000e9,
-                             dict(NCCL_NATIVE)), 8),
+                             dict(NCCL_NATIVE), step=GPU_STEP_S), 8),
 }
 _MEASURED = {"h200x2-measured": ("h200x2_nccl.json", 2), "emu-2x2-measured": ("emu_2x2_400mbit.json", 2)}
 

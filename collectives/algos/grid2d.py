@@ -109,6 +109,7 @@ class Grid2D(Algorithm):
         both(lambda: dist.all_reduce(sa, rop, d.rail, True), lambda: dist.all_reduce(sb, rop, d.intra, True))
         both(lambda: _all_gather(a, sa, d.intra, True), lambda: _all_gather(b, sb, d.rail, True))
         if unordered:
+            assert b is not None
             b_in.view(n, -1).index_copy_(0, idx, b.view(n, -1))
             b = b_in
         if a.data_ptr() != x.data_ptr():

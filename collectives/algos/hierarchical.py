@@ -15,6 +15,8 @@ With ``n`` nodes of ``g`` ranks (rail ``j`` = the ``j``-th rank of every node), 
                     everything the node sends to rail j  ->  one rail all-to-all (one message per
                     node pair and rail, instead of g*g)  ->  unpack by source. Uneven splits work:
                     the node's split matrix rides along (Tutel's 2DH all-to-all, Hwang et al. 2023).
+                    Both all-to-alls are point-to-point batches with receives posted first (see
+                    ``_exchange``), not the backend's all-to-all.
 
 Nodes of unequal size have no rails: all-reduce then reduces to each node's first rank, all-reduces
 among those leaders and broadcasts inside the node (Jia et al. 2018's hierarchical all-reduce);
@@ -46,6 +48,7 @@ import torch.distributed as dist
 from .._types import torch_reduce_op
 from ..errors import UnsupportedError
 from ._base import Algorithm, _divide
+from ._executor import REDUCERS
 from .native import Native, _all_gather, _reduce_scatter
 
 if TYPE_CHECKING:
@@ -71,6 +74,7 @@ class Phase:
     tier: str
     groups: tuple[tuple[int, ...], ...]
     elements: int
+    pattern: str | None = None  # how it runs when not the backend's own collective (cost model)
 
 
 def _equal(nodes: list[list[int]]) -> bool:
@@ -98,28 +102,47 @@ def plan(op: str, topo: Topology, elements: int) -> list[Phase]:
     rails = tuple(rails_of(nodes))
     if op == "all_reduce":
         c = -(-elements // g)
-        return [Phase("reduce_scatter", "intra", intra, g * c), Phase("all_reduce", "inter", rails, c),
-                Phase("all_gather", "intra", intra, g * c)]
+        # Two nodes: the rail all-reduce is one exchange of the shard (``_pair_peer``).
+        # Two ranks per node: the intra phases are one exchange each (ring on two ranks).
+        rail = Phase("all_reduce", "inter", rails, c, "recursive_doubling" if len(nodes) == 2 else None)
+        pair = "ring" if g == 2 else None
+        return [Phase("reduce_scatter", "intra", intra, g * c, pair), rail, Phase("all_gather", "intra", intra, g * c, pair)]
     c = elements // p
     if op == "reduce_scatter":
         return [Phase("reduce_scatter", "intra", intra, g * n * c), Phase("reduce_scatter", "inter", rails, n * c)]
     if op == "all_gather":
         return [Phase("all_gather", "inter", rails, n * c), Phase("all_gather", "intra", intra, g * n * c)]
     if op == "all_to_all":  # even splits of c elements per destination
-        return [Phase("all_to_all", "intra", intra, p * c), Phase("all_to_all", "inter", rails, p * c)]
+        return [Phase("all_to_all", "intra", intra, p * c, "direct"), Phase("all_to_all", "inter", rails, p * c, "direct")]
     raise ValueError(f"no hierarchical plan for {op}")
 
 
 # Pipelining the two-level all-reduce in chunks of at least this many bytes, at most MAX_CHUNKS
 # of them. Each chunk costs one latency per phase (milliseconds on Gloo with 4 ranks on 2 cores),
-# so chunks stay large; 8 chunks hide all but an eighth of the intra-node phases.
-PIPELINE_CHUNK_BYTES = 2 << 20
+# so chunks stay large; 8 chunks hide all but an eighth of the intra-node phases. Measured
+# 2026-11-30 in the emulated 2x2 cluster (400 Mbit/s), 4 MB all-reduce: 2 MB chunks 101 ms,
+# 1 MB 95 ms, 512 KB 98 ms; at 8 MB all three 188 ms.
+PIPELINE_CHUNK_BYTES = 1 << 20
 MAX_CHUNKS = 8
 
 
 def pipeline_chunks(nbytes: int) -> int:
     """How many chunks the two-level all-reduce of ``nbytes`` is pipelined in (same on every rank)."""
     return max(1, min(MAX_CHUNKS, nbytes // PIPELINE_CHUNK_BYTES))
+
+
+def _pair_peer(call: Call, d: Any) -> int | None:
+    """On two nodes, the global rank of my rail peer: the rail all-reduce is then one exchange.
+
+    One exchange of the whole shard (receive posted first, then reduce) instead of the backend's
+    two-step all-reduce: the same bytes each way, one latency instead of two, and full duplex on
+    Gloo over TCP (see ``_exchange``). Measured in the emulated 2x2 cluster, 4 MB: 96.4 ms with
+    Gloo's all-reduce on the rails; see bench/results for this version.
+    """
+    if len(d.nodes) != 2 or d.rail_ranks is None:
+        return None
+    other = next(r for r in d.rail_ranks if r != call.comm.rank)
+    return call.comm.global_ranks[other]
 
 
 def _rop(call: Call) -> Any:
@@ -177,33 +200,69 @@ class Hierarchical(Algorithm):
         m, g = x.numel(), len(d.intra_ranks)
         if m == 0:
             return
+        comm = call.comm
         k = pipeline_chunks(m * x.element_size())
         c = -(-m // (g * k))  # shard elements per chunk
         if m == k * g * c:
             buf = x
         else:
-            buf = call.comm._workspace("hier.ar.buf", x.dtype, x.device, k * g * c)
+            buf = comm._workspace("hier.ar.buf", x.dtype, x.device, k * g * c)
             buf[:m].copy_(x)
             buf[m:].zero_()
-        shards = call.comm._workspace("hier.ar.shard", x.dtype, x.device, k * c)
         chunk = [buf[i * g * c:(i + 1) * g * c] for i in range(k)]
-        shard = [shards[i * c:(i + 1) * c] for i in range(k)]
         rop = _rop(call)
+        reduce = REDUCERS[call.reduce_op or "sum"]
+        theirs = comm._workspace("hier.ar.theirs", x.dtype, x.device, 2 * k * c)
+        # Two ranks per node: each intra phase is one exchange with the other rank of the node
+        # (receive first, see ``_exchange``); Gloo's reduce-scatter would clone the chunk and run a
+        # whole all-reduce. Otherwise the backend's reduce-scatter and all-gather.
+        mate = comm.global_ranks[d.intra_ranks[1 - d.local]] if g == 2 else None
+        if mate is not None:
+            shard = [ch[d.local * c:(d.local + 1) * c] for ch in chunk]
+            other = [ch[(1 - d.local) * c:(2 - d.local) * c] for ch in chunk]
+        else:
+            shards = comm._workspace("hier.ar.shard", x.dtype, x.device, k * c)
+            shard = [shards[i * c:(i + 1) * c] for i in range(k)]
+        pair = _pair_peer(call, d)
+        mine_in = [theirs[i * c:(i + 1) * c] for i in range(k)]          # intra partner's half of my shard
+        rail_in = [theirs[(k + i) * c:(k + i + 1) * c] for i in range(k)]  # rail peer's shard
+
+        def swap(dst: torch.Tensor, src: torch.Tensor, peer: int, group: Any, tag: int) -> list[Any]:
+            return list(dist.batch_isend_irecv([dist.P2POp(dist.irecv, dst, peer, group, tag),
+                                                dist.P2POp(dist.isend, src, peer, group, tag)]))
+
+        def done(works: Any) -> None:
+            for w in works if isinstance(works, list) else [works]:
+                w.wait()
+
         # Chunks flow through three queues (intra, rail, intra): while chunk i crosses the nodes,
         # chunk i+1 is reduce-scattered and chunk i-1 all-gathered inside the node.
         #   intra: RS0 RS1 RS2 ...          AG0 AG1 AG2
         #   rail :     AR0 AR1 AR2 ...
-        rs = [_reduce_scatter(shard[i], chunk[i], rop, d.intra, True) for i in range(k)]
+        if mate is not None:
+            rs = [swap(mine_in[i], other[i], mate, d.intra, 3 * i) for i in range(k)]
+        else:
+            rs = [_reduce_scatter(shard[i], chunk[i], rop, d.intra, True) for i in range(k)]
         ar = []
         for i in range(k):
-            rs[i].wait()
-            ar.append(dist.all_reduce(shard[i], rop, d.rail, async_op=True))
+            done(rs[i])
+            if mate is not None:
+                reduce(shard[i], mine_in[i])
+            if pair is None:
+                ar.append(dist.all_reduce(shard[i], rop, d.rail, async_op=True))
+            else:  # two nodes: swap shards with the rail peer, then reduce
+                ar.append(swap(rail_in[i], shard[i], pair, d.rail, 3 * i + 1))
         ag = []
         for i in range(k):
-            ar[i].wait()
-            ag.append(_all_gather(chunk[i], shard[i], d.intra, True))
+            done(ar[i])
+            if pair is not None:
+                reduce(shard[i], rail_in[i])
+            if mate is not None:
+                ag.append(swap(other[i], shard[i], mate, d.intra, 3 * i + 2))
+            else:
+                ag.append(_all_gather(chunk[i], shard[i], d.intra, True))
         for w in ag:
-            w.wait()
+            done(w)
         if buf is not x:
             x.copy_(buf[:m])
 
@@ -234,7 +293,7 @@ class Hierarchical(Algorithm):
     def _all_to_all(self, call: Call, d: Any) -> None:
         comm = call.comm
         lay = call.layout()
-        ins, outs = list(lay.in_splits), list(lay.out_splits)
+        ins, outs = list(lay.in_splits or ()), list(lay.out_splits or ())
         inp, out = call.input.view(-1), call.output.view(-1)
         p, g, me = comm.size, len(d.intra_ranks), d.local
         rails: list[tuple[int, ...]] = d.rails
@@ -255,7 +314,7 @@ class Hierarchical(Algorithm):
         if segs:
             torch.cat(segs, out=pack1)
         got1 = comm._workspace("hier.a2a.got1", inp.dtype, inp.device, sum(recv1))
-        dist.all_to_all_single(got1, pack1, recv1, send1, group=d.intra)
+        _exchange(got1, pack1, recv1, send1, [comm.global_ranks[r] for r in d.intra_ranks], me, d.intra)
         # got1 holds, for each local source i, its blocks for rail members in rail order; regroup by
         # rail member (the inter-node destination), sources in local order.
         off, pieces = 0, {}
@@ -271,11 +330,13 @@ class Hierarchical(Algorithm):
         # Phase 2 (inter): one message per rail peer; it carries every source of its node, in local order.
         sources = [s for q in rails[me] for s in d.nodes[node_of[q]]]
         recv2 = [sum(outs[s] for s in d.nodes[node_of[q]]) for q in rails[me]]
+        rail_glob = [comm.global_ranks[r] for r in rails[me]]
+        pos = rails[me].index(comm.rank)
         if sources == list(range(p)):
-            dist.all_to_all_single(out, pack2, recv2, send2, group=d.rail)
+            _exchange(out, pack2, recv2, send2, rail_glob, pos, d.rail)
             return
         got2 = comm._workspace("hier.a2a.got2", inp.dtype, inp.device, sum(recv2))
-        dist.all_to_all_single(got2, pack2, recv2, send2, group=d.rail)
+        _exchange(got2, pack2, recv2, send2, rail_glob, pos, d.rail)
         out_off = [0] * (p + 1)
         for s in range(p):
             out_off[s + 1] = out_off[s] + outs[s]
@@ -312,6 +373,28 @@ class Hierarchical(Algorithm):
         for k, members in enumerate(d.nodes):
             for i, r in enumerate(members):
                 out[r * c:(r + 1) * c].copy_(every[(k * big + i) * c:(k * big + i + 1) * c])
+
+
+def _exchange(out: torch.Tensor, inp: torch.Tensor, recv: list[int], send: list[int], peers: list[int],
+              me: int, group: Any) -> None:
+    """All-to-all of ``inp`` (``send[i]`` elements to ``peers[i]``) into ``out`` over ``group``.
+
+    Every message at once, receives posted before sends: Gloo's own all-to-all posts sends first,
+    and over TCP an exchange posted send-first ran at half the link rate in about half the runs
+    (emulated 400 Mbit/s link, 2026-11-30); receive-first ran at the full rate every time. NCCL
+    groups the point-to-point calls, so the order does not matter there.
+    """
+    ro = [0] * (len(peers) + 1)
+    so = [0] * (len(peers) + 1)
+    for i in range(len(peers)):
+        ro[i + 1] = ro[i] + recv[i]
+        so[i + 1] = so[i] + send[i]
+    out[ro[me]:ro[me + 1]].copy_(inp[so[me]:so[me + 1]])
+    ops = [dist.P2POp(dist.irecv, out[ro[i]:ro[i + 1]], peers[i], group) for i in range(len(peers)) if i != me and recv[i]]
+    ops += [dist.P2POp(dist.isend, inp[so[i]:so[i + 1]], peers[i], group) for i in range(len(peers)) if i != me and send[i]]
+    if ops:
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
 
 
 def run_flat(call: Call) -> None:
