@@ -70,6 +70,8 @@ def build_parser(op: str | None) -> argparse.ArgumentParser:
     p.add_argument("-n", "--iters", type=int, default=20, help="calls per timed loop")
     p.add_argument("-w", "--warmup", type=int, default=5, help="untimed calls first")
     p.add_argument("-r", "--reps", type=int, default=5, help="timed loops; the table shows their median")
+    p.add_argument("-t", "--min-loop-ms", type=float, default=0.0,
+                   help="more calls per loop for fast sizes, until a loop lasts about this long (0: -n calls)")
     p.add_argument("-c", "--check", type=int, default=1, help="1: count #wrong on fresh data before timing")
     p.add_argument("-a", "--algorithms", default="all", help="comma-separated names, 'all' (default) or 'auto'")
     p.add_argument("-G", "--graph", choices=["0", "1", "both"], default="0", help="CUDA graph capture of the timed loop")
@@ -122,7 +124,7 @@ def main(argv: Sequence[str] | None = None, op: str | None = None) -> int:
             print(f"# algorithms: {', '.join(algos)}", flush=True)
         done = sweep(comm, one, algos, sizes(args.min_bytes, args.max_bytes, args.step_factor), dtype, device,
                      graph_modes=modes, progress=Progress(lead), iters=args.iters, warmup=args.warmup, reps=args.reps,
-                     check=bool(args.check), seed=args.seed)
+                     check=bool(args.check), seed=args.seed, min_loop_s=args.min_loop_ms / 1e3)
         if lead:
             print(format_table(done), flush=True)
         records += done

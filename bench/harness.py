@@ -6,7 +6,8 @@ broadcast/reduce buffer); ``algbw = bytes / time``; ``busbw = algbw * factor(op,
 ``#wrong`` counts output elements outside the float64 reference's rounding bound, checked on
 fresh random data before timing.
 
-Timing: ``warmup`` calls, then ``reps`` loops of ``iters`` back-to-back calls. On GPUs a loop is
+Timing: ``warmup`` calls, then ``reps`` loops of ``iters`` back-to-back calls (more calls per loop
+when ``min_loop_s`` asks for loops of at least that duration). On GPUs a loop is
 timed with CUDA events (or replayed as one captured CUDA graph with ``graph=True``); on CPUs
 with ``perf_counter``. A loop's time per call is the maximum over ranks (the slowest rank sets
 the pace); the record holds the median, min and max over loops.
@@ -165,8 +166,13 @@ def _time_loops(case: _Case, iters: int, reps: int, graph: bool) -> list[float]:
 
 def measure(comm: C.Communicator, op: str, algorithm: str, nbytes: int, dtype: torch.dtype, device: torch.device, *,
             iters: int = 20, warmup: int = 5, reps: int = 5, check: bool = True, graph: bool = False,
-            seed: int = 0) -> Record:
-    """Time one (op, algorithm, size); see the module docstring for the conventions."""
+            seed: int = 0, min_loop_s: float = 0.0) -> Record:
+    """Time one (op, algorithm, size); see the module docstring for the conventions.
+
+    ``min_loop_s`` > 0 raises the calls per loop above ``iters`` until a loop lasts about that long
+    (from the slowest rank's time for one call, so every rank makes the same number of calls):
+    fast calls then get enough repetitions for a stable median.
+    """
     w = comm.size
     total = element_count(op, nbytes, dtype, w)
     case = _Case(comm, op, algorithm, total, dtype, device, seed)
@@ -175,6 +181,13 @@ def measure(comm: C.Communicator, op: str, algorithm: str, nbytes: int, dtype: t
     for _ in range(warmup):
         case.call()
     _sync(device)
+    if min_loop_s > 0:
+        dist.barrier(group=comm.group)
+        t0 = time.perf_counter()
+        case.call()
+        _sync(device)
+        one = _slowest(comm, [time.perf_counter() - t0], device)[0]
+        iters = max(iters, min(10_000, int(min_loop_s / max(one, 1e-7))))
     per_call = _slowest(comm, _time_loops(case, iters, reps, graph), device)
     if wrong is not None:
         wrong = int(_slowest(comm, [float(wrong)], device)[0])

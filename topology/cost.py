@@ -378,8 +378,10 @@ def rounds(algorithm: str, op: str, nodes: list[list[int]], machine: Machine) ->
     return [[*ra] for ra in half_a] + [[*rb] for rb in half_b]  # 6 lists: phases 0-2 of A, then of B
 
 
-def _phases(algorithm: str, op: str, nodes: list[list[int]], machine: Machine) -> list[list[Round]]:
-    """``rounds`` of a plan-based algorithm, one list per phase."""
+def _phases(algorithm: str, op: str, nodes: list[list[int]], machine: Machine) -> list[tuple[list[Round], Machine]]:
+    """A plan-based algorithm's rounds, one list per phase, each with the links it runs on: the
+    backend's (``Machine.for_native``) for the backend's collectives, the plain ones for our
+    point-to-point phases (those with a ``pattern``)."""
     from collectives.algos import REGISTRY
 
     from .model import Topology
@@ -389,7 +391,8 @@ def _phases(algorithm: str, op: str, nodes: list[list[int]], machine: Machine) -
     out = []
     for ph in REGISTRY[algorithm].plan(op, topo, 1 << 20):  # type: ignore[attr-defined]
         pattern = ph.pattern or machine.native.get(ph.op, "ring")
-        out.append(_place(flat_rounds(pattern, ph.op, len(ph.groups[0])), list(ph.groups), p, ph.elements / float(1 << 20)))
+        rds = _place(flat_rounds(pattern, ph.op, len(ph.groups[0])), list(ph.groups), p, ph.elements / float(1 << 20))
+        out.append((rds, machine if ph.pattern else machine.for_native()))
     return out
 
 
@@ -404,7 +407,7 @@ def predict_many(algorithm: str, op: str, nodes: list[list[int]], machine: Machi
         node_of[list(members)] = k
     # The backend's own collectives (native, and the phases of the hierarchical algorithms) run on
     # the backend's links; our point-to-point schedules on the plain ones.
-    m = machine if algorithm in _POINT_TO_POINT else machine.for_native()
+    m = machine.for_native() if algorithm in ("native", "grid2d") else machine
     fitted = machine.native_all_to_all
     if algorithm == "native" and op == "all_to_all" and fitted is not None \
             and [len(n) for n in nodes] == machine.meta.get("ranks_per_node"):
@@ -416,9 +419,11 @@ def predict_many(algorithm: str, op: str, nodes: list[list[int]], machine: Machi
         from collectives.algos.hierarchical import pipeline_chunks
 
         chunks = np.array([pipeline_chunks(int(x)) for x in s], dtype=float)
-        stages = _phases(algorithm, op, nodes, machine)
-        per = [_time([_coef(rd, node_of) for rd in st], m, s / chunks) for st in stages]
+        per = [_time([_coef(rd, node_of) for rd in st], mm, s / chunks) for st, mm in _phases(algorithm, op, nodes, machine)]
         return np.sum(per, axis=0) + (chunks - 1) * np.maximum.reduce(per)
+    if algorithm != "grid2d" and algorithm not in _POINT_TO_POINT and algorithm != "native":
+        per = [_time([_coef(rd, node_of) for rd in st], mm, s) for st, mm in _phases(algorithm, op, nodes, machine)]
+        return np.sum(per, axis=0)
     step = machine.step if algorithm in _POINT_TO_POINT else 0.0
     times = [_time([_coef(rd, node_of) for rd in ph], m, s, step) for ph in parts]
     if algorithm == "grid2d" and len(times) == 6:
