@@ -1,8 +1,10 @@
 """commops topology: who sits on which node, how they are linked, and what that costs.
 
 ``discover(group)`` builds a :class:`Topology` from facts the ranks exchange (or loads one from
-JSON); ``python -m topology`` prints it under torchrun. The cost model and hierarchical
-algorithms build on it.
+JSON); ``python -m topology`` prints it under torchrun. ``topology.groups`` derives the intra-node
+and rail sub-groups, ``topology.cost`` prices every algorithm on a topology with a calibrated
+:class:`~topology.cost.Machine` (``topology.calibrate``, files in ``topology/calibrations/``), and
+``python -m topology.simulate`` predicts 8 to 4096 GPUs.
 """
 
 from .discover import discover

@@ -26,15 +26,17 @@ anything is sent.
 
 Cost (alpha-beta per tier, intra ``a_i, b_i``, inter ``a_e, b_e``; the sub-collectives' own
 formulas, see ``topology/cost.py``): all-reduce ``T_RS,intra(g, m) + T_AR,inter(n, m/g) +
-T_AG,intra(g, m)``. Design note: the sub-collectives are the backend's own (NCCL, Gloo), not our
-point-to-point schedules, because inside one tier the backend's tuned kernels are the fastest we
-have (measurements in ``bench/results/``); the hierarchy is what they lack.
+T_AG,intra(g, m)``. Design note: the sub-collectives are the backend's own (NCCL, Gloo), because
+inside one tier the backend's tuned kernels are the fastest we have (measurements in
+``bench/results/``); the hierarchy is what they lack. Three exceptions are point-to-point with the
+receive posted before the send: a phase between two ranks (one exchange instead of the backend's
+two-step all-reduce, or Gloo's reduce-scatter, which clones and runs a whole all-reduce), and
+both all-to-alls (Gloo's posts sends first; over TCP that halved the rate in about half the runs).
 
 Tried and rejected: a rail phase of reduce-to-root plus broadcast, roots spread over the nodes, so
-that no connection carries both directions at once (two-way Gloo exchanges measured 30 MB/s per
-connection against 48 MB/s one way on the emulated 400 Mbit/s link). In the emulated 2x2 cluster it
-ran at 0.95-1.29x native Gloo's time where the rail all-reduce ran at 0.73-0.77x: two concurrent
-exchanges fill the link better than one connection does.
+that no connection carries both directions at once. In the emulated 2x2 cluster it ran at
+0.95-1.29x native Gloo's time where the rail all-reduce ran at 0.73-0.77x; the slow two-way
+exchanges it avoided turned out to be send-first ordering, fixed by posting receives first.
 """
 
 from __future__ import annotations
@@ -136,8 +138,9 @@ def _pair_peer(call: Call, d: Any) -> int | None:
 
     One exchange of the whole shard (receive posted first, then reduce) instead of the backend's
     two-step all-reduce: the same bytes each way, one latency instead of two, and full duplex on
-    Gloo over TCP (see ``_exchange``). Measured in the emulated 2x2 cluster, 4 MB: 96.4 ms with
-    Gloo's all-reduce on the rails; see bench/results for this version.
+    Gloo over TCP (see ``_exchange``). Measured in the emulated 2x2 cluster, 4 MB all-reduce: 96.4
+    ms with Gloo's all-reduce on the rails, 94.7 ms with this, 91.1 ms once the intra-node phases
+    were exchanges too (2026-11-30).
     """
     if len(d.nodes) != 2 or d.rail_ranks is None:
         return None
