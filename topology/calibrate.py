@@ -101,17 +101,7 @@ def exchange_times(pairs: dict[int, int], sizes: Sequence[int], device: torch.de
                 for w in dist.batch_isend_irecv(ops):
                     w.wait()
 
-        once()
-        samples = []
-        for _ in range(reps):
-            dist.barrier(group)
-            _sync(device)
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                once()
-            _sync(device)
-            samples.append(_slowest((time.perf_counter() - t0) / iters, device, group))
-        out.append(statistics.median(samples))
+        out.append(_timed(once, device, iters, reps, group))
     return out
 
 
@@ -128,6 +118,7 @@ def _reduce_time(nbytes: int, device: torch.device, iters: int) -> float:
 
 
 def _timed(fn: Any, device: torch.device, iters: int, reps: int, group: Any) -> float:
+    """Median over ``reps`` loops of ``iters`` calls of the slowest rank's seconds per call (after one untimed call)."""
     fn()
     samples = []
     for _ in range(reps):
@@ -235,7 +226,7 @@ def calibrate(name: str, topo: Topology, sizes: Sequence[int], device: torch.dev
     raw = measure(topo, sizes, device, iters=iters, reps=reps, native=native, native_a2a=native_a2a, group=group,
                   log=log)
     nodes = topo.nodes()
-    meta = {"backend": backend, "device": _device_name(device), "nodes": len(nodes),
+    meta = {"backend": backend, "device": device_label(device), "nodes": len(nodes),
             "ranks_per_node": [len(n) for n in nodes], "world": topo.world, "dtype": "float32",
             "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
     machine = fit_machine(name, raw, backend, meta)
@@ -261,10 +252,6 @@ def refit(path: str) -> Machine:
     data["machine"] = new.to_dict()
     Path(path).write_text(json.dumps(data, indent=1) + "\n")
     return new
-
-
-def _device_name(device: torch.device) -> str:
-    return device_label(device)
 
 
 def device_label(device: Any) -> str:

@@ -329,10 +329,6 @@ def algorithms_for(op: str) -> list[str]:
     return table.get(op, ["native"])
 
 
-def _nodes_key(nodes: list[list[int]]) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(n) for n in nodes)
-
-
 def rounds(algorithm: str, op: str, nodes: list[list[int]], machine: Machine) -> list[list[Round]]:
     """The phases of ``algorithm`` as rounds in global ranks; phases in one inner list run one after
     another, and the outer list's entries are run concurrently (grid2d's two halves) per phase."""
@@ -341,28 +337,19 @@ def rounds(algorithm: str, op: str, nodes: list[list[int]], machine: Machine) ->
     if algorithm == "native" or algorithm in _POINT_TO_POINT:
         pattern = machine.native.get(op, "ring") if algorithm == "native" else algorithm
         return [_place(flat_rounds(pattern, op, p), world, p, 1.0)]
-    from collectives.algos import REGISTRY  # the plan the algorithm runs
-
+    if algorithm != "grid2d":
+        return [[rd for rds, _ in _phases(algorithm, op, nodes, machine) for rd in rds]]
     from .model import Topology
 
-    algo = REGISTRY.get(algorithm)
-    if algo is None or not (hasattr(algo, "plan") or algorithm == "grid2d"):
-        raise KeyError(f"the cost model has no formula for {algorithm}")
     topo = Topology.from_nodes([list(n) for n in nodes])
     native = machine.native
-    if algorithm != "grid2d":
-        phases = algo.plan(op, topo, 1 << 20)  # type: ignore[attr-defined]
-        out: list[Round] = []
-        for ph in phases:
-            q = len(ph.groups[0])
-            pattern = ph.pattern or native.get(ph.op, "ring")
-            out += _place(flat_rounds(pattern, ph.op, q), list(ph.groups), p, ph.elements / float(1 << 20))
-        return [out]
     # grid2d: half A rows-first (hierarchical all-reduce of n/2), half B columns-first.
     from topology.groups import equal_nodes, rails_of
 
+    from collectives.algos.hierarchical import single_tier
+
     g = equal_nodes(topo)
-    if g is None or len(nodes) in (1, p):
+    if g is None or single_tier([list(n) for n in nodes], p):
         return [_place(flat_rounds(native.get(op, "ring"), op, p), world, p, 1.0)]
     rails = rails_of([list(n) for n in nodes])
     rows = [tuple(n) for n in nodes]
@@ -386,10 +373,13 @@ def _phases(algorithm: str, op: str, nodes: list[list[int]], machine: Machine) -
 
     from .model import Topology
 
+    algo = REGISTRY.get(algorithm)
+    if algo is None or not hasattr(algo, "plan"):
+        raise KeyError(f"the cost model has no formula for {algorithm}")
     p = sum(len(n) for n in nodes)
     topo = Topology.from_nodes([list(n) for n in nodes])
     out = []
-    for ph in REGISTRY[algorithm].plan(op, topo, 1 << 20):  # type: ignore[attr-defined]
+    for ph in algo.plan(op, topo, 1 << 20):
         pattern = ph.pattern or machine.native.get(ph.op, "ring")
         rds = _place(flat_rounds(pattern, ph.op, len(ph.groups[0])), list(ph.groups), p, ph.elements / float(1 << 20))
         out.append((rds, machine if ph.pattern else machine.for_native()))
@@ -405,25 +395,26 @@ def predict_many(algorithm: str, op: str, nodes: list[list[int]], machine: Machi
     node_of = np.empty(p, dtype=np.int64)
     for k, members in enumerate(nodes):
         node_of[list(members)] = k
-    # The backend's own collectives (native, and the phases of the hierarchical algorithms) run on
-    # the backend's links; our point-to-point schedules on the plain ones.
-    m = machine.for_native() if algorithm in ("native", "grid2d") else machine
     fitted = machine.native_all_to_all
     if algorithm == "native" and op == "all_to_all" and fitted is not None \
             and [len(n) for n in nodes] == machine.meta.get("ranks_per_node"):
         return fitted.alpha + fitted.beta * s
-    parts = rounds(algorithm, op, nodes, machine)
-    if algorithm == "hierarchical" and op == "all_reduce" and len(parts[0]) and 1 < len(nodes) < p:
-        # Pipelined in k chunks (collectives/algos/hierarchical.py): the phases of one chunk once,
-        # plus the slowest phase k-1 more times.
-        from collectives.algos.hierarchical import pipeline_chunks
+    if algorithm not in ("native", "grid2d") and algorithm not in _POINT_TO_POINT:
+        # Plan-based: each phase priced on the links it runs on (see _phases).
+        stages = _phases(algorithm, op, nodes, machine)
+        if algorithm == "hierarchical" and op == "all_reduce" and 1 < len(nodes) < p:
+            # Pipelined in k chunks (collectives/algos/hierarchical.py): the phases of one chunk
+            # once, plus the slowest phase k-1 more times.
+            from collectives.algos.hierarchical import pipeline_chunks
 
-        chunks = np.array([pipeline_chunks(int(x)) for x in s], dtype=float)
-        per = [_time([_coef(rd, node_of) for rd in st], mm, s / chunks) for st, mm in _phases(algorithm, op, nodes, machine)]
-        return np.sum(per, axis=0) + (chunks - 1) * np.maximum.reduce(per)
-    if algorithm != "grid2d" and algorithm not in _POINT_TO_POINT and algorithm != "native":
-        per = [_time([_coef(rd, node_of) for rd in st], mm, s) for st, mm in _phases(algorithm, op, nodes, machine)]
-        return np.sum(per, axis=0)
+            chunks = np.array([pipeline_chunks(int(x)) for x in s], dtype=float)
+            per = [_time([_coef(rd, node_of) for rd in st], mm, s / chunks) for st, mm in stages]
+            return np.sum(per, axis=0) + (chunks - 1) * np.maximum.reduce(per)
+        return np.sum([_time([_coef(rd, node_of) for rd in st], mm, s) for st, mm in stages], axis=0)
+    # The backend's own collectives run on the backend's links; our point-to-point schedules on
+    # the plain ones, plus the executor's host time per round.
+    m = machine.for_native() if algorithm in ("native", "grid2d") else machine
+    parts = rounds(algorithm, op, nodes, machine)
     step = machine.step if algorithm in _POINT_TO_POINT else 0.0
     times = [_time([_coef(rd, node_of) for rd in ph], m, s, step) for ph in parts]
     if algorithm == "grid2d" and len(times) == 6:

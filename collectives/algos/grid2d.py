@@ -31,24 +31,13 @@ import torch.distributed as dist
 
 from ..errors import UnsupportedError
 from ._base import Algorithm, _divide
-from .hierarchical import _equal, _rop, run_flat
+from .hierarchical import _equal, _rop, padded, run_flat, single_tier
 from .native import _all_gather, _reduce_scatter
 
 if TYPE_CHECKING:
     from ..dispatch import Call
 
 __all__ = ["Grid2D"]
-
-
-def _padded(call: Call, key: str, x: torch.Tensor, parts: int) -> torch.Tensor:
-    m = x.numel()
-    c = -(-m // parts)
-    if m == parts * c:
-        return x
-    buf = call.comm._workspace(key, x.dtype, x.device, parts * c)
-    buf[:m].copy_(x)
-    buf[m:].zero_()
-    return buf
 
 
 class Grid2D(Algorithm):
@@ -59,7 +48,7 @@ class Grid2D(Algorithm):
 
     def check(self, call: Call) -> None:
         nodes = call.comm.topology.nodes()
-        if len(nodes) == 1 or len(nodes) == call.comm.size:
+        if single_tier(nodes, call.comm.size):
             return
         if not _equal(nodes):
             raise UnsupportedError(
@@ -70,7 +59,7 @@ class Grid2D(Algorithm):
     def run(self, call: Call) -> None:
         comm = call.comm
         nodes = comm.topology.nodes()
-        if len(nodes) == 1 or len(nodes) == comm.size:
+        if single_tier(nodes, comm.size):
             run_flat(call)
             return
         d = comm.derived_groups()
@@ -80,8 +69,8 @@ class Grid2D(Algorithm):
             return
         g, n, rop = len(d.intra_ranks), len(d.nodes), _rop(call)
         h = (m + 1) // 2
-        a = _padded(call, "grid.a", x[:h], g)
-        b = _padded(call, "grid.b", x[h:], n) if m > h else None
+        a = padded(call, "grid.a", x[:h], g)
+        b = padded(call, "grid.b", x[h:], n) if m > h else None
         # The column reduce-scatter hands shard `position` to the rail's position-th member, but
         # the row all-reduce needs every rank of a node to hold the same shard: order the blocks
         # by node when this rail's members are not in node order (e.g. nodes [[0, 3], [1, 2]]).

@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 
     from ..dispatch import Call
 
-__all__ = ["Hierarchical", "Phase", "plan", "run_flat"]
+__all__ = ["Hierarchical", "Phase", "plan", "run_flat", "single_tier", "padded"]
 
 _NATIVE = Native()
 
@@ -90,7 +90,7 @@ def plan(op: str, topo: Topology, elements: int) -> list[Phase]:
     nodes = topo.nodes()
     n, p = len(nodes), topo.world
     intra = tuple(tuple(x) for x in nodes)
-    if n == 1 or p == n:
+    if single_tier(nodes, p):
         return [Phase(op, "intra" if n == 1 else "inter", (tuple(range(p)),), elements)]
     if not _equal(nodes):
         leaders = (tuple(x[0] for x in nodes),)
@@ -169,7 +169,7 @@ class Hierarchical(Algorithm):
 
     def check(self, call: Call) -> None:
         nodes = call.comm.topology.nodes()
-        if len(nodes) == 1 or len(nodes) == call.comm.size:
+        if single_tier(nodes, call.comm.size):
             return
         if call.op == "all_to_all" and not _equal(nodes):
             raise UnsupportedError(
@@ -180,8 +180,7 @@ class Hierarchical(Algorithm):
     def run(self, call: Call) -> None:
         comm = call.comm
         nodes = comm.topology.nodes()
-        if len(nodes) == 1 or len(nodes) == comm.size:
-            # One node, or one rank per node: a single tier, nothing to stage.
+        if single_tier(nodes, comm.size):
             run_flat(call)
             return
         d = comm.derived_groups()
@@ -205,13 +204,8 @@ class Hierarchical(Algorithm):
             return
         comm = call.comm
         k = pipeline_chunks(m * x.element_size())
-        c = -(-m // (g * k))  # shard elements per chunk
-        if m == k * g * c:
-            buf = x
-        else:
-            buf = comm._workspace("hier.ar.buf", x.dtype, x.device, k * g * c)
-            buf[:m].copy_(x)
-            buf[m:].zero_()
+        buf = padded(call, "hier.ar.buf", x, k * g)
+        c = buf.numel() // (k * g)  # shard elements per chunk
         chunk = [buf[i * g * c:(i + 1) * g * c] for i in range(k)]
         rop = _rop(call)
         reduce = REDUCERS[call.reduce_op or "sum"]
@@ -398,6 +392,23 @@ def _exchange(out: torch.Tensor, inp: torch.Tensor, recv: list[int], send: list[
     if ops:
         for w in dist.batch_isend_irecv(ops):
             w.wait()
+
+
+def single_tier(nodes: list[list[int]], world: int) -> bool:
+    """One node, or one rank per node: nothing to stage between tiers."""
+    return len(nodes) == 1 or len(nodes) == world
+
+
+def padded(call: Call, key: str, x: torch.Tensor, parts: int) -> torch.Tensor:
+    """``x`` itself if it splits into ``parts`` equal pieces, else a zero-padded workspace copy."""
+    m = x.numel()
+    c = -(-m // parts)
+    if m == parts * c:
+        return x
+    buf = call.comm._workspace(key, x.dtype, x.device, parts * c)
+    buf[:m].copy_(x)
+    buf[m:].zero_()
+    return buf
 
 
 def run_flat(call: Call) -> None:
