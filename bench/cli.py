@@ -73,7 +73,8 @@ def build_parser(op: str | None) -> argparse.ArgumentParser:
     p.add_argument("-t", "--min-loop-ms", type=float, default=0.0,
                    help="more calls per loop for fast sizes, until a loop lasts about this long (0: -n calls)")
     p.add_argument("-c", "--check", type=int, default=1, help="1: count #wrong on fresh data before timing")
-    p.add_argument("-a", "--algorithms", default="all", help="comma-separated names, 'all' (default) or 'auto'")
+    p.add_argument("-a", "--algorithms", default="all",
+                   help="comma-separated names, 'all' (default), 'auto', or anchors: symm_mem_one_shot, symm_mem_two_shot")
     p.add_argument("-G", "--graph", choices=["0", "1", "both"], default="0", help="CUDA graph capture of the timed loop")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH")
@@ -117,7 +118,8 @@ def main(argv: Sequence[str] | None = None, op: str | None = None) -> int:
     comm.topology  # noqa: B018 - discovery is collective: every rank, before rank 0 writes the metadata
     records = []
     for one in ops:
-        algos = prepare(one, [a.strip() for a in args.algorithms.split(",")], comm, dtype, device)
+        algos = prepare(one, [a.strip() for a in args.algorithms.split(",")], comm, dtype, device,
+                        say=lambda msg: lead and print(msg, flush=True), skip_unsupported=len(ops) > 1)
         if lead:
             print(f"# commops {one} benchmark: {comm.size} ranks, backend {comm.backend}, device {device.type}, "
                   f"dtype {args.dtype}, iters {args.iters} x reps {args.reps}, warmup {args.warmup}", flush=True)

@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 
 import collectives as C
-from collectives.algos import busbw_factor
+from collectives.algos import REGISTRY, busbw_factor
 
+from . import anchors as A
 from . import reference as R
 
 __all__ = ["Record", "measure", "sweep", "element_count", "prepare"]
@@ -73,6 +74,11 @@ class _Case:
         self.dtype, self.device, self.seed, self.root = dtype, device, seed, root
         w, r = comm.size, comm.rank
         n_in = total if op != "all_gather" else total // w
+        self._anchor = None
+        if algorithm in A.ANCHORS:
+            self.inp, self.out, self._anchor = A.build(algorithm, comm.group, total, dtype, device)
+            self.inp.copy_(R.rank_data(r, n_in, dtype, seed, device))
+            return
         self.inp = R.rank_data(r, n_in, dtype, seed, device)
         if op in ("reduce_scatter", "all_gather", "all_to_all"):
             self.out = torch.empty(total // w if op == "reduce_scatter" else total, dtype=dtype, device=device)
@@ -81,7 +87,9 @@ class _Case:
 
     def call(self) -> None:
         a, op = self.algorithm, self.op
-        if op == "all_reduce":
+        if self._anchor is not None:
+            self._anchor()
+        elif op == "all_reduce":
             C.all_reduce(self.out, algorithm=a, group=self.comm.group)
         elif op == "reduce_scatter":
             C.reduce_scatter_single(self.out, self.inp, group=self.comm.group, algorithm=a)
@@ -199,15 +207,30 @@ def measure(comm: C.Communicator, op: str, algorithm: str, nbytes: int, dtype: t
                   min(per_call) * 1e6, max(per_call) * 1e6, algbw, algbw * busbw_factor(op, w), wrong, chosen)
 
 
-def prepare(op: str, algorithms: Iterable[str], comm: C.Communicator, dtype: torch.dtype, device: torch.device) -> list[str]:
-    """The algorithms to sweep: "all" expands to every registered one usable here, plus "auto"."""
+def prepare(op: str, algorithms: Iterable[str], comm: C.Communicator, dtype: torch.dtype, device: torch.device,
+            say: Callable[[str], None] | None = None, skip_unsupported: bool = False) -> list[str]:
+    """The algorithms to sweep: "all" expands to every registered one usable here, plus "auto".
+
+    Anchors (``bench/anchors.py``) are swept where they can run; elsewhere ``say`` is told why.
+    A registered algorithm that does not run ``op`` raises, or with ``skip_unsupported`` (a sweep
+    over several ops) is left out and ``say`` is told.
+    """
     usable = comm.algorithms(op, dtype, device.type)
     names: list[str] = []
     for a in algorithms:
         if a == "all":
             names += usable + ["auto"]
+        elif a in A.ANCHORS:
+            why = A.unavailable(a, op, dtype, device)
+            if not why:
+                names.append(a)
+            elif say is not None:
+                say(f"# {a} not measured: {why}")
         elif a == "auto" or a in usable:
             names.append(a)
+        elif skip_unsupported and a in REGISTRY:
+            if say is not None:
+                say(f"# {a} not measured for {op}: it does not run {op} on {dtype} here")
         else:
             raise C.UnsupportedError("--algorithms", a, f"does not run {op} on {dtype} here", f"use one of {usable + ['auto']}")
     return list(dict.fromkeys(names))

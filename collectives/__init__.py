@@ -25,6 +25,7 @@ from .bootstrap import LaunchInfo, init
 from .communicator import Communicator, destroy, get_communicator
 from .dispatch import Call, add_trace_hook, remove_trace_hook
 from .errors import (
+    CollectiveTimeout,
     CommopsError,
     InvalidArgumentError,
     InvalidTypeError,
@@ -42,7 +43,7 @@ __all__ = [
     "ReduceOp", "Work", "Choice", "Call", "add_trace_hook", "remove_trace_hook", "LaunchInfo",
     "OPS", "DATA_OPS", "REDUCE_OPS",
     "CommopsError", "InvalidArgumentError", "InvalidTypeError", "UnsupportedError",
-    "NotInitializedError", "LaunchError",
+    "NotInitializedError", "LaunchError", "CollectiveTimeout",
 ]
 
 Group = dist.ProcessGroup | None

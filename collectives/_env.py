@@ -72,7 +72,18 @@ TUNED: EnvVar[str] = EnvVar(
     "Path of a tuned table (bench CLI --tune) whose measured choices algorithm='auto' follows first.",
 )
 
-VARIABLES = (NVTX, MPI_MASTER_ADDR, TOPOLOGY, CALIBRATION, TUNED)
+PEER_BYTES: EnvVar[int] = EnvVar(
+    "COMMOPS_PEER_BYTES", 64 << 20,
+    "Bytes of each rank's peer-memory slot buffer (collectives/peer), allocated on the first "
+    "peer-memory call of a communicator; larger messages run in pieces of at most this.",
+)
+PEER_TIMEOUT_S: EnvVar[float] = EnvVar(
+    "COMMOPS_PEER_TIMEOUT_S", 60.0,
+    "Seconds a peer-memory kernel waits for a peer's flag before it gives up and records which "
+    "peer did not arrive (raised as CollectiveTimeout on the next call or PeerMemory.check()).",
+)
+
+VARIABLES = (NVTX, MPI_MASTER_ADDR, TOPOLOGY, CALIBRATION, TUNED, PEER_BYTES, PEER_TIMEOUT_S)
 
 
 @functools.cache

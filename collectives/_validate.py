@@ -21,6 +21,11 @@ if TYPE_CHECKING:
 __all__ = ["validate"]
 
 
+# torch's own accessor of the current CUDA device (what torch.cuda.current_device() returns after
+# its lazy-init check); this function is on every collective's path.
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
 def _tensor(name: str, t: object, comm: Communicator) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise InvalidTypeError(name, t, f"is a {type(t).__name__}, not a torch.Tensor", f"pass {name} as a tensor")
@@ -29,18 +34,24 @@ def _tensor(name: str, t: object, comm: Communicator) -> torch.Tensor:
             name, t, f"is not contiguous (strides {tuple(t.stride())})",
             f"pass {name}.contiguous(), then copy the result back if you need it in place",
         )
-    dev = t.device
-    if comm.backend_for(dev.type) is None:
-        raise InvalidArgumentError(
-            name, t, f"is on {dev}, which backend {comm.backend!r} of this group cannot use",
-            f"move it to {' or '.join(comm.device_types)} (e.g. {name}.to({comm.device_types[0]!r}))",
-        )
-    if dev.type == "cuda" and dev.index != torch.cuda.current_device():
-        raise InvalidArgumentError(
-            name, t, f"is on {dev} but this rank's current device is cuda:{torch.cuda.current_device()}",
-            "create the tensor on the rank's device or call torch.cuda.set_device(local_rank) first",
-        )
+    if t.is_cuda:
+        if comm._backends.get("cuda") is None:
+            _wrong_device(name, t, comm)
+        if t.get_device() != _current_device():
+            raise InvalidArgumentError(
+                name, t, f"is on {t.device} but this rank's current device is cuda:{torch.cuda.current_device()}",
+                "create the tensor on the rank's device or call torch.cuda.set_device(local_rank) first",
+            )
+    elif comm.backend_for(t.device.type) is None:
+        _wrong_device(name, t, comm)
     return t
+
+
+def _wrong_device(name: str, t: torch.Tensor, comm: Communicator) -> None:
+    raise InvalidArgumentError(
+        name, t, f"is on {t.device}, which backend {comm.backend!r} of this group cannot use",
+        f"move it to {' or '.join(comm.device_types)} (e.g. {name}.to({comm.device_types[0]!r}))",
+    )
 
 
 def _same(name: str, t: torch.Tensor, other_name: str, other: torch.Tensor) -> None:

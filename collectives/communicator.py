@@ -75,6 +75,8 @@ class Communicator:
         self._topology: Any = None
         self._derived: Any = None
         self._choices: dict[Any, Any] = {}  # auto's cached choices and calibration (selection.py)
+        self._peer_reason: str | None = None  # why peer memory cannot run here ("" if it can; collectives/peer)
+        self._peer_memory: Any = None  # collectives.peer.PeerMemory, built on first use
 
     # -- facts -------------------------------------------------------------------------------
     def backend_for(self, device_type: str) -> str | None:
@@ -267,7 +269,10 @@ def destroy(group: dist.ProcessGroup | None = None) -> None:
         if _WORLD and _WORLD[0].group is group:
             comms += _WORLD
             _WORLD.clear()
+    from .peer import close_peer_memory
+
     for c in comms:
+        close_peer_memory(c)  # collective, like destroy itself
         c.close()
         c.group = None  # type: ignore[assignment]
     del comms

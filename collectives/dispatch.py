@@ -111,7 +111,8 @@ _RESOLVED: dict[tuple[Any, ...], tuple[Algorithm, Choice]] = {}
 def _resolve(call: Call) -> Algorithm:
     op, comm = call.op, call.comm
     t = call.output
-    dtype, dev = (t.dtype, t.device.type) if t is not None else (None, None)
+    # t.device builds a device object; is_cuda answers the common case without one.
+    dtype, dev = (t.dtype, "cuda" if t.is_cuda else t.device.type) if t is not None else (None, None)
     if call.algorithm == "auto":
         backend = comm.backend_for(dev) if dev is not None else comm.backend
         call.choice = choose(call, backend or "")

@@ -15,6 +15,7 @@ __all__ = [
     "UnsupportedError",
     "NotInitializedError",
     "LaunchError",
+    "CollectiveTimeout",
 ]
 
 
@@ -47,6 +48,15 @@ class NotInitializedError(CommopsError, RuntimeError):
 
 class LaunchError(CommopsError, RuntimeError):
     """The process was not started by a launcher that ``collectives.init`` understands."""
+
+
+class CollectiveTimeout(CommopsError, TimeoutError):
+    """A collective waited longer than its bound for a peer; names the op, the stage and the peers that did not arrive."""
+
+    def __init__(self, op: str, missing: list[int], detail: str) -> None:
+        self.op = op
+        self.missing = missing
+        super().__init__(f"{op}: rank(s) {missing} did not arrive: {detail}")
 
 
 def _short(value: object) -> str:

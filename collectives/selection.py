@@ -5,11 +5,14 @@ In order, each a named predicate with its reason:
 1. ``single_rank``: one rank runs the backend's collective (a local copy).
 2. ``tuned_table``: a tuned table (``COMMOPS_TUNED``, written by the benchmark's ``--tune``) for
    this op, dtype, world and node count names the algorithm measured fastest at this size.
-3. ``cost_model``: with a calibration for this machine (``COMMOPS_CALIBRATION``, or a shipped file
+3. ``peer_memory``: NCCL groups whose ranks share one node with peer access (``collectives/peer``):
+   ``one_shot``/``two_shot`` up to the sizes where they measured faster than NCCL; where peer
+   memory cannot run, the choice that follows says why.
+4. ``cost_model``: with a calibration for this machine (``COMMOPS_CALIBRATION``, or a shipped file
    in ``topology/calibrations/`` matching the backend, device and node count), the algorithm with
    the least predicted time (``topology.cost``) on this group's topology; the reason lists every
    candidate's predicted time.
-4. Without either, the measured rules of the core issue: ``vendor_tuned`` (NCCL/HCCL: native),
+5. Without either, the measured rules of the core issue: ``vendor_tuned`` (NCCL/HCCL: native),
    ``cpu_small_all_reduce`` (Gloo/MPI <= 512 KB: recursive doubling), else ``default`` (native).
 
 Choices are cached per (op, dtype, size) on the communicator: the model costs about a
@@ -67,6 +70,42 @@ def _is_cpu_small_all_reduce(op: str, backend: str, nbytes: int) -> bool:
 
 
 _SINGLE = Choice("native", "single_rank", "one rank: the backend's collective is a local copy")
+
+# Measured 2026-11-30 on 2xH200 (NV18), bf16, eager and CUDA graphs (launch/tune_peer.py,
+# launch/bench_collectives.py): one_shot all-reduce is the fastest up to 8 MB, two_shot beats
+# NCCL up to 32 MB and ties it above; one_shot reduce-scatter beats NCCL up to 128 MB and one_shot
+# all-gather up to 512 MB. Other node sizes use the same limits until they are measured.
+ONE_SHOT_MAX_BYTES = 8 << 20
+PEER_ALL_REDUCE_MAX_BYTES = 32 << 20
+PEER_REDUCE_SCATTER_MAX_BYTES = 128 << 20
+PEER_ALL_GATHER_MAX_BYTES = 512 << 20
+_PEER_OPS = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+def _peer_memory(call: Call, backend: str, nbytes: int) -> tuple[Choice | None, str]:
+    """The peer-memory algorithm for this call, or None and why not ("" when it does not apply)."""
+    if backend != "nccl" or call.op not in _PEER_OPS:
+        return None, ""
+    from .peer.memory import DTYPES, peer_unavailable
+
+    if call.output.dtype not in DTYPES or call.reduce_op not in (None, "sum", "avg"):
+        return None, ""
+    reason = peer_unavailable(call.comm)
+    if reason:
+        return None, f"peer memory cannot run: {reason}"
+    if call.op == "all_reduce":
+        if nbytes <= ONE_SHOT_MAX_BYTES:
+            return Choice("one_shot", "peer_memory", f"{nbytes} B <= {ONE_SHOT_MAX_BYTES} B on one node: "
+                          "one push and one reduction beat NCCL's launch and protocol"), ""
+        if nbytes <= PEER_ALL_REDUCE_MAX_BYTES:
+            return Choice("two_shot", "peer_memory", f"{nbytes} B <= {PEER_ALL_REDUCE_MAX_BYTES} B on one node: "
+                          "peer-memory reduce-scatter + all-gather measured faster than NCCL"), ""
+        return None, f"{nbytes} B > {PEER_ALL_REDUCE_MAX_BYTES} B: NCCL measured faster than peer memory"
+    limit = PEER_REDUCE_SCATTER_MAX_BYTES if call.op == "reduce_scatter" else PEER_ALL_GATHER_MAX_BYTES
+    if nbytes <= limit:
+        return Choice("one_shot", "peer_memory", f"{nbytes} B <= {limit} B on one node: "
+                      "pushing each peer its part beats NCCL"), ""
+    return None, f"{nbytes} B > {limit} B: NCCL measured faster than peer memory"
 
 
 def _device_name(device: Any) -> str:
@@ -159,19 +198,24 @@ def choose(call: Call, backend: str) -> Choice:
     if _is_single_rank(comm.size):
         return _SINGLE
     nbytes = call.nbytes
-    dtype = str(call.output.dtype).removeprefix("torch.") if call.output is not None else ""
     even = op != "all_to_all" or (len(set(call.in_rows)) <= 1 and len(set(call.out_rows)) <= 1)
-    key = (op, dtype, nbytes, backend, even)
+    key = (op, call.output.dtype if call.output is not None else None, nbytes, backend, even, call.reduce_op)
     hit = comm._choices.get(key)
     if hit is not None:
         return hit
+    dtype = str(call.output.dtype).removeprefix("torch.") if call.output is not None else ""
     choice = _tuned(comm, op, dtype, nbytes) if op != "barrier" else None
+    why_not_peer = ""
+    if choice is None:
+        choice, why_not_peer = _peer_memory(call, backend, nbytes)
     if choice is None and op != "barrier":
         machine = calibration_for(comm, backend, call.output.device if call.output is not None else None)
         if machine is not None:
             choice = _modelled(call, backend, machine)
     if choice is None:
         choice = _rules(op, backend, nbytes)
+    if why_not_peer:
+        choice = Choice(choice.algorithm, choice.rule, f"{choice.reason}; {why_not_peer}")
     comm._choices[key] = choice
     return choice
 

@@ -33,6 +33,9 @@ def main() -> int:
     p.add_argument("-r", "--reps", type=int, default=3)
     p.add_argument("--native", action="store_true", help="also fit the backend's own all-reduce (NCCL)")
     p.add_argument("--native-a2a", action="store_true", help="also fit the backend's own all-to-all (Gloo)")
+    p.add_argument("--anchor-bytes", type=parse_size, default=0,
+                   help="also time every algorithm of every op at this size (e.g. 16K): its fixed cost here")
+    p.add_argument("--anchor-loop-ms", type=float, default=2000.0, help="timed loops of at least this long for the anchors")
     args = p.parse_args()
     comm = C.init()
     device = torch.device("cuda", torch.cuda.current_device()) if comm.backend_for("cuda") else torch.device("cpu")
@@ -41,7 +44,8 @@ def main() -> int:
     say(topo.describe())
     machine, raw = calibrate(args.name, topo, sizes(args.min_bytes, args.max_bytes, args.step_factor), device,
                              iters=args.iters, reps=args.reps, backend=comm.backend_for(device.type) or "gloo",
-                             native=args.native, native_a2a=args.native_a2a, log=say)
+                             native=args.native, native_a2a=args.native_a2a, anchor_bytes=args.anchor_bytes,
+                             anchor_loop_s=args.anchor_loop_ms / 1e3, log=say)
     if comm.rank == 0:
         Path(args.out).write_text(json.dumps({"machine": machine.to_dict(), "points": raw}, indent=1) + "\n")
         say(f"wrote {args.out}")

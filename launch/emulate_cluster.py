@@ -43,8 +43,12 @@ RDZV_PORT = 29400
 FAIL_GRACE_S = 15.0
 NETNS_ETC = Path("/etc/netns")
 # Per-namespace TCP settings of a cluster network: no slow start after idle (collectives leave a
-# connection idle between steps and must not ramp up again each time).
-SYSCTLS = {"net.ipv4.tcp_slow_start_after_idle": "0"}
+# connection idle between steps and must not ramp up again each time), and no autocorking (the
+# kernel holds a small write back while the connection's earlier packets wait in a queue, and
+# behind the shaped link they wait long: with it, our ring all-reduce of 256 KB on 2x2 ranks at
+# 400 Mbit/s took 27 ms at the median against 9 ms without, and Gloo's all-to-all of 256 KB
+# 16 ms against 6 ms).
+SYSCTLS = {"net.ipv4.tcp_slow_start_after_idle": "0", "net.ipv4.tcp_autocorking": "0"}
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:

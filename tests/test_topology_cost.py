@@ -67,6 +67,26 @@ def test_exchange_links_price_two_way_rounds() -> None:
     assert predict("recursive_doubling", "all_reduce", [[0], [1]], m, n) == pytest.approx(n * 2e-9)
 
 
+def test_anchor_sets_the_fixed_cost_and_links_the_growth() -> None:
+    # One tier, 4 ranks: the ring all-reduce grows by 2(p-1)/p (n - n0) B + (p-1)/p (n - n0) G from
+    # the measured n0 call (bytes and reductions only: the anchor holds every latency); other
+    # algorithms and other topologies keep the plain model.
+    n0, measured = 1 << 14, 3e-3
+    nodes = [list(range(4))]
+    m = Machine("anchored", LinkCost(A, B), gamma=G, meta={"ranks_per_node": [4]},
+                anchors={"all_reduce": {"ring": measured}}, anchor_bytes=n0)
+    n = 1 << 22
+    growth = 2 * 3 / 4 * (n - n0) * B + 3 / 4 * (n - n0) * G
+    assert predict("ring", "all_reduce", nodes, m, n) == pytest.approx(measured + growth)
+    assert predict("ring", "all_reduce", nodes, m, n0) == pytest.approx(measured)
+    assert predict("ring", "all_reduce", nodes, m, 16) == pytest.approx(measured)  # never below the anchor
+    plain = 2 * 3 * A + 2 * 3 / 4 * n * B + 3 / 4 * n * G
+    assert predict("halving_doubling", "all_reduce", nodes, m, n) == pytest.approx(2 * 2 * A + 2 * 3 / 4 * n * B
+                                                                                   + 3 / 4 * n * G)
+    assert predict("ring", "all_reduce", [[0, 1], [2, 3]], m, n) != pytest.approx(measured + growth)
+    assert predict("ring", "all_reduce", nodes, ONE_TIER, n) == pytest.approx(plain)
+
+
 @pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce"])
 def test_every_modelled_algorithm_is_registered_and_positive(op: str) -> None:
     for name in algorithms_for(op):

@@ -17,7 +17,12 @@ Collective over the group (run it on every rank, e.g. ``torchrun ... launch/cali
   halves the rate of some exchanges at random, which no link cost describes);
 * **native** (optional): the backend's all-reduce over the whole group, fitted with the ring formula
   ``2(p-1) a + 2(p-1)/p n b`` into the backend's own link cost (NCCL runs a fused kernel whose
-  per-step cost differs from our point-to-point steps').
+  per-step cost differs from our point-to-point steps');
+* **anchors** (optional, ``anchor_bytes``): every usable algorithm of every op with a choice, one
+  small call timed through the bench harness in loops of ``anchor_loop_s``: the algorithm's whole
+  fixed cost on this group (``Machine.anchors``). On a few CPU cores the small-message time of a
+  Gloo collective is set by how often the ranks' threads get scheduled, milliseconds that differ
+  by algorithm (one C++ call against several Python-driven steps) and no link latency describes.
 
 Each point is the median of several timed exchanges (the slowest rank's time). Measuring and
 fitting are separate (:func:`measure`, :func:`fit_machine`): a calibration file keeps the measured
@@ -39,7 +44,7 @@ import torch.distributed as dist
 from .cost import GLOO_NATIVE, NCCL_NATIVE, LinkCost, Machine
 from .model import Topology
 
-__all__ = ["fit", "measure", "fit_machine", "calibrate", "refit", "exchange_times"]
+__all__ = ["fit", "measure", "measure_anchors", "fit_machine", "calibrate", "refit", "exchange_times"]
 
 
 def fit(sizes: Sequence[float], times: Sequence[float]) -> LinkCost:
@@ -117,9 +122,19 @@ def _reduce_time(nbytes: int, device: torch.device, iters: int) -> float:
     return (time.perf_counter() - t0) / iters
 
 
-def _timed(fn: Any, device: torch.device, iters: int, reps: int, group: Any) -> float:
-    """Median over ``reps`` loops of ``iters`` calls of the slowest rank's seconds per call (after one untimed call)."""
+def _timed(fn: Any, device: torch.device, iters: int, reps: int, group: Any, min_loop_s: float = 0.0) -> float:
+    """Median over ``reps`` loops of ``iters`` calls of the slowest rank's seconds per call (after one untimed call).
+
+    ``min_loop_s`` > 0 raises ``iters`` (the same on every rank) until a loop lasts about that long.
+    """
     fn()
+    if min_loop_s > 0:
+        _sync(device)
+        dist.barrier(group)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        iters = max(iters, min(100_000, int(min_loop_s / max(_slowest(time.perf_counter() - t0, device, group), 1e-7))))
     samples = []
     for _ in range(reps):
         dist.barrier(group)
@@ -132,8 +147,46 @@ def _timed(fn: Any, device: torch.device, iters: int, reps: int, group: Any) -> 
     return statistics.median(samples)
 
 
+ANCHOR_OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+
+
+def _anchor_call(op: str, algorithm: str, nbytes: int, device: torch.device, group: Any) -> Any:
+    """A no-argument call of ``op`` with ``algorithm`` on about ``nbytes`` (the nccl-tests size) of fresh data."""
+    import collectives as C
+
+    w = dist.get_world_size(group)
+    n = max(w, nbytes // 4 // w * w)
+    x = torch.randn(n, device=device)
+    if op == "all_reduce":
+        return lambda: C.all_reduce(x, group=group, algorithm=algorithm)
+    if op == "reduce_scatter":
+        out = torch.empty(n // w, device=device)
+        return lambda: C.reduce_scatter_single(out, x, group=group, algorithm=algorithm)
+    if op == "all_gather":
+        part, out = x[: n // w].clone(), torch.empty(n, device=device)
+        return lambda: C.all_gather_single(out, part, group=group, algorithm=algorithm)
+    out = torch.empty(n, device=device)
+    return lambda: C.all_to_all_single(out, x, group=group, algorithm=algorithm)
+
+
+def measure_anchors(nbytes: int, device: torch.device, *, loop_s: float, reps: int, group: Any = None,
+                    log: Any = None) -> dict[str, dict[str, float]]:
+    """op -> algorithm -> median seconds of one ``nbytes`` call (every usable algorithm, native included)."""
+    import collectives as C
+
+    comm = C.get_communicator(group)
+    out: dict[str, dict[str, float]] = {}
+    for op in ANCHOR_OPS:
+        out[op] = {a: _timed(_anchor_call(op, a, nbytes, device, group), device, 5, reps, group, min_loop_s=loop_s)
+                   for a in comm.algorithms(op, torch.float32, device.type)}
+        if log:
+            log(f"anchor {op} {nbytes} B: " + ", ".join(f"{a} {t * 1e6:.0f}" for a, t in out[op].items()) + " us")
+    return out
+
+
 def measure(topo: Topology, sizes: Sequence[int], device: torch.device, *, iters: int = 5, reps: int = 3,
-            native: bool = False, native_a2a: bool = False, group: Any = None, log: Any = None) -> dict[str, Any]:
+            native: bool = False, native_a2a: bool = False, anchor_bytes: int = 0, anchor_loop_s: float = 2.0,
+            group: Any = None, log: Any = None) -> dict[str, Any]:
     """Every measurement the fit needs, as plain lists of seconds per size (collective)."""
     import collectives as C
 
@@ -184,6 +237,9 @@ def measure(topo: Topology, sizes: Sequence[int], device: torch.device, *, iters
             times.append(_timed(lambda: dist.all_to_all_single(y, x, group=group), device, iters, reps, group))
         raw["native_all_to_all"] = times
         say("native all-to-all: " + ", ".join(f"{t * 1e6:.0f}" for t in times) + " us")
+    if anchor_bytes > 0:
+        raw["anchor_bytes"] = anchor_bytes
+        raw["anchors"] = measure_anchors(anchor_bytes, device, loop_s=anchor_loop_s, reps=reps, group=group, log=say)
     return raw
 
 
@@ -216,15 +272,17 @@ def fit_machine(name: str, raw: dict[str, Any], backend: str, meta: dict[str, An
     rounds = 2 * (p - 1)
     extra = [(t - predict("ring", "all_reduce", nodes, machine, n)) / rounds
              for t, n in zip(raw["ring_all_reduce"], raw["ring_sizes"])]
-    return dataclasses.replace(machine, step=max(0.0, statistics.median(extra)))
+    return dataclasses.replace(machine, step=max(0.0, statistics.median(extra)), anchors=raw.get("anchors", {}),
+                               anchor_bytes=raw.get("anchor_bytes", 0))
 
 
 def calibrate(name: str, topo: Topology, sizes: Sequence[int], device: torch.device, *, iters: int = 5,
               reps: int = 3, backend: str = "gloo", native: bool = False, native_a2a: bool = False,
-              group: Any = None, log: Any = None) -> tuple[Machine, dict[str, Any]]:
+              anchor_bytes: int = 0, anchor_loop_s: float = 2.0, group: Any = None,
+              log: Any = None) -> tuple[Machine, dict[str, Any]]:
     """Measure and fit; returns the machine and the raw points (for the calibration file)."""
-    raw = measure(topo, sizes, device, iters=iters, reps=reps, native=native, native_a2a=native_a2a, group=group,
-                  log=log)
+    raw = measure(topo, sizes, device, iters=iters, reps=reps, native=native, native_a2a=native_a2a,
+                  anchor_bytes=anchor_bytes, anchor_loop_s=anchor_loop_s, group=group, log=log)
     nodes = topo.nodes()
     meta = {"backend": backend, "device": device_label(device), "nodes": len(nodes),
             "ranks_per_node": [len(n) for n in nodes], "world": topo.world, "dtype": "float32",

@@ -34,6 +34,7 @@ The model is evaluated vectorised over message sizes, so the simulator can sweep
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Iterable
@@ -91,6 +92,11 @@ class Machine:
             launching the reduction): fitted from our ring all-reduce at small sizes.
         native_all_to_all: the backend's all-to-all measured on the calibrated topology
             (``meta["ranks_per_node"]``), as seconds = alpha + beta * bytes; used for that topology.
+        anchors: op -> algorithm -> seconds measured for one call of ``anchor_bytes`` on the
+            calibrated topology: the algorithm's whole fixed cost (every message's latency, host
+            scheduling, the executor), which the tier links cannot see when it is set by CPUs
+            rather than wires. Used for that topology (see ``predict_many``).
+        anchor_bytes: the size the anchors were measured at.
         meta: where and how it was measured.
     """
 
@@ -109,6 +115,8 @@ class Machine:
     step: float = 0.0
     native_all_to_all: LinkCost | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    anchors: dict[str, dict[str, float]] = field(default_factory=dict)
+    anchor_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -122,7 +130,8 @@ class Machine:
                    d.get("gamma", 0.0), dict(d.get("native") or GLOO_NATIVE), link(d.get("native_intra")),
                    link(d.get("native_inter")), link(d.get("intra_exchange")), link(d.get("inter_exchange")),
                    link(d.get("uplink")), link(d.get("uplink_exchange")), d.get("step", 0.0),
-                   link(d.get("native_all_to_all")), dict(d.get("meta") or {}))
+                   link(d.get("native_all_to_all")), dict(d.get("meta") or {}),
+                   {op: dict(t) for op, t in (d.get("anchors") or {}).items()}, d.get("anchor_bytes", 0))
 
     def dump(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
@@ -132,6 +141,18 @@ class Machine:
         """A machine file, or a calibration file (``{"machine": ..., "points": ...}``)."""
         data = json.loads(Path(path).read_text())
         return cls.from_dict(data.get("machine", data))
+
+    def bandwidth_only(self) -> Machine:
+        """This machine with every per-message latency and the executor step set to zero."""
+        def zero(lc: LinkCost | None) -> LinkCost | None:
+            return None if lc is None else LinkCost(0.0, lc.beta)
+
+        return dataclasses.replace(
+            self, intra=LinkCost(0.0, self.intra.beta), inter=zero(self.inter), native_intra=zero(self.native_intra),
+            native_inter=zero(self.native_inter), intra_exchange=zero(self.intra_exchange),
+            inter_exchange=zero(self.inter_exchange), uplink=zero(self.uplink),
+            uplink_exchange=zero(self.uplink_exchange), step=0.0, native_all_to_all=zero(self.native_all_to_all),
+            anchors={}, anchor_bytes=0)
 
     def for_native(self) -> Machine:
         if self.native_intra is None and self.native_inter is None:
@@ -387,8 +408,25 @@ def _phases(algorithm: str, op: str, nodes: list[list[int]], machine: Machine) -
 
 
 def predict_many(algorithm: str, op: str, nodes: list[list[int]], machine: Machine, sizes: Iterable[float]) -> np.ndarray:
-    """Predicted seconds of ``algorithm`` for ``op`` at each nccl-tests size in ``sizes`` (bytes)."""
+    """Predicted seconds of ``algorithm`` for ``op`` at each nccl-tests size in ``sizes`` (bytes).
+
+    Where the machine holds an anchor for this op and algorithm on this topology, the time is
+    anchored on it: ``T(n) = anchor + B(max(n, n0)) - B(n0)``, with ``n0`` the anchor's size and
+    ``B`` the rounds below with every latency set to zero (bytes and reductions only). The
+    measured small call carries the algorithm's whole fixed cost (NCCL's tuner keeps a base
+    latency per algorithm for the same reason); the links carry how the time grows with size.
+    """
     s = np.asarray(list(sizes), dtype=float)
+    anchor = machine.anchors.get(op, {}).get(algorithm)
+    if anchor is not None and machine.anchor_bytes > 0 \
+            and [len(n) for n in nodes] == machine.meta.get("ranks_per_node"):
+        n0 = float(machine.anchor_bytes)
+        b = _links_many(algorithm, op, nodes, machine.bandwidth_only(), np.concatenate([[n0], np.maximum(s, n0)]))
+        return anchor + b[1:] - b[0]
+    return _links_many(algorithm, op, nodes, machine, s)
+
+
+def _links_many(algorithm: str, op: str, nodes: list[list[int]], machine: Machine, s: np.ndarray) -> np.ndarray:
     p = sum(len(n) for n in nodes)
     if p <= 1:
         return np.zeros_like(s)

@@ -13,13 +13,16 @@ from ._base import Algorithm, ScheduledAlgorithm, busbw_factor
 from ._schedule import Copy, Layout, Recv, Region, Schedule, Send, Step
 from .binomial_tree import BinomialTree
 from .bruck import Bruck
+from .copy_engine import CopyEngine
 from .grid2d import Grid2D
 from .halving_doubling import HalvingDoubling
 from .hierarchical import Hierarchical
 from .native import Native
+from .one_shot import OneShot
 from .pairwise import Pairwise
 from .recursive_doubling import RecursiveDoubling
 from .ring import Ring
+from .two_shot import TwoShot
 
 __all__ = [
     "Algorithm", "ScheduledAlgorithm", "busbw_factor", "REGISTRY", "register", "get", "for_op",
@@ -54,3 +57,6 @@ register(Pairwise())
 register(Bruck())
 register(Hierarchical())
 register(Grid2D())
+register(OneShot())
+register(TwoShot())
+register(CopyEngine())

@@ -1,0 +1,37 @@
+"""Copy engine over peer memory: the bytes cross NVLink by cudaMemcpyAsync, SMs only reduce.
+
+A reduce-scatter by copy-engine pushes into the peers' slots, a reduction on SMs, then an
+all-gather by copy-engine pulls of the peers' reduced shards, pipelined in chunks through a ring
+of slots on a second stream (``collectives/peer/kernels.cu``). Each rank moves the least bytes
+an all-reduce can, without taking SMs from concurrent kernels: the choice for large messages,
+where SM-driven stores peak below the copy engines (``launch/tune_peer.py`` measures both).
+Runs on the GPUs of one node (``collectives/peer``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..peer.memory import DTYPES
+from ._base import Algorithm
+from ._peer import check_peer_call, peer_run
+
+if TYPE_CHECKING:
+    from ..dispatch import Call
+
+__all__ = ["CopyEngine"]
+
+
+class CopyEngine(Algorithm):
+    name = "copy_engine"
+    ops = frozenset({"all_reduce"})
+    dtypes = DTYPES
+    backends = frozenset({"nccl"})
+    topology_aware = True
+    summary = "peer memory, copy-engine pushes and pulls with an SM reduction, pipelined (GPUs of one node)"
+
+    def check(self, call: Call) -> None:
+        check_peer_call(self.name, call)
+
+    def run(self, call: Call) -> None:
+        peer_run(self.name, call)

@@ -1,0 +1,37 @@
+"""Peer memory: collectives among the GPUs of one node by loads and stores into each other's memory.
+
+Design note.
+
+* **Buffers.** Each rank allocates one slot buffer and one flag area with ``cudaMalloc`` and
+  shares them with CUDA IPC (``cudaIpcGetMemHandle`` / ``cudaIpcOpenMemHandle`` through CuPy's
+  runtime bindings); the 64-byte handles travel over the CPU side of the group. This is the
+  mechanism NCCL's P2P transport and vLLM's custom all-reduce rest on, and it is public and
+  stable on every torch we support. torch's symmetric memory gives the same peer-mapped memory,
+  but from a private module (``torch.distributed._symmetric_memory``) whose backends and
+  rendezvous have changed from release to release and which sets up NVLink multicast unless
+  told not to, which these machines must never use. The handle mechanism does not touch the data
+  path: both end in plain peer pointers, so there is no speed to choose between.
+* **Push, not pull.** A kernel stores its input straight into the peers' slots (remote writes
+  over NVLink are posted: no round trip per access) and reduces what landed in its own slots. A
+  pull design reads peers' buffers, so every input must first be copied into the shared buffer:
+  one more pass over the data (about 0.5 ms per GB on an H200, whose local copies move about
+  4 TB/s counting reads and writes).
+* **Ordering.** Flags per (block, stage, source rank) in the flag area; an epoch counter per
+  block in device memory, so CUDA graphs replay correctly. Stores, then ``fence.sys``, then a
+  release store of the flag; waits are acquire loads bounded by ``%globaltimer``. See
+  ``kernels.cu`` for the timeline.
+* **Algorithms.** ``one_shot`` (all-reduce: every rank pushes everything and reduces everything;
+  reduce-scatter and all-gather: every rank pushes each peer its part) and ``two_shot``
+  (all-reduce as reduce-scatter then all-gather by pushes: each byte crosses the link once each
+  way, the least there is). Messages larger than the slot buffer run in pieces.
+* **Never multicast.** Nothing here creates multicast objects or uses ``multimem`` instructions.
+
+The public object is :class:`PeerMemory`; the registered algorithms (``collectives/algos``) use it
+through :func:`peer_memory`.
+"""
+
+from __future__ import annotations
+
+from .memory import PeerMemory, close_peer_memory, peer_memory, peer_unavailable
+
+__all__ = ["PeerMemory", "peer_memory", "close_peer_memory", "peer_unavailable"]

@@ -1,0 +1,471 @@
+// Peer-memory collectives for the GPUs of one node (see collectives/peer/__init__.py).
+//
+// Every rank owns one IPC buffer of slots, where peers push data, in two halves ("sets"), and one
+// flag area; both are mapped into every other rank. A call is one kernel launch with the same
+// grid on every rank; block b of rank r only ever waits for block b of its peers, so blocks never
+// wait on each other inside one GPU.
+//
+//   rank r, block b                              rank p, block b
+//   push my data into p's set (e % 2)  --------> (lands in p's slot r)
+//   fence.sys; flag[p][b][stage][r] = e -------> p waits until its flag[b][stage][r] >= e
+//   wait until my flag[b][stage][p] >= e <------ p signals the same way
+//   reduce / copy out of my own set (e % 2)
+//
+// `e` is the call's number, kept in device memory (calls[0], advanced by the last block to finish
+// a call), so that every block of a call agrees on it and CUDA graphs replay correctly (nothing is
+// baked into the graph). Flags only grow; a wait compares with wrap-around arithmetic.
+//
+// Why two sets and no "done" barrier: when a rank starts call e, each peer has finished call
+// e - 2 entirely (the peer signalled in call e - 1, and a kernel starts only after the stream's
+// previous kernel has ended), so nobody still reads the set that call e writes. Call e - 1 used
+// the other set.
+//
+// Every wait is bounded by `timeout_ns` of %globaltimer: on expiry the block records (stage,
+// block, peer) in the host-mapped error word and returns; later launches see the error and
+// return at once, and the host raises.
+//
+// Data written by a peer is read with ld.global.cg (L2, never a stale L1 line); data pushed into
+// a peer's memory is written with st.global.cg.
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#define MAX_RANKS 8
+#define MAX_BLOCKS 128
+#define N_STAGES 2
+#define STAGE_READY 0
+#define STAGE_REDUCED 1
+
+struct Ptrs {
+  char* p[MAX_RANKS];
+};
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+__device__ __forceinline__ u32 ld_acquire_sys(const u32* p) {
+  u32 v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys(u32* p, u32 v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ u64 global_ns() {
+  u64 t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ u32* flag_at(char* base, int block, int stage, int src) {
+  return reinterpret_cast<u32*>(base) + (block * N_STAGES + stage) * MAX_RANKS + src;
+}
+
+// err[0]: 0 while healthy, else 1 (timeout); err[1..3]: stage, block, the peer waited for.
+// `err` is host-mapped (the host reads it without synchronising); `err_dev` is the device copy
+// that later launches check.
+__device__ void report_timeout(volatile int* err, volatile int* err_dev, int stage, int peer) {
+  if (atomicCAS(const_cast<int*>(err_dev), 0, 1) == 0) {
+    err[1] = stage;
+    err[2] = blockIdx.x;
+    err[3] = peer;
+    __threadfence_system();
+    err[0] = 1;
+    __threadfence_system();
+  }
+}
+
+// Block-wide: signal `stage` with epoch `e` to every peer, then wait for theirs.
+// Returns false (on every thread of the block) when a wait timed out.
+__device__ bool barrier(const Ptrs& flags, int rank, int world, int stage, u32 e, u64 timeout_ns,
+                        volatile int* err, volatile int* err_dev) {
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  const int t = threadIdx.x;
+  if (t < world && t != rank) {
+    __threadfence_system();  // this block's writes (pushed data) before the flag
+    st_release_sys(flag_at(flags.p[t], blockIdx.x, stage, rank), e);
+    const u32* mine = flag_at(flags.p[rank], blockIdx.x, stage, t);
+    const u64 start = global_ns();
+    while ((int)(ld_acquire_sys(mine) - e) < 0) {
+      if (global_ns() - start > timeout_ns) {
+        report_timeout(err, err_dev, stage, t);
+        failed = 1;
+        break;
+      }
+    }
+  }
+  __syncthreads();
+  return failed == 0;
+}
+
+// ---- element packs: 16 bytes moved at a time, reduced in fp32 ----------------------------------
+
+template <typename T> struct Pack;
+template <> struct Pack<float> { static const int N = 4; };
+template <> struct Pack<__half> { static const int N = 8; };
+template <> struct Pack<__nv_bfloat16> { static const int N = 8; };
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// Copy [lo, hi) elements src -> dst; `cg` reads/writes bypass L1 (peer-visible data). Four packs
+// per thread are loaded before any is stored, so that enough bytes are in flight to fill NVLink.
+template <typename T, bool VEC>
+__device__ __forceinline__ void copy_range(T* dst, const T* src, long lo, long hi) {
+  const int N = Pack<T>::N;
+  long i = lo;
+  if (VEC) {
+    const long vhi = lo + (hi - lo) / N * N;
+    const long step = (long)blockDim.x * N;
+    i = lo + (long)threadIdx.x * N;
+    for (; i + 3 * step < vhi; i += 4 * step) {
+      const uint4 a = __ldcg(reinterpret_cast<const uint4*>(src + i));
+      const uint4 b = __ldcg(reinterpret_cast<const uint4*>(src + i + step));
+      const uint4 c = __ldcg(reinterpret_cast<const uint4*>(src + i + 2 * step));
+      const uint4 d = __ldcg(reinterpret_cast<const uint4*>(src + i + 3 * step));
+      __stcg(reinterpret_cast<uint4*>(dst + i), a);
+      __stcg(reinterpret_cast<uint4*>(dst + i + step), b);
+      __stcg(reinterpret_cast<uint4*>(dst + i + 2 * step), c);
+      __stcg(reinterpret_cast<uint4*>(dst + i + 3 * step), d);
+    }
+    for (; i < vhi; i += step)
+      __stcg(reinterpret_cast<uint4*>(dst + i), __ldcg(reinterpret_cast<const uint4*>(src + i)));
+    i = vhi;
+  }
+  for (long j = i + threadIdx.x; j < hi; j += blockDim.x) dst[j] = src[j];
+}
+
+// out[i] = sum over q of srcs[q][i] (q in rank order, so every rank computes the same bits),
+// also written to each of `also` (pushed results), for i in [lo, hi).
+template <typename T, bool VEC>
+__device__ __forceinline__ void reduce_range(T* out, const T* const* srcs, int world, T* const* also, int n_also,
+                                             long lo, long hi) {
+  const int N = Pack<T>::N;
+  long i = lo;
+  if (VEC) {
+    const long vhi = lo + (hi - lo) / N * N;
+    for (i = lo + (long)threadIdx.x * N; i < vhi; i += (long)blockDim.x * N) {
+      float acc[N];
+      uint4 v = __ldcg(reinterpret_cast<const uint4*>(srcs[0] + i));
+      const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+      for (int k = 0; k < N; ++k) acc[k] = to_f(e[k]);
+      for (int q = 1; q < world; ++q) {
+        v = __ldcg(reinterpret_cast<const uint4*>(srcs[q] + i));
+        e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+        for (int k = 0; k < N; ++k) acc[k] += to_f(e[k]);
+      }
+      uint4 o;
+      T* oe = reinterpret_cast<T*>(&o);
+#pragma unroll
+      for (int k = 0; k < N; ++k) oe[k] = from_f<T>(acc[k]);
+      *reinterpret_cast<uint4*>(out + i) = o;
+      for (int a = 0; a < n_also; ++a) __stcg(reinterpret_cast<uint4*>(also[a] + i), o);
+    }
+    i = vhi;
+  }
+  for (long j = i + threadIdx.x; j < hi; j += blockDim.x) {
+    float acc = to_f(srcs[0][j]);
+    for (int q = 1; q < world; ++q) acc += to_f(srcs[q][j]);
+    const T r = from_f<T>(acc);
+    out[j] = r;
+    for (int a = 0; a < n_also; ++a) also[a][j] = r;
+  }
+}
+
+// This block's share [lo, hi) of a range of `len` elements; shares are whole packs, and the same
+// on every rank and for every shard of one call (they depend on `span`, the longest shard).
+template <typename T>
+__device__ __forceinline__ void share(long span, long len, long* lo, long* hi) {
+  const int N = Pack<T>::N;
+  long per = (span + gridDim.x - 1) / gridDim.x;
+  per = (per + N - 1) / N * N;
+  *lo = min(len, per * (long)blockIdx.x);
+  *hi = min(len, *lo + per);
+}
+
+struct Ctx {
+  Ptrs slots;     // every rank's slot buffer (two sets of `set_bytes`)
+  Ptrs flags;     // every rank's flag area (block flags, then copy-engine flags)
+  u32* calls;     // this rank's [call number, blocks finished in this call, reduce blocks finished]
+  int* err;       // host-mapped error word [4]
+  int* err_dev;   // device error word
+  int rank;
+  int world;
+  u64 timeout_ns;
+  u64 set_bytes;  // bytes of one set of slots
+};
+
+// The call's number; false (on every thread) if an earlier call failed.
+__device__ __forceinline__ bool begin(const Ctx& c, u32* e) {
+  __shared__ u32 epoch;
+  __shared__ int healthy;
+  if (threadIdx.x == 0) {
+    epoch = *(volatile u32*)c.calls + 1;
+    healthy = *(volatile int*)c.err_dev == 0;
+  }
+  __syncthreads();
+  *e = epoch;
+  return healthy != 0;
+}
+
+// The last block to finish advances the call number (every block read it in begin()).
+__device__ __forceinline__ void end(const Ctx& c) {
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(c.calls + 1, 1u) == gridDim.x - 1) {
+      c.calls[1] = 0;
+      c.calls[0] += 1;
+      __threadfence();
+    }
+  }
+}
+
+// Rank q's set of slots for call e.
+template <typename T>
+__device__ __forceinline__ T* slots_of(const Ctx& c, int q, u32 e) {
+  return reinterpret_cast<T*>(c.slots.p[q] + (e & 1u) * c.set_bytes);
+}
+
+// All-reduce, one shot: push the whole input into every peer's slot `rank`; reduce all slots.
+// Slots are `slot` elements apart.
+template <typename T, bool VEC>
+__device__ void one_shot(const Ctx& c, const T* in, T* out, long n, long slot) {
+  u32 e;
+  if (!begin(c, &e)) return;
+  long lo, hi;
+  share<T>(n, n, &lo, &hi);
+  for (int d = 1; d < c.world; ++d) {
+    const int p = (c.rank + d) % c.world;
+    copy_range<T, VEC>(slots_of<T>(c, p, e) + c.rank * slot, in, lo, hi);
+  }
+  if (!barrier(c.flags, c.rank, c.world, STAGE_READY, e, c.timeout_ns, c.err, c.err_dev)) return;
+  const T* mine = slots_of<T>(c, c.rank, e);
+  const T* srcs[MAX_RANKS];
+  for (int q = 0; q < c.world; ++q) srcs[q] = q == c.rank ? in : mine + q * slot;
+  reduce_range<T, VEC>(out, srcs, c.world, nullptr, 0, lo, hi);
+  end(c);
+}
+
+// All-reduce, two shots: shard s is [s*S, s*S + len_s). Push shard p of the input into p's
+// reduce slot `rank`; reduce my shard, write it to `out` and push it into every peer's gather
+// slot `rank`; copy the peers' reduced shards out of my gather slots.
+// Reduce slot q at q*S, gather slot q at (world + q)*S.
+template <typename T, bool VEC>
+__device__ void two_shot(const Ctx& c, const T* in, T* out, long n, long S) {
+  u32 e;
+  if (!begin(c, &e)) return;
+  const int r = c.rank, w = c.world;
+  T* mine = slots_of<T>(c, r, e);
+  auto len_of = [&](int s) { return max(0L, min(S, n - s * S)); };
+  long lo, hi;
+  for (int d = 1; d < w; ++d) {
+    const int p = (r + d) % w;
+    share<T>(S, len_of(p), &lo, &hi);
+    copy_range<T, VEC>(slots_of<T>(c, p, e) + r * S, in + p * S, lo, hi);
+  }
+  if (!barrier(c.flags, r, w, STAGE_READY, e, c.timeout_ns, c.err, c.err_dev)) return;
+  share<T>(S, len_of(r), &lo, &hi);
+  const T* srcs[MAX_RANKS];
+  T* also[MAX_RANKS];
+  int n_also = 0;
+  for (int q = 0; q < w; ++q) srcs[q] = q == r ? in + r * S : mine + q * S;
+  for (int d = 1; d < w; ++d) also[n_also++] = slots_of<T>(c, (r + d) % w, e) + (w + r) * S;
+  reduce_range<T, VEC>(out + r * S, srcs, w, also, n_also, lo, hi);
+  if (!barrier(c.flags, r, w, STAGE_REDUCED, e, c.timeout_ns, c.err, c.err_dev)) return;
+  for (int d = 1; d < w; ++d) {
+    const int p = (r + d) % w;
+    share<T>(S, len_of(p), &lo, &hi);
+    copy_range<T, VEC>(out + p * S, mine + (w + p) * S, lo, hi);
+  }
+  end(c);
+}
+
+// Reduce-scatter: `in` holds world shards of m elements, `in_stride` apart; rank r's result
+// (m elements) goes to `out`. Push shard p into p's slot `rank` (slots m apart); reduce.
+template <typename T, bool VEC>
+__device__ void reduce_scatter(const Ctx& c, const T* in, T* out, long m, long in_stride) {
+  u32 e;
+  if (!begin(c, &e)) return;
+  const int r = c.rank, w = c.world;
+  long lo, hi;
+  share<T>(m, m, &lo, &hi);
+  for (int d = 1; d < w; ++d) {
+    const int p = (r + d) % w;
+    copy_range<T, VEC>(slots_of<T>(c, p, e) + r * m, in + p * in_stride, lo, hi);
+  }
+  if (!barrier(c.flags, r, w, STAGE_READY, e, c.timeout_ns, c.err, c.err_dev)) return;
+  const T* mine = slots_of<T>(c, r, e);
+  const T* srcs[MAX_RANKS];
+  for (int q = 0; q < w; ++q) srcs[q] = q == r ? in + r * in_stride : mine + q * m;
+  reduce_range<T, VEC>(out, srcs, w, nullptr, 0, lo, hi);
+  end(c);
+}
+
+// All-gather: `in` has m elements; `out` gets world shards of m, `out_stride` apart. Push into
+// every peer's slot `rank` (slots m apart); copy mine and the peers' slots out.
+template <typename T, bool VEC>
+__device__ void all_gather(const Ctx& c, const T* in, T* out, long m, long out_stride) {
+  u32 e;
+  if (!begin(c, &e)) return;
+  const int r = c.rank, w = c.world;
+  long lo, hi;
+  share<T>(m, m, &lo, &hi);
+  for (int d = 1; d < w; ++d) {
+    const int p = (r + d) % w;
+    copy_range<T, VEC>(slots_of<T>(c, p, e) + r * m, in, lo, hi);
+  }
+  copy_range<T, VEC>(out + r * out_stride, in, lo, hi);
+  if (!barrier(c.flags, r, w, STAGE_READY, e, c.timeout_ns, c.err, c.err_dev)) return;
+  const T* mine = slots_of<T>(c, r, e);
+  for (int d = 1; d < w; ++d) {
+    const int p = (r + d) % w;
+    copy_range<T, VEC>(out + p * out_stride, mine + p * m, lo, hi);
+  }
+  end(c);
+}
+
+// Entry points: the context is passed by value (it sits in the launch's parameter bank, no
+// memory load before the first push), then four plain arguments.
+// ---- copy-engine path -------------------------------------------------------------------------
+//
+// Large all-reduces move their bytes with cudaMemcpyAsync (the copy engines, no SMs) and use SMs
+// only to reduce. A call is bracketed by two barrier calls (ce_enter, ce_exit) and split into
+// chunks that cycle through `R` ring slots of each rank's slot buffer:
+//
+//   copy stream:    push chunk j's shards into the peers' ring slot j%R  ->  flag PUSHED
+//   compute stream: ce_reduce(j): wait PUSHED(j) [and PULLED(j-R)], reduce my shard into `out`
+//                   and into my ring slot's result area  ->  flag REDUCED (last block)
+//   copy stream:    ce_wait REDUCED(j); pull each peer's reduced shard into `out`  ->  flag PULLED
+//
+// Copy-engine flags hold the use count of their ring slot within the call (j / R + 1), which the
+// host knows, so the copy stream signals with stream memory writes and CUDA graphs replay the
+// same values; ce_exit clears this rank's copy-engine flags once every peer has finished.
+
+#define CE_RING 16
+#define CE_STAGES 3
+#define CE_PUSHED 0
+#define CE_REDUCED 1
+#define CE_PULLED 2
+#define BLOCK_FLAG_WORDS (MAX_BLOCKS * N_STAGES * MAX_RANKS)
+
+__device__ __forceinline__ u32* ce_flag(char* base, int slot, int stage, int src) {
+  return reinterpret_cast<u32*>(base) + BLOCK_FLAG_WORDS + (slot * CE_STAGES + stage) * MAX_RANKS + src;
+}
+
+// Threads t < world, t != rank, wait until my copy-engine flag (slot, stage, t) >= v.
+__device__ bool ce_wait_all(const Ctx& c, int slot, int stage, u32 v) {
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  const int t = threadIdx.x;
+  if (t < c.world && t != c.rank) {
+    const u32* f = ce_flag(c.flags.p[c.rank], slot, stage, t);
+    const u64 start = global_ns();
+    while ((int)(ld_acquire_sys(f) - v) < 0) {
+      if (global_ns() - start > c.timeout_ns) {
+        report_timeout(c.err, c.err_dev, 10 + stage, t);
+        failed = 1;
+        break;
+      }
+    }
+  }
+  __syncthreads();
+  return failed == 0;
+}
+
+// A one-block barrier call that brackets a copy-engine call (`clear`: also zero this rank's
+// copy-engine flags afterwards: every peer has signalled its last one before arriving here).
+extern "C" __global__ void ce_fence(const Ctx c, long clear) {
+  u32 e;
+  if (!begin(c, &e)) return;
+  if (!barrier(c.flags, c.rank, c.world, STAGE_READY, e, c.timeout_ns, c.err, c.err_dev)) return;
+  if (clear) {
+    u32* f = ce_flag(c.flags.p[c.rank], 0, 0, 0);
+    for (int i = threadIdx.x; i < CE_RING * CE_STAGES * MAX_RANKS; i += blockDim.x) f[i] = 0;
+    __threadfence_system();
+  }
+  end(c);
+}
+
+// One block: wait until every peer's flag (slot, stage) >= v (the copy stream's bounded wait).
+extern "C" __global__ void ce_wait(const Ctx c, long slot, long stage, long v) {
+  if (*(volatile int*)c.err_dev) return;
+  ce_wait_all(c, (int)slot, (int)stage, (u32)v);
+}
+
+// Reduce chunk j (ring slot s = j % R, use u = j / R). `in`/`out` point at the chunk; shard q is
+// [q*S, q*S + len_q) of its `nj` elements; my ring slot starts `slot_off` elements into my slot
+// buffer: the peers' pushes at slot_off + q*S_max, my result at slot_off + world*S_max.
+template <typename T, bool VEC>
+__device__ void ce_reduce(const Ctx& c, const T* in, T* out, long slot_off, long S, long nj, long j, long R,
+                          long S_max) {
+  if (*(volatile int*)c.err_dev) return;
+  const int r = c.rank, w = c.world;
+  const int s = (int)(j % R);
+  const u32 u = (u32)(j / R);
+  if (!ce_wait_all(c, s, CE_PUSHED, u + 1)) return;
+  if (u > 0 && !ce_wait_all(c, s, CE_PULLED, u)) return;  // the peers have pulled this slot's last result
+  T* mine = reinterpret_cast<T*>(c.slots.p[r]) + slot_off;
+  const long len = max(0L, min(S, nj - r * S));
+  long lo, hi;
+  share<T>(S, len, &lo, &hi);
+  const T* srcs[MAX_RANKS];
+  for (int q = 0; q < w; ++q) srcs[q] = q == r ? in + r * S : mine + q * S_max;
+  T* res = mine + w * S_max;
+  T* also[1] = {out + r * S};
+  reduce_range<T, VEC>(res, srcs, w, also, 1, lo, hi);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    if (atomicAdd(c.calls + 2, 1u) == gridDim.x - 1) {
+      c.calls[2] = 0;
+      __threadfence_system();
+      for (int d = 1; d < w; ++d) st_release_sys(ce_flag(c.flags.p[(r + d) % w], s, CE_REDUCED, r), u + 1);
+    }
+  }
+}
+
+#define INSTANTIATE(NAME, T, TAG)                                                                  \
+  extern "C" __global__ void __launch_bounds__(512)                                               \
+      NAME##_##TAG##_vec(const Ctx c, const T* in, T* out, long a, long b) {                       \
+    NAME<T, true>(c, in, out, a, b);                                                              \
+  }                                                                                               \
+  extern "C" __global__ void __launch_bounds__(512)                                               \
+      NAME##_##TAG##_scalar(const Ctx c, const T* in, T* out, long a, long b) {                    \
+    NAME<T, false>(c, in, out, a, b);                                                             \
+  }
+
+#define ALL_DTYPES(NAME)                  \
+  INSTANTIATE(NAME, float, f32)           \
+  INSTANTIATE(NAME, __half, f16)          \
+  INSTANTIATE(NAME, __nv_bfloat16, bf16)
+
+ALL_DTYPES(one_shot)
+ALL_DTYPES(two_shot)
+ALL_DTYPES(reduce_scatter)
+ALL_DTYPES(all_gather)
+
+#define INSTANTIATE_CE(T, TAG)                                                                       \
+  extern "C" __global__ void __launch_bounds__(512) ce_reduce_##TAG##_vec(                          \
+      const Ctx c, const T* in, T* out, long slot_off, long S, long nj, long j, long R, long S_max) { \
+    ce_reduce<T, true>(c, in, out, slot_off, S, nj, j, R, S_max);                                   \
+  }                                                                                                 \
+  extern "C" __global__ void __launch_bounds__(512) ce_reduce_##TAG##_scalar(                       \
+      const Ctx c, const T* in, T* out, long slot_off, long S, long nj, long j, long R, long S_max) { \
+    ce_reduce<T, false>(c, in, out, slot_off, S, nj, j, R, S_max);                                  \
+  }
+
+INSTANTIATE_CE(float, f32)
+INSTANTIATE_CE(__half, f16)
+INSTANTIATE_CE(__nv_bfloat16, bf16)

@@ -1,0 +1,426 @@
+"""``PeerMemory``: one communicator's slot buffers and flags, and the calls that use them.
+
+This module is the boundary between tensors and the kernels in ``kernels.cu``: it validates,
+splits messages into pieces that fit the slots, picks the vectorised or the scalar entry point
+(16-byte packs need 16-byte aligned addresses) and launches on torch's current stream through
+``_launch``. CuPy is imported only when peer memory is first used.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .. import _env
+from ..errors import CollectiveTimeout, UnsupportedError
+from . import _launch
+
+if TYPE_CHECKING:
+    from ..communicator import Communicator
+
+__all__ = ["PeerMemory", "peer_memory", "close_peer_memory", "peer_unavailable", "MAX_RANKS", "DTYPES"]
+
+# Must match kernels.cu.
+MAX_RANKS = 8
+MAX_BLOCKS = 128
+N_STAGES = 2
+CE_RING, CE_STAGES = 16, 3  # copy-engine ring slots and flag stages (pushed, reduced, pulled)
+CE_PUSHED, CE_REDUCED, CE_PULLED = 0, 1, 2
+_BLOCK_FLAG_WORDS = MAX_BLOCKS * N_STAGES * MAX_RANKS
+FLAG_BYTES = (_BLOCK_FLAG_WORDS + CE_RING * CE_STAGES * MAX_RANKS) * 4
+_CTX = np.dtype([("slots", "<u8", (MAX_RANKS,)), ("flags", "<u8", (MAX_RANKS,)), ("calls", "<u8"),
+                 ("err", "<u8"), ("err_dev", "<u8"), ("rank", "<i4"), ("world", "<i4"), ("timeout_ns", "<u8"),
+                 ("set_bytes", "<u8")])
+_STAGES = {0: "data pushed", 1: "reduced shard pushed", 10: "chunk pushed (copy engine)",
+           11: "chunk reduced (copy engine)", 12: "chunk pulled (copy engine)"}
+_TAGS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+DTYPES = frozenset(_TAGS)
+PACK_BYTES = 16
+
+_COPY_ENGINE = object()  # plan marker: the copy-engine path works out its chunks per call
+
+
+def peer_unavailable(comm: Communicator) -> str:
+    """Why this group cannot use peer memory, or ``""`` if it can (collective on first call, then cached)."""
+    reason = comm._peer_reason
+    if reason is None:
+        reason = comm._peer_reason = _reason(comm)
+    return reason
+
+
+def _reason(comm: Communicator) -> str:
+    if comm.backend_for("cuda") != "nccl":
+        return f"the group has no NCCL backend for CUDA tensors (backend {comm.backend!r})"
+    if not 2 <= comm.size <= MAX_RANKS:
+        return f"peer memory serves 2 to {MAX_RANKS} ranks; this group has {comm.size}"
+    nodes = comm.topology.nodes()
+    # Every rank computes the same answers from here on, so every rank takes part in the same
+    # exchanges below.
+    if len(nodes) > 1:
+        return f"the ranks span {len(nodes)} nodes; peer memory needs one node"
+    devices = _all_gather_ints(comm, [torch.cuda.current_device()])
+    mine = torch.cuda.current_device()
+    ok = all(d[0] == mine or torch.cuda.can_device_access_peer(mine, d[0]) for d in devices)
+    ok_all = min(_all_gather_ints(comm, [int(ok)]))[0]
+    if not ok_all:
+        return "some GPUs of this node cannot access each other's memory (no P2P over NVLink or PCIe)"
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return "CuPy is not installed (pip install cupy-cuda13x, or cupy-cuda12x for CUDA 12)"
+    return ""
+
+
+def peer_memory(comm: Communicator) -> PeerMemory:
+    """The communicator's :class:`PeerMemory`, created on first use (collective then)."""
+    pm = comm._peer_memory
+    if pm is None or pm.closed:
+        pm = comm._peer_memory = PeerMemory(comm)
+    return pm
+
+
+def close_peer_memory(comm: Communicator) -> None:
+    """Close the communicator's peer memory if it has one (collective)."""
+    pm, comm._peer_memory = comm._peer_memory, None
+    if pm is not None:
+        pm.close()
+
+
+def _all_gather_bytes(comm: Communicator, payload: bytes) -> list[bytes]:
+    """Every rank's ``payload`` (equal lengths), over the CPU side of the group where it has one."""
+    device = torch.device("cpu") if comm.backend_for("cpu") else torch.device("cuda", torch.cuda.current_device())
+    mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    out = [torch.empty_like(mine) for _ in range(comm.size)]
+    dist.all_gather(out, mine, group=comm.group)
+    return [bytes(t.cpu().numpy().tobytes()) for t in out]
+
+
+def _all_gather_ints(comm: Communicator, values: list[int]) -> list[list[int]]:
+    raw = _all_gather_bytes(comm, np.asarray(values, dtype=np.int64).tobytes())
+    return [np.frombuffer(b, dtype=np.int64).tolist() for b in raw]
+
+
+class PeerMemory:
+    """Slot buffers and flags shared by the GPUs of one node; built once, called many times.
+
+    Construction is collective over ``comm``'s group: each rank allocates ``slot_bytes`` of slots
+    and a flag area on its current CUDA device, and maps every peer's through CUDA IPC.
+    :meth:`close` is collective too. Calls run on torch's current stream; one communicator's calls
+    must not run on two streams at once (like NCCL's).
+
+    Args:
+        comm: a communicator whose ranks share one node and can access each other's memory
+            (:func:`peer_unavailable` says why not).
+        slot_bytes: bytes of this rank's slot buffer (``COMMOPS_PEER_BYTES``), used in two halves
+            on alternate calls; the largest piece a call moves at once is a fraction of a half,
+            larger messages run in pieces.
+        timeout_s: how long a kernel waits for a peer before it gives up (``COMMOPS_PEER_TIMEOUT_S``).
+        block_bytes: about how many bytes one thread block moves; sets the grid.
+        max_blocks: the most thread blocks a call uses (at most 128).
+    """
+
+    def __init__(self, comm: Communicator, slot_bytes: int | None = None, timeout_s: float | None = None,
+                 block_bytes: int = 32 << 10, max_blocks: int = MAX_BLOCKS) -> None:
+        reason = peer_unavailable(comm)
+        if reason:
+            raise UnsupportedError("group", comm, f"cannot use peer memory: {reason}",
+                                   "use algorithm='native' (NCCL) or 'auto', which does when peer memory cannot run")
+        import cupy
+
+        self.comm = comm
+        self.rank, self.world = comm.rank, comm.size
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        size = int(slot_bytes if slot_bytes is not None else _env.PEER_BYTES.get())
+        if size < (1 << 20) or size % 4096:
+            raise UnsupportedError("slot_bytes", size, "must be a multiple of 4096 and at least 1 MiB",
+                                   f"pass a size such as {64 << 20}")
+        self.slot_bytes = size
+        self.timeout_s = float(timeout_s if timeout_s is not None else _env.PEER_TIMEOUT_S.get())
+        self._plans: dict[tuple[str, torch.dtype, int], Any] = {}
+        self.block_bytes = block_bytes
+        self.max_blocks = max_blocks
+        self.closed = False
+        rt = cupy.cuda.runtime
+        with cupy.cuda.Device(self.device.index):
+            self._own = [rt.malloc(size), rt.malloc(FLAG_BYTES)]
+            rt.memset(self._own[1], 0, FLAG_BYTES)
+            rt.deviceSynchronize()
+            handles = b"".join(bytes(rt.ipcGetMemHandle(p)) for p in self._own)
+        every = _all_gather_bytes(comm, handles)
+        half = len(handles) // 2
+        self._opened: list[int] = []
+        slots, flags = [0] * MAX_RANKS, [0] * MAX_RANKS
+        with cupy.cuda.Device(self.device.index):
+            for q, h in enumerate(every):
+                if q == self.rank:
+                    slots[q], flags[q] = self._own
+                    continue
+                slots[q] = rt.ipcOpenMemHandle(h[:half], rt.cudaIpcMemLazyEnablePeerAccess)
+                flags[q] = rt.ipcOpenMemHandle(h[half:], rt.cudaIpcMemLazyEnablePeerAccess)
+                self._opened += [slots[q], flags[q]]
+        self.slot_pointers = tuple(slots[:self.world])  # every rank's slot buffer, mapped here
+        self._flag_pointers = tuple(flags[:self.world])
+        self._calls = torch.zeros(3, dtype=torch.int32, device=self.device)
+        self._copy_streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))  # push, pull
+        self.ce_chunk_bytes = 16 << 20
+        self._err_dev = torch.zeros(4, dtype=torch.int32, device=self.device)
+        self._err = torch.zeros(4, dtype=torch.int32).pin_memory()  # mapped: the kernel writes it
+        self._err_np = self._err.numpy()
+        ctx = np.zeros((), dtype=_CTX)
+        ctx["slots"], ctx["flags"] = slots, flags
+        ctx["calls"], ctx["err"], ctx["err_dev"] = (self._calls.data_ptr(), self._err.data_ptr(),
+                                                    self._err_dev.data_ptr())
+        ctx["rank"], ctx["world"], ctx["timeout_ns"] = self.rank, self.world, int(self.timeout_s * 1e9)
+        ctx["set_bytes"] = self._set_bytes = size // 2
+        self._ctx = ctx.tobytes()
+        self._index = self.device.index
+        self._kernels: dict[tuple[str, torch.dtype | None, bool], _launch.Kernel] = {}
+        torch.cuda.synchronize(self.device)
+        _all_gather_ints(comm, [0])  # every rank mapped every peer before anyone pushes
+
+    # -- calls ---------------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, algorithm: str = "two_shot", average: bool = False) -> None:
+        """In-place sum (or average) of ``tensor`` over the group.
+
+        ``algorithm``: 'one_shot', 'two_shot' or 'copy_engine'. The pieces and kernels of each
+        (algorithm, dtype, size) are worked out once and kept: this is on the path of every small
+        all-reduce, whose budget is a few microseconds of host time.
+        """
+        plan = self._plans.get((algorithm, tensor.dtype, tensor.numel()))
+        if plan is None:
+            plan = self._plan(algorithm, tensor)
+        if self._err_np[0]:
+            self.check()
+        if tensor.get_device() != self._index:
+            self._check(tensor)
+        base = tensor.data_ptr()
+        if plan is _COPY_ENGINE:
+            self._ce_all_reduce(tensor, base % PACK_BYTES == 0)
+        else:
+            k = plan[0] if base % PACK_BYTES == 0 else plan[1]
+            stream = _launch.current_stream(self._index)
+            for blocks, off, a, b in plan[2]:
+                k(blocks, stream, base + off, base + off, a, b)
+        if average:
+            tensor.div_(self.world)
+
+    def _plan(self, algorithm: str, tensor: torch.Tensor) -> Any:
+        self._check(tensor)
+        n, es, dtype = tensor.numel(), tensor.element_size(), tensor.dtype
+        pack = PACK_BYTES // es
+        cap = self._set_bytes // es
+        pieces = []
+        if algorithm == "one_shot":
+            slot = cap // self.world // pack * pack
+            for off in range(0, n, slot):
+                m = min(slot, n - off)
+                pieces.append((self._blocks(m * es), off * es, m, slot))
+        elif algorithm == "two_shot":
+            shard_max = cap // (2 * self.world) // pack * pack
+            piece = shard_max * self.world
+            for off in range(0, n, piece):
+                m = min(piece, n - off)
+                shard = math.ceil(math.ceil(m / self.world) / pack) * pack
+                pieces.append((self._blocks(m * es), off * es, m, shard))
+        elif algorithm == "copy_engine":
+            self._plans[(algorithm, dtype, n)] = _COPY_ENGINE
+            return _COPY_ENGINE
+        else:
+            raise UnsupportedError("algorithm", algorithm, "is not a peer-memory all-reduce",
+                                   "use 'one_shot', 'two_shot' or 'copy_engine'")
+        plan = (self._kernel(algorithm, dtype, True), self._kernel(algorithm, dtype, False), tuple(pieces))
+        self._plans[(algorithm, dtype, n)] = plan
+        return plan
+
+    def _blocks(self, nbytes: int) -> int:
+        return max(1, min(self._max_blocks, -(-nbytes // self._block_bytes)))
+
+    @property
+    def block_bytes(self) -> int:
+        """About how many bytes one thread block moves (sets the grid of the SM kernels)."""
+        return self._block_bytes
+
+    @block_bytes.setter
+    def block_bytes(self, value: int) -> None:
+        self._block_bytes = int(value)
+        self._plans.clear()
+
+    @property
+    def max_blocks(self) -> int:
+        """The most thread blocks one call uses."""
+        return self._max_blocks
+
+    @max_blocks.setter
+    def max_blocks(self, value: int) -> None:
+        if not 1 <= value <= MAX_BLOCKS:
+            raise UnsupportedError("max_blocks", value, f"must be in 1..{MAX_BLOCKS}", f"pass {MAX_BLOCKS}")
+        self._max_blocks = int(value)
+        self._plans.clear()
+
+    def _ce_all_reduce(self, t: torch.Tensor, vec: bool) -> None:
+        """Copy engines move the shards, SMs only reduce; chunks cycle through a ring of slots.
+
+        See kernels.cu ("copy-engine path") for the protocol. ``vec`` also needs whole packs per
+        chunk and shard, which the chunk size below keeps.
+        """
+        w, r, es = self.world, self.rank, t.element_size()
+        pack = PACK_BYTES // es
+        n = t.numel()
+        chunk = max(w * pack, self.ce_chunk_bytes // es // (w * pack) * (w * pack))
+        s_max = chunk // w
+        ring = min(CE_RING, self.slot_bytes // es // ((w + 1) * s_max))
+        if ring < 2:
+            raise UnsupportedError("ce_chunk_bytes", self.ce_chunk_bytes,
+                                   f"leaves fewer than 2 ring slots in {self.slot_bytes} B of slots",
+                                   "use a smaller chunk or a larger COMMOPS_PEER_BYTES")
+        main = _launch.current_stream(self._index)
+        push_s, pull_s = self._copy_streams
+        ps, ls = push_s.cuda_stream, pull_s.cuda_stream
+        base = t.data_ptr()
+        fence = self._kernel("ce_fence", None, False, 1)
+        wait = self._kernel("ce_wait", None, False, 3)
+        reduce = self._kernel("ce_reduce", t.dtype, vec, 8)
+        peers = [(r + d) % w for d in range(1, w)]
+        fence(1, main, 0)
+        current = torch.cuda.current_stream(self.device)
+        start = torch.cuda.Event()
+        start.record(current)
+        push_s.wait_event(start)
+        pull_s.wait_event(start)
+        k = -(-n // chunk)
+
+        def geometry(j: int) -> tuple[int, int, int]:
+            nj = min(chunk, n - j * chunk)
+            shard = -(-(-(-nj // w)) // pack) * pack
+            return nj, shard, (j % ring) * (w + 1) * s_max
+
+        def length(nj: int, shard: int, q: int) -> int:
+            return max(0, min(shard, nj - q * shard))
+
+        # Pull stream: wait until the peers reduced chunk i, pull their shards, tell them. Push
+        # stream: push chunk j once the peers reduced chunk j - ring (their slot is free again),
+        # which the pull stream's wait for chunk j - ring has established (an event, no kernel).
+        reduced = [torch.cuda.Event() for _ in range(ring)]
+        blocks = max(1, min(self._max_blocks, -(-s_max * es // self._block_bytes)))
+        for j in range(k):
+            nj, shard, off = geometry(j)
+            if j >= ring:
+                push_s.wait_event(reduced[j % ring])
+            for q in peers:
+                m = length(nj, shard, q)
+                if m:
+                    _launch.copy_async(self.slot_pointers[q] + (off + r * s_max) * es,
+                                       base + (j * chunk + q * shard) * es, m * es, ps)
+            for q in peers:
+                _launch.write_value(ps, self._ce_flag(q, j % ring, CE_PUSHED), j // ring + 1)
+            reduce(blocks, main, base + j * chunk * es, base + j * chunk * es, off, shard, nj, j, ring, s_max)
+            u = j // ring
+            wait(1, ls, j % ring, CE_REDUCED, u + 1)
+            reduced[j % ring].record(pull_s)
+            for q in peers:
+                m = length(nj, shard, q)
+                if m:
+                    _launch.copy_async(base + (j * chunk + q * shard) * es,
+                                       self.slot_pointers[q] + (off + w * s_max) * es, m * es, ls)
+            for q in peers:
+                _launch.write_value(ls, self._ce_flag(q, j % ring, CE_PULLED), u + 1)
+        for side in (push_s, pull_s):
+            done = torch.cuda.Event()
+            done.record(side)
+            current.wait_event(done)
+        fence(1, main, 1)
+
+    def _ce_flag(self, q: int, slot: int, stage: int) -> int:
+        """Address of rank q's copy-engine flag (slot, stage) for signals from this rank."""
+        return self._flag_pointers[q] + (_BLOCK_FLAG_WORDS + (slot * CE_STAGES + stage) * MAX_RANKS + self.rank) * 4
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, average: bool = False) -> None:
+        """``output`` ([m]) = this rank's shard of the sum of every rank's ``input`` ([world * m])."""
+        self._check(output)
+        self._check(input)
+        m, es = output.numel(), output.element_size()
+        pack = PACK_BYTES // es
+        piece = self._set_bytes // es // self.world // pack * pack
+        vec = output.data_ptr() % PACK_BYTES == 0 and input.data_ptr() % PACK_BYTES == 0 and m % pack == 0
+        for off in range(0, m, piece):
+            k = min(piece, m - off)
+            self._launch("reduce_scatter", output.dtype, vec, k * es * self.world, input.data_ptr() + off * es,
+                         output.data_ptr() + off * es, k, m)
+        if average:
+            output.div_(self.world)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """``output`` ([world * m]) = every rank's ``input`` ([m]) in rank order."""
+        self._check(output)
+        self._check(input)
+        m, es = input.numel(), input.element_size()
+        pack = PACK_BYTES // es
+        piece = self._set_bytes // es // self.world // pack * pack
+        vec = output.data_ptr() % PACK_BYTES == 0 and input.data_ptr() % PACK_BYTES == 0 and m % pack == 0
+        for off in range(0, m, piece):
+            k = min(piece, m - off)
+            self._launch("all_gather", input.dtype, vec, k * es * self.world, input.data_ptr() + off * es,
+                         output.data_ptr() + off * es, k, m)
+
+    def check(self) -> None:
+        """Raise :class:`CollectiveTimeout` if a kernel of this communicator gave up waiting for a peer."""
+        if self._err_np[0]:
+            stage, block, peer = (int(x) for x in self._err_np[1:4])
+            what = _STAGES.get(stage, f"stage {stage}")
+            raise CollectiveTimeout(
+                "peer-memory collective", [self.comm.global_ranks[peer]] if 0 <= peer < self.world else [],
+                f"rank {self.comm.global_ranks[self.rank]} waited {self.timeout_s:g} s in block {block} for the flag "
+                f"'{what}'; the communicator's peer memory is unusable now: close it and build it again")
+
+    def close(self) -> None:
+        """Release the buffers (collective: waits until no rank can still touch them)."""
+        if self.closed:
+            return
+        import cupy
+
+        rt = cupy.cuda.runtime
+        torch.cuda.synchronize(self.device)
+        _all_gather_ints(self.comm, [0])  # nobody pushes into my slots any more
+        with cupy.cuda.Device(self.device.index):
+            for p in self._opened:
+                rt.ipcCloseMemHandle(p)
+        _all_gather_ints(self.comm, [0])  # nobody maps my memory any more
+        with cupy.cuda.Device(self.device.index):
+            for p in self._own:
+                rt.free(p)
+        self._opened, self._own = [], []
+        self._plans.clear()  # the next call re-plans, and _check refuses a closed PeerMemory
+        self.closed = True
+
+    # -- internals -------------------------------------------------------------------------------
+    def _check(self, t: torch.Tensor) -> None:
+        if self.closed:
+            raise UnsupportedError("peer memory", self, "is closed", "build a new PeerMemory (peer_memory(comm) does)")
+        if t.get_device() != self._index:
+            raise UnsupportedError("tensor", t, f"is not on {self.device}, where this rank's peer memory lives",
+                                   f"move it with .to('{self.device}') or call torch.cuda.set_device first")
+        if t.dtype not in DTYPES:
+            raise UnsupportedError("tensor", t, f"has dtype {t.dtype}; peer memory reduces {sorted(map(str, DTYPES))}",
+                                   "use algorithm='native' for other dtypes")
+
+    def _kernel(self, kind: str, dtype: torch.dtype | None, vec: bool, nargs: int = 4) -> _launch.Kernel:
+        if self._err_np[0]:
+            self.check()
+        key = (kind, dtype, vec)
+        k = self._kernels.get(key)
+        if k is None:
+            name = kind if dtype is None else f"{kind}_{_TAGS[dtype]}_{'vec' if vec else 'scalar'}"
+            k = self._kernels[key] = _launch.Kernel(name, self._index, self._ctx, nargs)
+        return k
+
+    def _launch(self, kind: str, dtype: torch.dtype, vec: bool, nbytes: int, src: int, dst: int, a: int, b: int) -> None:
+        k = self._kernel(kind, dtype, vec)
+        k(self._blocks(nbytes), _launch.current_stream(self._index), src, dst, a, b)
+
+    def __repr__(self) -> str:
+        return (f"PeerMemory(rank={self.rank}/{self.world}, {self.device}, slots={self.slot_bytes} B, "
+                f"{'closed' if self.closed else 'open'})")

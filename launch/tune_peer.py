@@ -1,0 +1,228 @@
+"""Sweep the peer-memory grid: ``torchrun --nproc-per-node N launch/tune_peer.py --json FILE``.
+
+For each message size, each peer-memory algorithm and each grid configuration (``block_bytes``,
+bytes per thread block, and ``max_blocks``; the copy engine's chunk size), the time of one call in eager mode and replayed
+from a CUDA graph, beside NCCL's in the same run: what ``PeerMemory``'s grid and ``auto``'s
+thresholds are set from. Times are medians of ``--reps`` loops of calls timed with CUDA events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import collectives as C  # noqa: E402
+from bench.cli import parse_size, sizes  # noqa: E402
+from collectives.peer import PeerMemory  # noqa: E402
+
+
+def _time(fn, iters: int, reps: int, graph: bool) -> float:  # type: ignore[no-untyped-def]
+    """Median seconds per call."""
+    if graph:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(iters):
+                fn()
+        run = g.replay
+    else:
+        def run() -> None:
+            for _ in range(iters):
+                fn()
+    run()
+    out = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        dist.barrier()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / 1e3 / iters)
+    t = torch.tensor([statistics.median(out)], device="cuda")
+    dist.all_reduce(t, dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _host_us(fn, calls: int = 300) -> float:  # type: ignore[no-untyped-def]
+    """Host microseconds to enqueue one call: ``calls`` back-to-back calls, fewer than the launch
+    queue holds, timed before synchronising (the GPU does not hold the host back)."""
+    samples = []
+    for _ in range(7):
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - t0) / calls * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def host_costs(comm: C.Communicator, pm: PeerMemory, dev: torch.device) -> dict[str, float]:
+    """Per-call cost of each layer on an 8-byte bf16 all-reduce, and a profile of the dispatch path."""
+    import cProfile
+    import io
+    import pstats
+
+    x = torch.randn(4, device=dev).to(torch.bfloat16)
+    out = {
+        "nccl": _host_us(lambda: dist.all_reduce(x)),
+        "commops_auto": _host_us(lambda: C.all_reduce(x)),
+        "commops_one_shot": _host_us(lambda: C.all_reduce(x, algorithm="one_shot")),
+        "peer_memory_one_shot": _host_us(lambda: pm.all_reduce(x, "one_shot")),
+    }
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        gname = comm.group.group_name
+        t = symm_mem.empty(4, dtype=torch.bfloat16, device=dev)
+        symm_mem.rendezvous(t, gname)
+        out["symm_mem_two_shot"] = _host_us(lambda: torch.ops.symm_mem.two_shot_all_reduce_(t, "sum", gname))
+        out["symm_mem_one_shot"] = _host_us(lambda: torch.ops.symm_mem.one_shot_all_reduce(t, "sum", gname))
+    except Exception as exc:  # an anchor, reported as missing rather than failing the sweep
+        out["symm_mem_error"] = repr(exc)[:200]  # type: ignore[assignment]
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(2000):
+        C.all_reduce(x)
+    torch.cuda.synchronize()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+    if comm.rank == 0:
+        print(buf.getvalue()[:6000], flush=True)
+    return out
+
+
+def link_rates(comm: C.Communicator, pm: PeerMemory, dev: torch.device, nbytes: int = 256 << 20) -> dict[str, float]:
+    """GB/s each way with every rank pushing to its peers at once: by SM stores (the all-gather
+    kernel, per grid size) and by the copy engines (cudaMemcpyAsync into the peers' slots)."""
+    import cupy
+
+    out: dict[str, float] = {}
+    m = nbytes // 2
+    src = torch.randn(m, device=dev).to(torch.bfloat16)
+    dst = torch.empty(m * comm.size, dtype=torch.bfloat16, device=dev)
+    keep = pm.max_blocks
+    for mb in (32, 64, 128):
+        pm.max_blocks = mb
+        t = _time(lambda: pm.all_gather(dst, src), 3, 5, False)
+        out[f"sm_push_{mb}_blocks_GBps"] = nbytes * (comm.size - 1) / t / 1e9
+    pm.max_blocks = keep
+    chunk = min(pm.slot_bytes // 2 // comm.size, nbytes)
+    raw = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    rt = cupy.cuda.runtime
+    peers = [q for q in range(comm.size) if q != comm.rank]
+
+    def ce() -> None:
+        stream = torch.cuda.current_stream().cuda_stream
+        for off in range(0, nbytes, chunk):
+            for q in peers:
+                rt.memcpyAsync(pm.slot_pointers[q] + comm.rank * chunk, raw.data_ptr() + off, chunk, 3, stream)
+
+    t = _time(ce, 3, 5, False)
+    out["copy_engine_GBps"] = nbytes * len(peers) / t / 1e9
+
+    def ce_pull() -> None:
+        stream = torch.cuda.current_stream().cuda_stream
+        for off in range(0, nbytes, chunk):
+            for q in peers:
+                rt.memcpyAsync(raw.data_ptr() + off, pm.slot_pointers[q] + comm.rank * chunk, chunk, 3, stream)
+
+    t = _time(ce_pull, 3, 5, False)
+    out["copy_engine_pull_GBps"] = nbytes * len(peers) / t / 1e9
+    side = torch.cuda.Stream()
+    half = pm.slot_bytes // 2
+
+    def ce_both() -> None:
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        for off in range(0, nbytes, chunk):
+            for q in peers:
+                rt.memcpyAsync(pm.slot_pointers[q] + comm.rank * chunk, raw.data_ptr() + off, chunk, 3,
+                               main.cuda_stream)
+                rt.memcpyAsync(raw.data_ptr() + off, pm.slot_pointers[q] + half + comm.rank * chunk, chunk, 3,
+                               side.cuda_stream)
+        main.wait_stream(side)
+
+    t = _time(ce_both, 3, 5, False)
+    out["copy_engine_push_and_pull_GBps"] = 2 * nbytes * len(peers) / t / 1e9
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(prog="launch/tune_peer.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("-b", "--min-bytes", type=parse_size, default=parse_size("8"))
+    p.add_argument("-e", "--max-bytes", type=parse_size, default=parse_size("1G"))
+    p.add_argument("-f", "--step-factor", type=int, default=4)
+    p.add_argument("--configs", default="2K:128,8K:128,32K:128,32K:64",
+                   help="comma-separated block_bytes:max_blocks grid configurations to try")
+    p.add_argument("--ce-chunks", default="4M,8M,16M", help="copy-engine chunk sizes to try (messages >= 8 MB)")
+    p.add_argument("-r", "--reps", type=int, default=5)
+    p.add_argument("--json", required=True)
+    args = p.parse_args()
+    comm = C.init()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    choices = [(parse_size(c.split(":")[0]), int(c.split(":")[1])) for c in args.configs.split(",")]
+    ce_chunks = [parse_size(c) for c in args.ce_chunks.split(",")]
+    pm = PeerMemory(comm)
+    host = host_costs(comm, pm, dev)
+    if comm.rank == 0:
+        print("host us per call:", json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in host.items()}),
+              flush=True)
+    links = link_rates(comm, pm, dev)
+    if comm.rank == 0:
+        print("links GB/s each way:", json.dumps({k: round(v, 1) for k, v in links.items()}), flush=True)
+    rows = []
+    for nbytes in sizes(args.min_bytes, args.max_bytes, args.step_factor):
+        n = max(1, nbytes // 2)
+        x = torch.randn(n, device=dev).to(torch.bfloat16)
+        iters = 50 if nbytes <= (4 << 20) else 10 if nbytes <= (64 << 20) else 3
+        row: dict[str, object] = {"bytes": n * 2}
+        for graph in (False, True):
+            tag = "graph" if graph else "eager"
+            row[f"nccl_{tag}_us"] = _time(lambda: dist.all_reduce(x), iters, args.reps, graph) * 1e6
+            for bb, mb in choices:
+                pm.block_bytes, pm.max_blocks = bb, mb
+                for algo in ("one_shot", "two_shot"):
+                    row[f"{algo}_{bb >> 10}K:{mb}_{tag}_us"] = _time(lambda: pm.all_reduce(x, algo), iters,
+                                                                   args.reps, graph) * 1e6
+            if nbytes >= (8 << 20):
+                for cb in ce_chunks:
+                    pm.ce_chunk_bytes = cb
+                    try:
+                        row[f"copy_engine_{cb >> 20}M_{tag}_us"] = _time(lambda: pm.all_reduce(x, "copy_engine"), iters,
+                                                                       args.reps, graph) * 1e6
+                    except C.UnsupportedError as exc:  # too few ring slots for this chunk
+                        row[f"copy_engine_{cb >> 20}M_{tag}_us"] = str(exc)[:80]  # type: ignore[assignment]
+        pm.check()
+        rows.append(row)
+        if comm.rank == 0:
+            print(json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+    if comm.rank == 0:
+        Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+                                               "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+                                               "gpu": torch.cuda.get_device_name(), "world": comm.size,
+                                               "host_us_per_call": host, "links": links, "rows": rows}, indent=1))
+    pm.close()
+    C.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,289 @@
+"""Peer-memory collectives on the GPUs of one node, checked (run by tests/test_gpu_peer.py).
+
+    torchrun --nproc-per-node 2 tests/gpu_peer_check.py [--json FILE] [--quick]
+
+Every check uses fresh random data (``bench.reference.rank_data`` with a new seed), a float64
+expected value computed from every rank's regenerated input, outputs poisoned with NaN before the
+call, and the rounding bound of ``bench.reference.tolerance``. Also: every rank's result is the
+same bits; the result matches NCCL's within the bound; odd sizes, unaligned views (the scalar
+path) and messages larger than the slots (pieces); CUDA-graph capture and replay; 1000
+back-to-back calls of alternating sizes without a host synchronisation (a race shows as a
+wrong element); a peer that never arrives (``CollectiveTimeout`` naming it); bad arguments
+rejected before anything is sent. Prints one line per failure and exits non-zero on any.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import collectives as C  # noqa: E402
+from bench.reference import rank_data  # noqa: E402
+from collectives.peer import PeerMemory  # noqa: E402
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+EPS = {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
+
+
+class Checker:
+    def __init__(self, comm: C.Communicator) -> None:
+        self.comm = comm
+        self.w, self.r = comm.size, comm.rank
+        self.dev = torch.device("cuda", torch.cuda.current_device())
+        self.failures: list[str] = []
+        self.checks = 0
+        self.seed = 1000
+
+    def fresh(self, n: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Every rank's input for a new seed (each rank regenerates all of them)."""
+        self.seed += 1
+        return [rank_data(q, n, dtype, self.seed, self.dev) for q in range(self.w)]
+
+    def bound(self, terms: list[torch.Tensor], dtype: torch.dtype, avg: bool = False) -> torch.Tensor:
+        mag = sum(t.double().abs() for t in terms)
+        scale = 1.0 / self.w if avg else 1.0
+        # fp32 accumulation of w terms, then one rounding to dtype
+        return mag * scale * (EPS[dtype] + self.w * EPS[torch.float32]) * 2 + 1e-30
+
+    def expect(self, what: str, got: torch.Tensor, want: torch.Tensor, tol: torch.Tensor) -> None:
+        self.checks += 1
+        bad = ~((got.double() - want).abs() <= tol)
+        nbad = int(bad.sum())
+        if nbad:
+            i = int(bad.nonzero()[0])
+            self.failures.append(f"rank {self.r} {what}: {nbad} wrong of {got.numel()}; first at {i}: "
+                                 f"got {float(got.view(-1)[i])} want {float(want.view(-1)[i])}")
+
+    def same_on_all_ranks(self, what: str, t: torch.Tensor) -> None:
+        self.checks += 1
+        bits = t.contiguous().view(torch.uint8)
+        every = [torch.empty_like(bits) for _ in range(self.w)]
+        dist.all_gather(every, bits)
+        if not all(torch.equal(every[0], e) for e in every):
+            self.failures.append(f"rank {self.r} {what}: ranks hold different bits")
+
+    # -- all-reduce ------------------------------------------------------------------------------
+    def all_reduce(self, algorithm: str, n: int, dtype: torch.dtype, *, offset: int = 0, avg: bool = False,
+                   pm: PeerMemory | None = None, compare_nccl: bool = True) -> None:
+        inputs = self.fresh(n, dtype)
+        want = sum(x.double() for x in inputs)
+        if avg:
+            want = want / self.w
+        base = torch.full((n + offset,), float("nan"), dtype=dtype, device=self.dev)
+        x = base[offset:]
+        x.copy_(inputs[self.r])
+        what = f"all_reduce {algorithm} n={n} {dtype} offset={offset}{' avg' if avg else ''}{' pieces' if pm else ''}"
+        if pm is None:
+            C.all_reduce(x, op="avg" if avg else "sum", algorithm=algorithm)
+        else:
+            pm.all_reduce(x, algorithm, avg)
+        tol = self.bound(inputs, dtype, avg)
+        self.expect(what, x, want, tol)
+        self.same_on_all_ranks(what, x)
+        if compare_nccl:
+            y = inputs[self.r].clone()
+            dist.all_reduce(y, dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM)
+            self.expect(what + " vs NCCL", x, y.double(), 2 * tol)
+
+    def reduce_scatter(self, m: int, dtype: torch.dtype, *, pm: PeerMemory | None = None, avg: bool = False) -> None:
+        inputs = self.fresh(m * self.w, dtype)
+        want = sum(x.double() for x in inputs)[self.r * m:(self.r + 1) * m]
+        if avg:
+            want = want / self.w
+        out = torch.full((m,), float("nan"), dtype=dtype, device=self.dev)
+        if pm is None:
+            C.reduce_scatter_single(out, inputs[self.r], op="avg" if avg else "sum", algorithm="one_shot")
+        else:
+            pm.reduce_scatter(out, inputs[self.r], avg)
+        tol = self.bound([x[self.r * m:(self.r + 1) * m] for x in inputs], dtype, avg)
+        self.expect(f"reduce_scatter one_shot m={m} {dtype}{' pieces' if pm else ''}", out, want, tol)
+
+    def all_gather(self, m: int, dtype: torch.dtype, *, pm: PeerMemory | None = None) -> None:
+        inputs = self.fresh(m, dtype)
+        want = torch.cat(inputs).double()
+        out = torch.full((m * self.w,), float("nan"), dtype=dtype, device=self.dev)
+        if pm is None:
+            C.all_gather_single(out, inputs[self.r], algorithm="one_shot")
+        else:
+            pm.all_gather(out, inputs[self.r])
+        self.expect(f"all_gather one_shot m={m} {dtype}{' pieces' if pm else ''}", out, want, torch.zeros_like(want))
+
+    # -- CUDA graphs -------------------------------------------------------------------------------
+    def graphs(self, n: int, dtype: torch.dtype) -> None:
+        for algorithm in ("one_shot", "two_shot", "copy_engine"):
+            x = torch.empty(n, dtype=dtype, device=self.dev)
+            x.copy_(self.fresh(n, dtype)[self.r])
+            C.all_reduce(x, algorithm=algorithm)  # buffers and kernels exist before capture
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                with torch.cuda.graph(g, stream=s):
+                    C.all_reduce(x, algorithm=algorithm)
+            torch.cuda.current_stream().wait_stream(s)
+            for rep in range(5):
+                inputs = self.fresh(n, dtype)
+                x.copy_(inputs[self.r])
+                g.replay()
+                torch.cuda.synchronize()
+                self.expect(f"graph all_reduce {algorithm} n={n} {dtype} replay {rep}", x,
+                            sum(t.double() for t in inputs), self.bound(inputs, dtype))
+        m = max(1, n // self.w)
+        inp = torch.empty(m * self.w, dtype=dtype, device=self.dev)
+        out_rs = torch.empty(m, dtype=dtype, device=self.dev)
+        out_ag = torch.empty(m * self.w, dtype=dtype, device=self.dev)
+        C.reduce_scatter_single(out_rs, inp.normal_(), algorithm="one_shot")
+        C.all_gather_single(out_ag, out_rs, algorithm="one_shot")
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            C.reduce_scatter_single(out_rs, inp, algorithm="one_shot")
+            C.all_gather_single(out_ag, out_rs, algorithm="one_shot")
+        for rep in range(3):
+            inputs = self.fresh(m * self.w, dtype)
+            inp.copy_(inputs[self.r])
+            out_ag.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            full = sum(t.double() for t in inputs)
+            # all-gather of the rounded shards: compare with the rounded full sum shard by shard
+            self.expect(f"graph reduce_scatter+all_gather m={m} {dtype} replay {rep}", out_ag, full,
+                        self.bound(inputs, dtype))
+
+    # -- races -----------------------------------------------------------------------------------
+    def back_to_back(self, calls: int, dtype: torch.dtype) -> None:
+        sizes = (8191, 3 << 20)  # 1 block and the most blocks, alternately: exercises per-block epochs
+        outs = {n: torch.empty(calls // 2, n, dtype=dtype, device=self.dev) for n in sizes}
+        seeds = []
+        torch.cuda.synchronize()
+        for i in range(calls):
+            n = sizes[i % 2]
+            self.seed += 1
+            seeds.append(self.seed)
+            x = outs[n][i // 2]
+            x.copy_(rank_data(self.r, n, dtype, self.seed, self.dev))
+            C.all_reduce(x, algorithm=("two_shot", "one_shot", "copy_engine")[(i // 2) % 3])
+        torch.cuda.synchronize()
+        wrong = 0
+        for i, seed in enumerate(seeds):
+            n = sizes[i % 2]
+            inputs = [rank_data(q, n, dtype, seed, self.dev) for q in range(self.w)]
+            want = sum(t.double() for t in inputs)
+            wrong += int((~((outs[n][i // 2].double() - want).abs() <= self.bound(inputs, dtype))).sum())
+        self.checks += 1
+        if wrong:
+            self.failures.append(f"rank {self.r} {calls} back-to-back calls {dtype}: {wrong} wrong elements")
+
+    # -- faults and bad arguments ------------------------------------------------------------------
+    def timeout(self) -> None:
+        pm = PeerMemory(self.comm, slot_bytes=1 << 20, timeout_s=0.5)
+        x = torch.randn(4096, device=self.dev)
+        raised = None
+        if self.r == 0:  # rank 0 calls, the others never do
+            t0 = time.perf_counter()
+            pm.all_reduce(x, "one_shot")
+            torch.cuda.synchronize()
+            waited = time.perf_counter() - t0
+            try:
+                pm.check()
+            except C.CollectiveTimeout as exc:
+                raised = exc
+            self.checks += 1
+            missing = sorted(set(range(1, self.w)))
+            if raised is None:
+                self.failures.append("rank 0: no CollectiveTimeout after a peer skipped the call")
+            elif raised.missing[0] not in missing or not 0.4 < waited < 10:
+                self.failures.append(f"rank 0: timeout named {raised.missing} after {waited:.2f} s; want one of "
+                                     f"{missing} after about 0.5 s")
+            try:
+                pm.all_reduce(x, "one_shot")  # the next call refuses to run
+                self.failures.append("rank 0: a call after a timeout ran")
+            except C.CollectiveTimeout:
+                pass
+        dist.barrier()
+        pm.close()
+
+    def bad_arguments(self) -> None:
+        cases = [
+            ("float64", lambda: C.all_reduce(torch.ones(8, dtype=torch.float64, device=self.dev), algorithm="one_shot")),
+            ("op=max", lambda: C.all_reduce(torch.ones(8, device=self.dev), op="max", algorithm="two_shot")),
+            ("two_shot reduce_scatter", lambda: C.reduce_scatter_single(torch.ones(8, device=self.dev),
+                                                                        torch.ones(8 * self.w, device=self.dev),
+                                                                        algorithm="two_shot")),
+        ]
+        for name, fn in cases:
+            self.checks += 1
+            try:
+                fn()
+                self.failures.append(f"rank {self.r} bad argument {name}: no error")
+            except C.UnsupportedError as exc:
+                if "Fix:" not in str(exc):
+                    self.failures.append(f"rank {self.r} bad argument {name}: error without a fix: {exc}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--json")
+    p.add_argument("--quick", action="store_true", help="fewer sizes (for compute-sanitizer)")
+    args = p.parse_args()
+    comm = C.init()
+    ck = Checker(comm)
+    t0 = time.perf_counter()
+    sizes = [1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 33, 127, 1000, 4095, 4097, 65535, 65537, (1 << 20) + 3, 5_000_001]
+    if args.quick:
+        sizes = [1, 17, 4097]
+    for dtype in DTYPES:
+        for n in sizes:
+            for algorithm in ("one_shot", "two_shot", "copy_engine"):
+                ck.all_reduce(algorithm, n, dtype)
+            ck.reduce_scatter(n, dtype)
+            ck.all_gather(n, dtype)
+        for algorithm in ("one_shot", "two_shot", "copy_engine"):
+            ck.all_reduce(algorithm, 1001, dtype, offset=1)  # unaligned: the scalar entry points
+            ck.all_reduce(algorithm, 70_001, dtype, avg=True)
+        ck.reduce_scatter(4097, dtype, avg=True)
+    if not args.quick:
+        pm = PeerMemory(comm, slot_bytes=1 << 20)  # pieces: messages up to 8x the slots
+        pm.ce_chunk_bytes = 64 << 10  # copy engine: many chunks, the ring wraps
+        for dtype in DTYPES:
+            for n in (1 << 20, 2_000_003, 4 << 20):
+                for algorithm in ("one_shot", "two_shot", "copy_engine"):
+                    ck.all_reduce(algorithm, n, dtype, pm=pm)
+                ck.reduce_scatter(n // comm.size + 1, dtype, pm=pm)
+                ck.all_gather(n // comm.size + 1, dtype, pm=pm)
+        pm.close()
+        for dtype in DTYPES:
+            ck.graphs(100_003, dtype)
+        ck.back_to_back(1000, torch.bfloat16)
+        ck.timeout()
+    ck.bad_arguments()
+    torch.cuda.synchronize()
+    fails = [None] * comm.size
+    dist.all_gather_object(fails, ck.failures)
+    checks = [0] * comm.size
+    dist.all_gather_object(checks, ck.checks)
+    if comm.rank == 0:
+        flat = [f for fs in fails for f in fs]
+        for f in flat[:50]:
+            print("FAIL", f)
+        print(f"peer-memory checks: {sum(checks)} run on {comm.size} ranks, {len(flat)} failed, "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"checks": sum(checks), "failures": flat, "world": comm.size,
+                                                   "torch": torch.__version__}, indent=1))
+    ok = not any(fails)
+    C.destroy()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
