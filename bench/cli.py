@@ -22,7 +22,7 @@ import torch.distributed as dist
 import collectives as C
 
 from .harness import prepare, sweep
-from .report import Progress, format_table, plot, tuned_table, write_csv, write_json
+from .report import Progress, format_table, plot, plot_vs_native, tuned_table, write_csv, write_json
 
 __all__ = ["parse_size", "sizes", "build_parser", "main"]
 
@@ -80,6 +80,7 @@ def build_parser(op: str | None) -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--csv", metavar="PATH")
     p.add_argument("--plot", metavar="PATH")
+    p.add_argument("--plot-vs-native", metavar="PATH", help="time over native's, one panel per op and graph mode")
     p.add_argument("--tune", metavar="PATH", help="write the measured-fastest algorithm per size (for COMMOPS_TUNED)")
     p.add_argument("--backend", default=None, help="force a backend (default: nccl on GPUs, else gloo)")
     return p
@@ -142,8 +143,12 @@ def main(argv: Sequence[str] | None = None, op: str | None = None) -> int:
             with open(args.tune, "w") as f:
                 json.dump(tuned_table(records, meta), f, indent=1)
                 f.write("\n")
-        if args.json or args.csv or args.plot or args.tune:
-            print("# wrote " + ", ".join(p for p in (args.json, args.csv, args.plot, args.tune) if p), flush=True)
+        if args.plot_vs_native:
+            plot_vs_native(records, args.plot_vs_native,
+                           f"{comm.size} ranks, {comm.backend} ({meta.get('gpu', device.type)}), {args.dtype}")
+        written = (args.json, args.csv, args.plot, args.plot_vs_native, args.tune)
+        if any(written):
+            print("# wrote " + ", ".join(p for p in written if p), flush=True)
     bad = sum(r.wrong or 0 for r in records)
     dist.barrier()
     del comm

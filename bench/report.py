@@ -82,6 +82,37 @@ def plot(records: Sequence[Record], path: str, title: str = "") -> None:
     plt.close(fig)
 
 
+def plot_vs_native(records: Sequence[Record], path: str, title: str = "") -> None:
+    """PNG: each algorithm's time over native's in the same mode, one panel per op and mode
+    (below 1 is faster than the backend's own collective)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = list(dict.fromkeys(r.op for r in records))
+    modes = sorted({r.graph for r in records})
+    fig, axes = plt.subplots(len(ops), len(modes), figsize=(7 * len(modes), 4.2 * len(ops)), squeeze=False)
+    for ax, (op, graph) in zip(axes.flat, [(o, g) for o in ops for g in modes]):
+        mine = [r for r in records if r.op == op and r.graph == graph]
+        base = {r.bytes: r.time_us for r in mine if r.algorithm == "native"}
+        for name in dict.fromkeys(r.algorithm for r in mine if r.algorithm != "native"):
+            rs = sorted((r for r in mine if r.algorithm == name and r.bytes in base), key=lambda r: r.bytes)
+            ax.plot([r.bytes for r in rs], [r.time_us / base[r.bytes] for r in rs], marker="o", ms=3, label=name)
+        ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("message size (bytes)")
+        ax.set_ylabel("time / native's time")
+        ax.set_title(f"{op}, {'CUDA graph' if graph else 'eager'}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 class Progress:
     """A one-line progress bar on stderr when it is a terminal; silent otherwise."""
 

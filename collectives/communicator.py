@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ._types import BACKEND_DEVICES, ReduceOp, normalize_reduce_op
-from .dispatch import Call, dispatch
+from .dispatch import Call, dispatch, dispatch_tensors
 from .errors import NotInitializedError
 from .selection import Choice
 from .work import Work
@@ -77,6 +77,7 @@ class Communicator:
         self._choices: dict[Any, Any] = {}  # auto's cached choices and calibration (selection.py)
         self._peer_reason: str | None = None  # why peer memory cannot run here ("" if it can; collectives/peer)
         self._peer_memory: Any = None  # collectives.peer.PeerMemory, built on first use
+        self._fast: dict[Any, Any] = {}  # signature -> runner of calls already resolved (dispatch_tensors)
 
     # -- facts -------------------------------------------------------------------------------
     def backend_for(self, device_type: str) -> str | None:
@@ -114,6 +115,7 @@ class Communicator:
         self._topology = topo
         self._derived = None
         self._choices.clear()
+        self._fast.clear()
 
     def set_calibration(self, machine: Any) -> None:
         """Price ``auto``'s choices with ``machine`` (a :class:`topology.cost.Machine`, or a
@@ -142,6 +144,7 @@ class Communicator:
     def _forget_choices(self, keep: str) -> None:
         kept = self._choices.get(keep)
         self._choices.clear()
+        self._fast.clear()
         if kept is not None:
             self._choices[keep] = kept
 
@@ -186,26 +189,25 @@ class Communicator:
             self._executor.shutdown(wait=True)
             self._executor = None
         self._scratch.clear()
+        self._fast.clear()
 
     # -- verbs -------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: Any = ReduceOp.SUM, async_op: bool = False, *,
                    algorithm: str = "auto") -> Work | None:
         """In-place all-reduce of ``tensor`` over the group (``torch.distributed.all_reduce``)."""
-        return dispatch(Call("all_reduce", self, tensor, reduce_op=normalize_reduce_op(op),
-                             async_op=async_op, algorithm=algorithm))
+        return dispatch_tensors(self, "all_reduce", tensor, tensor, op, algorithm, async_op)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM,
                               async_op: bool = False, *, algorithm: str = "auto") -> Work | None:
         """Reduce ``input`` ([world * n]) over the group; rank r gets elements [r*n, (r+1)*n) in ``output``."""
-        return dispatch(Call("reduce_scatter", self, output, input, reduce_op=normalize_reduce_op(op),
-                             async_op=async_op, algorithm=algorithm))
+        return dispatch_tensors(self, "reduce_scatter", output, input, op, algorithm, async_op)
 
     reduce_scatter_tensor = reduce_scatter_single
 
     def all_gather_single(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, async_op: bool = False,
                           *, algorithm: str = "auto") -> Work | None:
         """Concatenate every rank's ``input_tensor`` ([n]) in rank order into ``output_tensor`` ([world * n])."""
-        return dispatch(Call("all_gather", self, output_tensor, input_tensor, async_op=async_op, algorithm=algorithm))
+        return dispatch_tensors(self, "all_gather", output_tensor, input_tensor, None, algorithm, async_op)
 
     all_gather_into_tensor = all_gather_single
 

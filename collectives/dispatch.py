@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import _env
-from ._validate import validate
+from ._types import normalize_reduce_op
+from ._validate import _current_device, validate
 from .algos import REGISTRY, Algorithm, ScheduledAlgorithm, for_op
 from .algos._schedule import Layout
 from .errors import UnsupportedError
@@ -28,7 +29,7 @@ from .work import EventWork, FutureWork, TorchWork, Work
 if TYPE_CHECKING:
     from .communicator import Communicator
 
-__all__ = ["Call", "dispatch", "add_trace_hook", "remove_trace_hook", "TraceHook"]
+__all__ = ["Call", "dispatch", "dispatch_tensors", "add_trace_hook", "remove_trace_hook", "TraceHook"]
 
 # A trace hook is called as hook(event, call, detail) with event "start" (after validation and
 # choice, before anything is sent), "end" (the call returned; async calls may still run) or
@@ -49,7 +50,7 @@ class Call:
     """One collective call: what was asked, on which communicator, and what ran it."""
 
     __slots__ = ("op", "comm", "input", "output", "reduce_op", "root", "group_root", "in_rows",
-                 "out_rows", "async_op", "algorithm", "choice", "seq", "tag")
+                 "out_rows", "async_op", "algorithm", "choice", "seq", "tag", "fast")
 
     def __init__(self, op: str, comm: Communicator, output: Any, input: Any = None, *,
                  reduce_op: str | None = None, root: int | None = None, group_root: int | None = None,
@@ -69,6 +70,7 @@ class Call:
         self.choice: Choice | None = None
         self.seq = 0
         self.tag = 0
+        self.fast: Callable[[torch.Tensor, torch.Tensor], None] | None = None  # see dispatch_tensors
 
     @property
     def nbytes(self) -> int:
@@ -140,6 +142,38 @@ def _resolve(call: Call) -> Algorithm:
 _profiling = torch._C._autograd._profiler_enabled
 
 
+def dispatch_tensors(comm: Communicator, op: str, output: torch.Tensor, input: torch.Tensor, reduce_op: Any,
+                     algorithm: str, async_op: bool) -> Work | None:
+    """The tensor verbs' way in: a repeat of a call already resolved takes the fast path, any other
+    call the full :func:`dispatch`.
+
+    A call's signature (op, algorithm, reduce op as given, dtype, element counts) fixes everything
+    the full path checks and decides except what belongs to the tensor objects themselves, which
+    the fast path checks again (a CUDA tensor, contiguous, on the current device). It applies
+    only to synchronous calls of algorithms that offer a runner (``Algorithm.fast_path``), with no
+    trace hook, profiler or NVTX tool to inform; the call still counts in ``comm.seq``. On the
+    2xH200 machine it takes several microseconds off each small peer-memory call, which is most
+    of the host time such a call has.
+    """
+    if not async_op and not _HOOKS and type(output) is torch.Tensor and type(input) is torch.Tensor:
+        key = (op, algorithm, reduce_op, output.dtype, output.numel(), input.numel())
+        runner = comm._fast.get(key)
+        if runner is not None and output.is_cuda and output.is_contiguous() and input.is_contiguous() \
+                and output.get_device() == _current_device() == input.get_device() \
+                and not _profiling() and not _env.nvtx_enabled():
+            comm.seq += 1
+            runner(output, input)
+            return None
+    else:
+        key = None
+    call = Call(op, comm, output, input, reduce_op=None if reduce_op is None else normalize_reduce_op(reduce_op),
+                async_op=async_op, algorithm=algorithm)
+    result = dispatch(call)
+    if key is not None and call.fast is not None:
+        comm._fast[key] = call.fast
+    return result
+
+
 def dispatch(call: Call) -> Work | None:
     """Validate, choose, trace and run ``call``; returns a handle when ``call.async_op``."""
     validate(call)
@@ -182,6 +216,8 @@ def dispatch(call: Call) -> Work | None:
     if hooks:
         for h in hooks:
             h("end", call, result)
+    elif not call.async_op and call.output is not None and call.output.is_cuda:
+        call.fast = algo.fast_path(call)
     return result
 
 

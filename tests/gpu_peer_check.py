@@ -183,6 +183,32 @@ class Checker:
         if wrong:
             self.failures.append(f"rank {self.r} {calls} back-to-back calls {dtype}: {wrong} wrong elements")
 
+    # -- the fast path of repeated calls -------------------------------------------------------------
+    def fast_path(self) -> None:
+        n, dtype = 12_345, torch.bfloat16
+        for rep in range(3):  # the first call resolves the signature, the others repeat it
+            self.all_reduce("one_shot", n, dtype, compare_nccl=False)
+        self.checks += 1
+        keys = [k for k in self.comm._fast if k[0] == "all_reduce" and k[1] == "one_shot" and k[4] == n]
+        if not keys:
+            self.failures.append(f"rank {self.r}: no fast-path entry after repeated one_shot calls")
+        seq = self.comm.seq
+        self.all_reduce("one_shot", n, dtype, compare_nccl=False)
+        if self.comm.seq != seq + 1:
+            self.failures.append(f"rank {self.r}: a fast-path call did not count in comm.seq")
+        seen: list[str] = []
+
+        def hook(event: str, call: object, detail: object) -> None:
+            seen.append(event)
+
+        C.add_trace_hook(hook)
+        try:
+            self.all_reduce("one_shot", n, dtype, compare_nccl=False)
+        finally:
+            C.remove_trace_hook(hook)
+        if seen != ["start", "end"]:
+            self.failures.append(f"rank {self.r}: with a trace hook the call went around it ({seen})")
+
     # -- faults and bad arguments ------------------------------------------------------------------
     def timeout(self) -> None:
         pm = PeerMemory(self.comm, slot_bytes=1 << 20, timeout_s=0.5)
@@ -264,6 +290,7 @@ def main() -> int:
         for dtype in DTYPES:
             ck.graphs(100_003, dtype)
         ck.back_to_back(1000, torch.bfloat16)
+        ck.fast_path()
         ck.timeout()
     ck.bad_arguments()
     torch.cuda.synchronize()

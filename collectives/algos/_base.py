@@ -76,6 +76,11 @@ class Algorithm:
         """Run one validated call; the backend's ``Work`` when ``call.async_op`` (native), else None."""
         raise NotImplementedError
 
+    def fast_path(self, call: Call) -> Any:
+        """A runner ``(output, input) -> None`` for later synchronous calls with the same signature
+        (``dispatch.dispatch_tensors``), or None. Called after ``call`` ran."""
+        return None
+
 
 class ScheduledAlgorithm(Algorithm):
     """An algorithm built from point-to-point steps: build (cached) the schedule, then execute it."""

@@ -9,11 +9,11 @@ Runs on the GPUs of one node (``collectives/peer``); the dispatcher's check says
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..peer.memory import DTYPES
 from ._base import Algorithm
-from ._peer import check_peer_call, peer_run
+from ._peer import check_peer_call, peer_fast_path, peer_run
 
 if TYPE_CHECKING:
     from ..dispatch import Call
@@ -34,3 +34,6 @@ class OneShot(Algorithm):
 
     def run(self, call: Call) -> None:
         peer_run(self.name, call)
+
+    def fast_path(self, call: Call) -> Any:
+        return peer_fast_path(self.name, call)

@@ -8,11 +8,11 @@ large messages. Runs on the GPUs of one node (``collectives/peer``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..peer.memory import DTYPES
 from ._base import Algorithm
-from ._peer import check_peer_call, peer_run
+from ._peer import check_peer_call, peer_fast_path, peer_run
 
 if TYPE_CHECKING:
     from ..dispatch import Call
@@ -33,3 +33,6 @@ class TwoShot(Algorithm):
 
     def run(self, call: Call) -> None:
         peer_run(self.name, call)
+
+    def fast_path(self, call: Call) -> Any:
+        return peer_fast_path(self.name, call)

@@ -53,6 +53,10 @@ __device__ __forceinline__ void st_release_sys(u32* p, u32 v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+__device__ __forceinline__ void st_relaxed_sys(u32* p, u32 v) {
+  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
 __device__ __forceinline__ u64 global_ns() {
   u64 t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -81,13 +85,12 @@ __device__ void report_timeout(volatile int* err, volatile int* err_dev, int sta
 // Returns false (on every thread of the block) when a wait timed out.
 __device__ bool barrier(const Ptrs& flags, int rank, int world, int stage, u32 e, u64 timeout_ns,
                         volatile int* err, volatile int* err_dev) {
-  __shared__ int failed;
-  if (threadIdx.x == 0) failed = 0;
-  __syncthreads();
+  int failed = 0;
+  __syncthreads();  // every thread's pushes are issued before the flag
   const int t = threadIdx.x;
   if (t < world && t != rank) {
-    __threadfence_system();  // this block's writes (pushed data) before the flag
-    st_release_sys(flag_at(flags.p[t], blockIdx.x, stage, rank), e);
+    __threadfence_system();  // the block's pushes (ordered before by the barrier) before the flag
+    st_relaxed_sys(flag_at(flags.p[t], blockIdx.x, stage, rank), e);
     const u32* mine = flag_at(flags.p[rank], blockIdx.x, stage, t);
     const u64 start = global_ns();
     while ((int)(ld_acquire_sys(mine) - e) < 0) {
@@ -98,8 +101,7 @@ __device__ bool barrier(const Ptrs& flags, int rank, int world, int stage, u32 e
       }
     }
   }
-  __syncthreads();
-  return failed == 0;
+  return __syncthreads_or(failed) == 0;  // a barrier too: no shared flag to reset between calls
 }
 
 // ---- element packs: 16 bytes moved at a time, reduced in fp32 ----------------------------------
@@ -365,9 +367,7 @@ __device__ __forceinline__ u32* ce_flag(char* base, int slot, int stage, int src
 
 // Threads t < world, t != rank, wait until my copy-engine flag (slot, stage, t) >= v.
 __device__ bool ce_wait_all(const Ctx& c, int slot, int stage, u32 v) {
-  __shared__ int failed;
-  if (threadIdx.x == 0) failed = 0;
-  __syncthreads();
+  int failed = 0;
   const int t = threadIdx.x;
   if (t < c.world && t != c.rank) {
     const u32* f = ce_flag(c.flags.p[c.rank], slot, stage, t);
@@ -380,8 +380,7 @@ __device__ bool ce_wait_all(const Ctx& c, int slot, int stage, u32 v) {
       }
     }
   }
-  __syncthreads();
-  return failed == 0;
+  return __syncthreads_or(failed) == 0;
 }
 
 // A one-block barrier call that brackets a copy-engine call (`clear`: also zero this rank's

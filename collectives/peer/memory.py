@@ -86,6 +86,7 @@ def peer_memory(comm: Communicator) -> PeerMemory:
 def close_peer_memory(comm: Communicator) -> None:
     """Close the communicator's peer memory if it has one (collective)."""
     pm, comm._peer_memory = comm._peer_memory, None
+    comm._fast.clear()  # runners hold the PeerMemory
     if pm is not None:
         pm.close()
 
@@ -124,7 +125,7 @@ class PeerMemory:
     """
 
     def __init__(self, comm: Communicator, slot_bytes: int | None = None, timeout_s: float | None = None,
-                 block_bytes: int = 32 << 10, max_blocks: int = MAX_BLOCKS) -> None:
+                 block_bytes: int = 8 << 10, max_blocks: int = MAX_BLOCKS) -> None:
         reason = peer_unavailable(comm)
         if reason:
             raise UnsupportedError("group", comm, f"cannot use peer memory: {reason}",
