@@ -36,6 +36,9 @@ def main() -> int:
     p.add_argument("--anchor-bytes", type=parse_size, default=0,
                    help="also time every algorithm of every op at this size (e.g. 16K): its fixed cost here")
     p.add_argument("--anchor-loop-ms", type=float, default=2000.0, help="timed loops of at least this long for the anchors")
+    p.add_argument("--no-match", action="store_true",
+                   help="never pick this file automatically (emulated clusters): only through COMMOPS_CALIBRATION")
+    p.add_argument("--note", default="", help="a sentence kept in the file's metadata")
     args = p.parse_args()
     comm = C.init()
     device = torch.device("cuda", torch.cuda.current_device()) if comm.backend_for("cuda") else torch.device("cpu")
@@ -46,6 +49,11 @@ def main() -> int:
                              iters=args.iters, reps=args.reps, backend=comm.backend_for(device.type) or "gloo",
                              native=args.native, native_a2a=args.native_a2a, anchor_bytes=args.anchor_bytes,
                              anchor_loop_s=args.anchor_loop_ms / 1e3, log=say)
+    machine.meta["command"] = " ".join(["launch/calibrate.py", *sys.argv[1:]])
+    if args.no_match:
+        machine.meta["match"] = False
+    if args.note:
+        machine.meta["note"] = args.note
     if comm.rank == 0:
         Path(args.out).write_text(json.dumps({"machine": machine.to_dict(), "points": raw}, indent=1) + "\n")
         say(f"wrote {args.out}")
