@@ -237,6 +237,25 @@ class Checker:
                 pass
         dist.barrier()
         pm.close()
+        # The copy-engine path: its copy streams wait with stream memory operations, which the
+        # kernels' bounded waits must release when a peer never comes.
+        pm = PeerMemory(self.comm, slot_bytes=1 << 20, timeout_s=0.5)
+        pm.ce_chunk_bytes = 64 << 10
+        y = torch.randn(1 << 20, device=self.dev)
+        if self.r == 0:
+            t0 = time.perf_counter()
+            pm.all_reduce(y, "copy_engine")
+            torch.cuda.synchronize()
+            waited = time.perf_counter() - t0
+            self.checks += 1
+            try:
+                pm.check()
+                self.failures.append("rank 0: no CollectiveTimeout after a peer skipped a copy-engine call")
+            except C.CollectiveTimeout as exc:
+                if not exc.missing or waited > 20:
+                    self.failures.append(f"rank 0: copy-engine timeout named {exc.missing} after {waited:.1f} s")
+        dist.barrier()
+        pm.close()
 
     def bad_arguments(self) -> None:
         cases = [
