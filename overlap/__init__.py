@@ -1,6 +1,26 @@
-"""commops overlap: GEMM + collective operators and the tensor/expert-parallel layers built on them.
+"""commops overlap: GEMM + collective operators and the tensor-parallel layers built on them.
 
-Nothing is exported yet; the operators land with the overlap work.
+    from overlap import gemm_all_reduce, gemm_reduce_scatter, all_gather_gemm
+    from overlap.layers import ColumnParallelLinear, RowParallelLinear
+
+Each operator equals a plain sequence (``reference_*`` beside it) and is differentiable; the
+layers follow Megatron-LM's semantics (``overlap/layers.py``).
 """
 
-__all__: list[str] = []
+from .ops import (
+    STRATEGIES,
+    OverlapChoice,
+    all_gather_gemm,
+    gemm_all_reduce,
+    gemm_reduce_scatter,
+    last_choice,
+    reference_all_gather_gemm,
+    reference_gemm_all_reduce,
+    reference_gemm_reduce_scatter,
+)
+
+__all__ = [
+    "gemm_all_reduce", "gemm_reduce_scatter", "all_gather_gemm",
+    "reference_gemm_all_reduce", "reference_gemm_reduce_scatter", "reference_all_gather_gemm",
+    "OverlapChoice", "last_choice", "STRATEGIES",
+]

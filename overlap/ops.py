@@ -1,0 +1,434 @@
+"""GEMM + collective operators, each equal to a plain sequence that ships beside it as its reference.
+
+Design note. An operator takes the GEMM's operands and the group, and runs one of:
+
+* ``sequential``: the GEMM, then the collective (through ``collectives``, so ``auto`` picks its
+  algorithm): the baseline, and what ``auto`` runs wherever overlap is not known to pay;
+* ``chunked``: the GEMM in chunks, each chunk's collective issued asynchronously as soon as the
+  chunk is computed, so that it runs while the next chunk is computed. On CUDA the collectives
+  run on a second stream (every algorithm, ours and NCCL's, orders itself after the chunk's
+  GEMM through an event); on CPU they run as asynchronous Gloo work. The chunking keeps each
+  collective's input contiguous: all-reduce chunks rows of ``a``, reduce-scatter chunks columns
+  of ``b``, all-gather chunks the rows of every rank's shard.
+
+Chunk counts and the choice between strategies come from measurements (``launch/bench_overlap.py``);
+until a machine has them, ``auto`` runs ``sequential`` and says so. Shapes follow torch:
+``a`` is ``[..., K]``, ``b`` is ``[K, N]``, the result ``[..., N]``; the collective's dimension
+(``scatter_dim``/``gather_dim``) indexes the result (``a``'s leading dimensions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from weakref import WeakKeyDictionary
+
+import torch
+import torch.distributed as dist
+
+import collectives as C
+from collectives.errors import InvalidArgumentError, UnsupportedError
+
+__all__ = [
+    "gemm_all_reduce", "gemm_reduce_scatter", "all_gather_gemm",
+    "reference_gemm_all_reduce", "reference_gemm_reduce_scatter", "reference_all_gather_gemm",
+    "OverlapChoice", "last_choice", "STRATEGIES",
+]
+
+STRATEGIES = ("sequential", "chunked")
+DEFAULT_CHUNKS = 4
+
+# torch 2.13 renamed the single-tensor collectives; 2.11 only has the old names.
+_rs_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ag_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass(frozen=True)
+class OverlapChoice:
+    """The strategy that ran an operator call and why."""
+
+    op: str
+    strategy: str
+    chunks: int
+    reason: str
+
+
+_LAST: WeakKeyDictionary[C.Communicator, OverlapChoice] = WeakKeyDictionary()
+
+
+def last_choice(group: Any = None) -> OverlapChoice | None:
+    """What the last operator call on ``group`` (from this process) ran, and why."""
+    return _LAST.get(C.get_communicator(group))
+
+
+# -- the plain sequences ---------------------------------------------------------------------------
+def reference_gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group: Any = None, *,
+                              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``all_reduce(a @ b) + bias``, with torch.distributed."""
+    out = torch.matmul(a, b)
+    dist.all_reduce(out, group=group)
+    return out if bias is None else out + bias
+
+
+def reference_gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: Any = None, *,
+                                  scatter_dim: int = 0) -> torch.Tensor:
+    """``reduce_scatter(a @ b)`` along ``scatter_dim``, with torch.distributed."""
+    full = torch.matmul(a, b).movedim(scatter_dim, 0).contiguous()
+    w = dist.get_world_size(group)
+    out = full.new_empty((full.shape[0] // w, *full.shape[1:]))
+    _rs_tensor(out, full, group=group)
+    return out.movedim(0, scatter_dim)
+
+
+def reference_all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: Any = None, *,
+                              gather_dim: int = 0) -> torch.Tensor:
+    """``all_gather(a_shard)`` along ``gather_dim``, then ``@ b``, with torch.distributed."""
+    part = a_shard.movedim(gather_dim, 0).contiguous()
+    w = dist.get_world_size(group)
+    full = part.new_empty((part.shape[0] * w, *part.shape[1:]))
+    _ag_tensor(full, part, group=group)
+    return torch.matmul(full.movedim(0, gather_dim), b)
+
+
+# -- checks ----------------------------------------------------------------------------------------
+def _check_operands(op: str, a: Any, b: Any, name_a: str = "a") -> None:
+    for name, t in ((name_a, a), ("b", b)):
+        if not isinstance(t, torch.Tensor):
+            raise C.InvalidTypeError(name, t, f"is a {type(t).__name__}, not a torch.Tensor", f"pass {name} as a tensor")
+    if b.dim() != 2:
+        raise InvalidArgumentError("b", b, f"has {b.dim()} dimensions; {op} takes b as [K, N]", "pass a 2-D b")
+    if a.dim() < 1 or a.shape[-1] != b.shape[0]:
+        raise InvalidArgumentError(name_a, a, f"has inner dimension {a.shape[-1] if a.dim() else None} but b is "
+                                   f"{tuple(b.shape)}", f"give {name_a} shape [..., {b.shape[0]}]")
+    if a.device != b.device:
+        raise InvalidArgumentError("b", b, f"is on {b.device} but {name_a} is on {a.device}", "put both on one device")
+    if a.dtype != b.dtype:
+        raise InvalidArgumentError("b", b, f"has dtype {b.dtype} but {name_a} has {a.dtype}", "give both one dtype")
+
+
+def _check_dim(name: str, dim: int, t: torch.Tensor, leading: int) -> int:
+    """``dim`` as a non-negative index into the result's leading dimensions (not the last)."""
+    if not isinstance(dim, int) or not -leading - 1 <= dim < leading or dim == -1:
+        raise InvalidArgumentError(name, dim, f"is not one of the leading dimensions of a {tuple(t.shape)} result",
+                                   f"pass {name} in 0..{leading - 1}")
+    return dim % (leading + 1)
+
+
+def _strategy(op: str, comm: C.Communicator, strategy: str, chunks: int, device: torch.device) -> OverlapChoice:
+    if strategy not in ("auto", *STRATEGIES):
+        raise UnsupportedError("strategy", strategy, f"is not a strategy of {op}", f"pass 'auto' or one of {list(STRATEGIES)}")
+    if not isinstance(chunks, int) or chunks < 1:
+        raise InvalidArgumentError("chunks", chunks, "must be a positive int", f"pass {DEFAULT_CHUNKS}")
+    if strategy == "auto":
+        where = "CUDA" if device.type == "cuda" else device.type
+        return OverlapChoice(op, "sequential", 1, f"no overlap measurement for {op} on {where} yet: "
+                             "the plain sequence (launch/bench_overlap.py measures the others)")
+    return OverlapChoice(op, strategy, chunks if strategy == "chunked" else 1, "requested by the caller")
+
+
+# -- asynchronous collectives for the chunked strategy ---------------------------------------------
+class _Side:
+    """Runs collectives after the work queued so far: on a second CUDA stream, or as async CPU work.
+
+    ``run`` returns a handle whose ``wait()`` makes the caller's later work wait for that
+    collective only; ``join`` waits for all of them.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.works: list[Any] = []
+        if self.cuda:
+            self.main = torch.cuda.current_stream(device)
+            self.stream = _side_stream(device)
+
+    def run(self, fn: Any, *tensors: torch.Tensor) -> Any:
+        if not self.cuda:
+            work = fn(True)
+            self.works.append(work)
+            return work
+        self.stream.wait_stream(self.main)
+        with torch.cuda.stream(self.stream):
+            fn(False)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        for t in tensors:
+            t.record_stream(self.stream)
+        return _Ready(self.main, done)
+
+    def join(self) -> None:
+        if self.cuda:
+            self.main.wait_stream(self.stream)
+        for w in self.works:
+            if w is not None:
+                w.wait()
+
+
+class _Ready:
+    def __init__(self, main: Any, event: Any) -> None:
+        self.main, self.event = main, event
+
+    def wait(self) -> None:
+        self.main.wait_event(self.event)
+
+
+_SIDE: dict[Any, Any] = {}
+
+
+def _side_stream(device: torch.device) -> Any:
+    s = _SIDE.get(device)
+    if s is None:
+        s = _SIDE[device] = torch.cuda.Stream(device)
+    return s
+
+
+def _bounds(n: int, chunks: int, align: int = 1) -> list[tuple[int, int]]:
+    """``chunks`` nearly equal [lo, hi) ranges of ``n`` items (multiples of ``align`` but the last), none empty."""
+    step = max(align, -(-n // chunks // align * align) if n >= align * chunks else -(-n // chunks))
+    return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+
+
+# -- operators -------------------------------------------------------------------------------------
+def _gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group: Any, bias: torch.Tensor | None, strategy: str,
+                     chunks: int) -> torch.Tensor:
+    """``all_reduce(a @ b) + bias`` (``reference_gemm_all_reduce``), the bias added once.
+
+    Args:
+        a: ``[..., K]``, this rank's partial operand (e.g. a row-parallel layer's input shard).
+        b: ``[K, N]``.
+        group: the process group (default: world); every rank passes the same shapes and dtype.
+        bias: ``[N]`` or broadcastable to the result, added after the reduction.
+        strategy: "auto", "sequential" or "chunked" (``chunks`` row blocks of ``a``).
+    Returns:
+        A new ``[..., N]`` tensor, the same on every rank.
+    """
+    comm = C.get_communicator(group)
+    choice = _LAST[comm] = _strategy("gemm_all_reduce", comm, strategy, chunks, a.device)
+    if choice.strategy == "sequential":
+        out = torch.matmul(a, b)
+        C.all_reduce(out, group=group)
+    else:
+        a2 = a.reshape(-1, a.shape[-1])
+        out2 = a2.new_empty((a2.shape[0], b.shape[1]))
+        side = _Side(a.device)
+        for lo, hi in _bounds(a2.shape[0], choice.chunks):
+            part = out2[lo:hi]
+            torch.matmul(a2[lo:hi], b, out=part)
+            side.run(lambda asy, p=part: C.all_reduce(p, group=group, async_op=asy), part)
+        side.join()
+        out = out2.view(*a.shape[:-1], b.shape[1])
+    return out if bias is None else out + bias
+
+
+def _gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: Any, scatter_dim: int, strategy: str,
+                         chunks: int) -> torch.Tensor:
+    """``reduce_scatter(a @ b)`` along ``scatter_dim`` (``reference_gemm_reduce_scatter``).
+
+    Args:
+        a: ``[..., K]``; the result's dimension ``scatter_dim`` (one of ``a``'s leading ones) must
+            be a multiple of the group's size.
+        b: ``[K, N]``.
+        scatter_dim: the dimension of the result that is reduced and split across ranks.
+        strategy: "auto", "sequential" or "chunked" (``chunks`` column blocks of ``b``).
+    Returns:
+        This rank's slice: the result with ``scatter_dim`` divided by the group's size.
+    """
+    comm = C.get_communicator(group)
+    d = _check_dim("scatter_dim", scatter_dim, a, a.dim() - 1)
+    w = comm.size
+    if a.shape[d] % w:
+        raise InvalidArgumentError("scatter_dim", scatter_dim, f"has size {a.shape[d]}, which {w} ranks do not divide",
+                                   f"make dimension {scatter_dim} a multiple of {w} or scatter along another")
+    choice = _LAST[comm] = _strategy("gemm_reduce_scatter", comm, strategy, chunks, a.device)
+    lead = a.movedim(d, 0)
+    rows = lead.reshape(-1, a.shape[-1])  # the scattered dimension first, flattened with the others
+    m = rows.shape[0]
+    if choice.strategy == "sequential":
+        full = torch.matmul(rows, b)
+        out2 = full.new_empty((m // w, b.shape[1]))
+        C.reduce_scatter_single(out2, full, group=group)
+    else:
+        n = b.shape[1]
+        out2 = rows.new_empty((m // w, n))
+        side = _Side(a.device)
+        parts = []
+        for lo, hi in _bounds(n, choice.chunks):
+            full = torch.matmul(rows, b[:, lo:hi])
+            shard = full.new_empty((m // w, hi - lo))
+            side.run(lambda asy, s=shard, f=full: C.reduce_scatter_single(s, f, group=group, async_op=asy), shard, full)
+            parts.append((lo, hi, shard))
+        side.join()
+        for lo, hi, shard in parts:
+            out2[:, lo:hi] = shard
+    return out2.view(lead.shape[0] // w, *lead.shape[1:-1], b.shape[1]).movedim(0, d)
+
+
+def _all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: Any, gather_dim: int, strategy: str,
+                     chunks: int, keep_gathered: bool = False) -> Any:
+    """``all_gather(a_shard)`` along ``gather_dim``, then ``@ b`` (``reference_all_gather_gemm``);
+    with ``keep_gathered`` also the gathered operand as rows ``[world * m, K]`` (for a backward).
+
+    Args:
+        a_shard: ``[..., K]``, this rank's slice of the full operand along ``gather_dim``.
+        b: ``[K, N]``.
+        gather_dim: the dimension (one of ``a_shard``'s leading ones) the ranks' slices join along.
+        strategy: "auto", "sequential" or "chunked" (``chunks`` row blocks of every rank's slice).
+    Returns:
+        ``[..., N]`` with ``gather_dim`` multiplied by the group's size, the same on every rank.
+    """
+    comm = C.get_communicator(group)
+    d = _check_dim("gather_dim", gather_dim, a_shard, a_shard.dim() - 1)
+    w = comm.size
+    choice = _LAST[comm] = _strategy("all_gather_gemm", comm, strategy, chunks, a_shard.device)
+    lead = a_shard.movedim(d, 0)
+    rows = lead.reshape(-1, a_shard.shape[-1]).contiguous()
+    m, n = rows.shape[0], b.shape[1]
+    full: torch.Tensor | None
+    if choice.strategy == "sequential":
+        full = rows.new_empty((m * w, rows.shape[1]))
+        C.all_gather_single(full, rows, group=group)
+        out2 = torch.matmul(full, b)
+    else:
+        full = rows.new_empty((w, m, rows.shape[1])) if keep_gathered else None
+        out2 = rows.new_empty((m * w, n))
+        by_rank = out2.view(w, m, n)
+        side = _Side(a_shard.device)
+        gathered = []
+        for lo, hi in _bounds(m, choice.chunks):
+            g = rows.new_empty((w, hi - lo, rows.shape[1]))
+            part = rows[lo:hi].contiguous()
+            handle = side.run(lambda asy, g=g, p=part: C.all_gather_single(g.view(-1, p.shape[1]), p, group=group,
+                                                                           async_op=asy), g, part)
+            gathered.append((lo, hi, g, handle))
+        for lo, hi, g, handle in gathered:  # each chunk's GEMM waits for its own gather only
+            if handle is not None:
+                handle.wait()
+            by_rank[:, lo:hi] = torch.matmul(g, b)
+            if full is not None:
+                full[:, lo:hi] = g
+        side.join()
+        full = None if full is None else full.view(m * w, -1)
+    out = out2.view(lead.shape[0] * w, *lead.shape[1:-1], n).movedim(0, d)
+    return (out, full) if keep_gathered else out
+
+
+# -- autograd --------------------------------------------------------------------------------------
+# Backward passes follow the tensor-parallel convention (Megatron's mappings): an all-reduced
+# result is the same on every rank and its loss is counted once, so its gradient needs no
+# communication; a reduce-scattered or all-gathered result is a different slice on every rank,
+# so its gradient is all-gathered, resp. reduce-scattered, overlapped with the GEMM it feeds.
+
+def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
+    return t.movedim(d, 0).reshape(-1, t.shape[-1])
+
+
+class _GemmAllReduceFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group: Any, strategy: str,
+                chunks: int) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        ctx.bias_shape = None if bias is None else bias.shape
+        return _gemm_all_reduce(a, b, group, bias, strategy, chunks)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        a, b = ctx.saved_tensors
+        ga = torch.matmul(g, b.t()) if ctx.needs_input_grad[0] else None
+        gb = _rows(a, 0).t() @ _rows(g, 0) if ctx.needs_input_grad[1] else None
+        gbias = None
+        if ctx.bias_shape is not None and ctx.needs_input_grad[2]:
+            gbias = g.sum_to_size(ctx.bias_shape)
+        return ga, gb, gbias, None, None, None
+
+
+class _GemmReduceScatterFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, group: Any, dim: int, strategy: str,
+                chunks: int) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        ctx.group, ctx.dim, ctx.strategy, ctx.chunks = group, dim, strategy, chunks
+        return _gemm_reduce_scatter(a, b, group, dim, strategy, chunks)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        a, b = ctx.saved_tensors
+        d = ctx.dim % (a.dim())
+        # the gradient's all-gather, overlapped with the data-gradient GEMM
+        ga, g_rows = _all_gather_gemm(g.contiguous(), b.t(), ctx.group, d, ctx.strategy, ctx.chunks, keep_gathered=True)
+        gb = _rows(a, d).t() @ g_rows if ctx.needs_input_grad[1] else None
+        return (ga if ctx.needs_input_grad[0] else None), gb, None, None, None, None
+
+
+class _AllGatherGemmFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, a_shard: torch.Tensor, b: torch.Tensor, group: Any, dim: int, strategy: str,
+                chunks: int) -> torch.Tensor:
+        out, full_rows = _all_gather_gemm(a_shard, b, group, dim, strategy, chunks, keep_gathered=True)
+        ctx.save_for_backward(full_rows, b)
+        ctx.group, ctx.dim, ctx.strategy, ctx.chunks = group, dim, strategy, chunks
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        full_rows, b = ctx.saved_tensors
+        d = ctx.dim % (g.dim())
+        gb = full_rows.t() @ _rows(g, d) if ctx.needs_input_grad[1] else None
+        # the data gradient's reduce-scatter, overlapped with its GEMM
+        ga = _gemm_reduce_scatter(g.contiguous(), b.t(), ctx.group, d, ctx.strategy, ctx.chunks) \
+            if ctx.needs_input_grad[0] else None
+        return ga, gb, None, None, None, None
+
+
+# -- public operators ------------------------------------------------------------------------------
+def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group: Any = None, *, bias: torch.Tensor | None = None,
+                    strategy: str = "auto", chunks: int = DEFAULT_CHUNKS) -> torch.Tensor:
+    """``all_reduce(a @ b) + bias`` (``reference_gemm_all_reduce``), the bias added once.
+
+    Args:
+        a: ``[..., K]``, this rank's partial operand (e.g. a row-parallel layer's input shard).
+        b: ``[K, N]``.
+        group: the process group (default: world); every rank passes the same shapes and dtype.
+        bias: broadcastable to the ``[..., N]`` result, added after the reduction.
+        strategy: "auto", "sequential" or "chunked" (``chunks`` row blocks of ``a``).
+    Returns:
+        A new ``[..., N]`` tensor, the same on every rank. Differentiable (``_GemmAllReduceFn``):
+        the backward pass communicates nothing.
+    """
+    _check_operands("gemm_all_reduce", a, b)
+    return _GemmAllReduceFn.apply(a, b, bias, group, strategy, chunks)
+
+
+def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: Any = None, *, scatter_dim: int = 0,
+                        strategy: str = "auto", chunks: int = DEFAULT_CHUNKS) -> torch.Tensor:
+    """``reduce_scatter(a @ b)`` along ``scatter_dim`` (``reference_gemm_reduce_scatter``).
+
+    Args:
+        a: ``[..., K]``; the result's dimension ``scatter_dim`` (one of ``a``'s leading ones) must
+            be a multiple of the group's size.
+        b: ``[K, N]``.
+        scatter_dim: the dimension of the result that is reduced and split across ranks.
+        strategy: "auto", "sequential" or "chunked" (``chunks`` column blocks of ``b``).
+    Returns:
+        This rank's slice: the result with ``scatter_dim`` divided by the group's size.
+        Differentiable (``_GemmReduceScatterFn``): the backward all-gathers the gradient,
+        overlapped with the data-gradient GEMM.
+    """
+    _check_operands("gemm_reduce_scatter", a, b)
+    return _GemmReduceScatterFn.apply(a, b, group, scatter_dim, strategy, chunks)
+
+
+def all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: Any = None, *, gather_dim: int = 0,
+                    strategy: str = "auto", chunks: int = DEFAULT_CHUNKS) -> torch.Tensor:
+    """``all_gather(a_shard)`` along ``gather_dim``, then ``@ b`` (``reference_all_gather_gemm``).
+
+    Args:
+        a_shard: ``[..., K]``, this rank's slice of the full operand along ``gather_dim``.
+        b: ``[K, N]`` (a column-parallel layer's weight shard, transposed).
+        gather_dim: the dimension (one of ``a_shard``'s leading ones) the ranks' slices join along.
+        strategy: "auto", "sequential" or "chunked" (``chunks`` row blocks of every rank's slice).
+    Returns:
+        ``[..., N]`` with ``gather_dim`` multiplied by the group's size. Differentiable
+        (``_AllGatherGemmFn``): the backward reduce-scatters the data gradient, overlapped with
+        its GEMM; it keeps the gathered operand for the weight gradient.
+    """
+    _check_operands("all_gather_gemm", a_shard, b, "a_shard")
+    return _AllGatherGemmFn.apply(a_shard, b, group, gather_dim, strategy, chunks)

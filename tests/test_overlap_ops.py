@@ -1,0 +1,147 @@
+"""The overlap operators against their plain sequences and against float64 autograd, on Gloo.
+
+Every rank regenerates every rank's operands from (seed, rank), so each expected value and
+gradient is computed locally in float64 from the whole (unsharded) computation: a sum of the
+ranks' products for the all-reduce, its slices for the reduce-scatter, the concatenated shards
+times each rank's ``b`` for the all-gather. Odd row counts and uneven chunks included.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import collectives as C
+from overlap import ops
+
+K, N = 5, 7
+
+
+def _operands(q: int, shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed * 1000 + q)
+    a = torch.randn(*shape, K, generator=g, dtype=torch.float64)
+    b = torch.randn(K, N, generator=g, dtype=torch.float64)
+    return a, b, torch.randn(N, generator=g, dtype=torch.float64)
+
+
+def _grad_out(shape: tuple[int, ...], seed: int, q: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed * 7 + 99 + q), dtype=torch.float64)
+
+
+def _case_all_reduce(rank: int, world: int, strategy: str, chunks: int, shape: tuple[int, ...], seed: int) -> float:
+    mine = _operands(rank, shape, seed)
+    a, b = (t.float().requires_grad_() for t in mine[:2])
+    bias = _operands(0, shape, seed)[2].float().requires_grad_()  # one bias, the same on every rank
+    out = ops.gemm_all_reduce(a, b, bias=bias, strategy=strategy, chunks=chunks)
+    ref = ops.reference_gemm_all_reduce(a.detach(), b.detach(), bias=bias.detach())
+    G = _grad_out(tuple(out.shape), seed)  # the same on every rank: a replicated output's loss, counted once
+    (out * G.float()).sum().backward()
+    # float64 autograd of the unsharded computation
+    every = [[t.clone().requires_grad_() for t in _operands(q, shape, seed)] for q in range(world)]
+    full = sum(aq @ bq for aq, bq, _ in every) + every[0][2]
+    (full * G).sum().backward()
+    want_ga, want_gb = every[rank][0].grad, every[rank][1].grad
+    err = max((out.double() - full.detach()).abs().max().item(), (ref.double() - full.detach()).abs().max().item(),
+              (a.grad.double() - want_ga).abs().max().item(), (b.grad.double() - want_gb).abs().max().item(),
+              (bias.grad.double() - every[0][2].grad).abs().max().item())
+    assert ops.last_choice().strategy == ("sequential" if strategy == "auto" else strategy)
+    return err
+
+
+def _case_reduce_scatter(rank: int, world: int, strategy: str, chunks: int, shape: tuple[int, ...], dim: int,
+                         seed: int) -> float:
+    a, b, _ = (t.float().requires_grad_() for t in _operands(rank, shape, seed))
+    out = ops.gemm_reduce_scatter(a, b, scatter_dim=dim, strategy=strategy, chunks=chunks)
+    ref = ops.reference_gemm_reduce_scatter(a.detach(), b.detach(), scatter_dim=dim)
+    Gs = [_grad_out(tuple(out.shape), seed, q) for q in range(world)]  # each rank's slice feeds its own loss
+    (out * Gs[rank].float()).sum().backward()
+    every = [[t.clone().requires_grad_() for t in _operands(q, shape, seed)[:2]] for q in range(world)]
+    full = sum(aq @ bq for aq, bq in every)
+    slices = full.chunk(world, dim=dim)
+    sum((s * Gq).sum() for s, Gq in zip(slices, Gs)).backward()
+    err = max((out.double() - slices[rank].detach()).abs().max().item(),
+              (ref.double() - slices[rank].detach()).abs().max().item(),
+              (a.grad.double() - every[rank][0].grad).abs().max().item(),
+              (b.grad.double() - every[rank][1].grad).abs().max().item())
+    return err
+
+
+def _case_all_gather(rank: int, world: int, strategy: str, chunks: int, shape: tuple[int, ...], dim: int,
+                     seed: int) -> float:
+    a, b, _ = (t.float().requires_grad_() for t in _operands(rank, shape, seed))
+    out = ops.all_gather_gemm(a, b, gather_dim=dim, strategy=strategy, chunks=chunks)
+    ref = ops.reference_all_gather_gemm(a.detach(), b.detach(), gather_dim=dim)
+    Gs = [_grad_out(tuple(out.shape), seed, q) for q in range(world)]
+    (out * Gs[rank].float()).sum().backward()
+    every = [[t.clone().requires_grad_() for t in _operands(q, shape, seed)[:2]] for q in range(world)]
+    whole = torch.cat([e[0] for e in every], dim=dim)
+    outs = [whole @ e[1] for e in every]  # every rank multiplies the gathered operand by its own b
+    sum((o * Gq).sum() for o, Gq in zip(outs, Gs)).backward()
+    err = max((out.double() - outs[rank].detach()).abs().max().item(),
+              (ref.double() - outs[rank].detach()).abs().max().item(),
+              (a.grad.double() - every[rank][0].grad).abs().max().item(),
+              (b.grad.double() - every[rank][1].grad).abs().max().item())
+    return err
+
+
+CASES = [("auto", 1), ("sequential", 1), ("chunked", 1), ("chunked", 3), ("chunked", 4)]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_operators_equal_the_plain_sequences_and_float64_autograd(worlds, world_size: int) -> None:  # noqa: ANN001
+    w = worlds(world_size)
+    seed = 0
+    for strategy, chunks in CASES:
+        for shape in [(13,), (2, 7)]:
+            seed += 1
+            errs = w.run(_case_all_reduce, strategy, chunks, shape, seed)
+            assert max(errs) < 1e-4, (strategy, chunks, shape, errs)
+        for shape, dim in [((3 * world_size,), 0), ((2 * world_size, 5), 0), ((3, 2 * world_size), 1)]:
+            seed += 1
+            errs = w.run(_case_reduce_scatter, strategy, chunks, shape, dim, seed)
+            assert max(errs) < 1e-4, ("reduce_scatter", strategy, chunks, shape, dim, errs)
+        for shape, dim in [((5,), 0), ((3, 2), 1), ((2, 3), 0)]:
+            seed += 1
+            errs = w.run(_case_all_gather, strategy, chunks, shape, dim, seed)
+            assert max(errs) < 1e-4, ("all_gather", strategy, chunks, shape, dim, errs)
+
+
+def _bad(rank: int, world: int) -> list[str]:
+    a, b = torch.randn(6, 4), torch.randn(4, 3)
+    calls = [
+        lambda: ops.gemm_all_reduce(a, torch.randn(5, 3)),                          # inner dimensions
+        lambda: ops.gemm_all_reduce(a, b.double()),                                 # dtypes
+        lambda: ops.gemm_reduce_scatter(torch.randn(5, 4), b),                      # 5 rows, 2 ranks
+        lambda: ops.gemm_reduce_scatter(a, b, scatter_dim=1),                       # the last dimension
+        lambda: ops.all_gather_gemm(a, b, strategy="fastest"),                      # no such strategy
+        lambda: ops.all_gather_gemm(a, b, strategy="chunked", chunks=0),
+        lambda: ops.gemm_all_reduce([1.0], b),                                      # not a tensor
+    ]
+    out = []
+    for call in calls:
+        try:
+            call()
+            out.append("no error")
+        except C.InvalidArgumentError as exc:
+            out.append(str(exc))
+    return out
+
+
+def test_bad_arguments_raise_before_anything_is_sent(worlds) -> None:  # noqa: ANN001
+    for messages in worlds(2).run(_bad):
+        assert all("Fix:" in m for m in messages), messages
+        assert "inner dimension 4" in messages[0] and "dtype" in messages[1]
+        assert "do not divide" in messages[2] and "scatter_dim" in messages[3]
+        assert "fastest" in messages[4] and "chunks" in messages[5] and "not a torch.Tensor" in messages[6]
+
+
+def _auto_reason(rank: int, world: int) -> tuple[str, str]:
+    ops.gemm_all_reduce(torch.randn(4, 3), torch.randn(3, 2))
+    ch = ops.last_choice()
+    assert ch is not None
+    return ch.strategy, ch.reason
+
+
+def test_auto_says_why(worlds) -> None:  # noqa: ANN001
+    for strategy, reason in worlds(2).run(_auto_reason):
+        assert strategy == "sequential" and "no overlap measurement" in reason
