@@ -145,3 +145,23 @@ def _auto_reason(rank: int, world: int) -> tuple[str, str]:
 def test_auto_says_why(worlds) -> None:  # noqa: ANN001
     for strategy, reason in worlds(2).run(_auto_reason):
         assert strategy == "sequential" and "no overlap measurement" in reason
+
+
+def _bench_smoke(rank: int, world: int) -> list[tuple[str, str, int | None, float]]:
+    from bench.gemm_collective import measure_shape
+
+    out = []
+    for op in ("gemm_all_reduce", "gemm_reduce_scatter", "all_gather_gemm"):
+        for r in measure_shape(C.get_communicator(), op, 8, 16, 12, torch.float32, torch.device("cpu"),
+                               chunk_counts=(2, 4), iters=1, reps=1):
+            out.append((op, r.variant, r.wrong, r.vs_sequential))
+    return out
+
+
+def test_overlap_benchmark_smoke(worlds) -> None:  # noqa: ANN001
+    rows = worlds(2).run(_bench_smoke)[0]
+    for op in ("gemm_all_reduce", "gemm_reduce_scatter", "all_gather_gemm"):
+        variants = [v for o, v, _, _ in rows if o == op]
+        assert variants == ["gemm", "collective", "sequential", "chunked/2", "chunked/4", "auto"], variants
+    assert all(w in (None, 0) for _, _, w, _ in rows)
+    assert all(ratio > 0 for *_, ratio in rows)
