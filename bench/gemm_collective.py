@@ -28,7 +28,12 @@ from overlap import ops as O
 
 from .harness import _slowest, _time_loops
 
-__all__ = ["OverlapRecord", "measure_shape", "format_overlap_table", "plot_overlap", "OPS"]
+__all__ = ["OverlapRecord", "measure_shape", "format_overlap_table", "plot_overlap", "tuned_overlap_table", "OPS"]
+
+# A strategy replaces the plain sequence in a tuned table only when it measured at least this
+# much faster: a margin for run-to-run noise, so that `auto` never trades a sure baseline for a
+# measured tie.
+TUNE_MARGIN = 0.97
 
 OPS = ("gemm_all_reduce", "gemm_reduce_scatter", "all_gather_gemm")
 
@@ -246,3 +251,22 @@ def plot_overlap(records: list[OverlapRecord], path: str, title: str = "") -> No
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def tuned_overlap_table(records: list[OverlapRecord], meta: dict[str, object]) -> dict[str, object]:
+    """The table ``overlap.set_tuned`` / ``COMMOPS_OVERLAP_TUNED`` reads: per (op, shape), the
+    fastest of our strategies, or the sequence unless one is ``TUNE_MARGIN`` faster."""
+    entries = []
+    shapes = dict.fromkeys((r.op, r.M, r.K, r.N, r.dtype) for r in records)
+    for op, m, k, n, dtype in shapes:
+        mine = [r for r in records if (r.op, r.M, r.K, r.N, r.dtype) == (op, m, k, n, dtype)]
+        seq = next(r for r in mine if r.variant == "sequential")
+        ours = [r for r in mine if r.variant.startswith("chunked/")]
+        best = min(ours, key=lambda r: r.time_us) if ours else seq
+        if best.time_us > TUNE_MARGIN * seq.time_us:
+            best = seq
+        strategy, _, chunks = best.variant.partition("/")
+        entries.append({"op": op, "dtype": dtype, "M": m, "K": k, "N": n, "strategy": strategy,
+                        "chunks": int(chunks or 1),
+                        "note": f"{best.time_us:.1f} us, sequential {seq.time_us:.1f} us"})
+    return {"meta": {k: meta[k] for k in ("world", "device", "date", "torch") if k in meta}, "entries": entries}

@@ -83,7 +83,13 @@ PEER_TIMEOUT_S: EnvVar[float] = EnvVar(
     "peer did not arrive (raised as CollectiveTimeout on the next call or PeerMemory.check()).",
 )
 
-VARIABLES = (NVTX, MPI_MASTER_ADDR, TOPOLOGY, CALIBRATION, TUNED, PEER_BYTES, PEER_TIMEOUT_S)
+OVERLAP_TUNED: EnvVar[str] = EnvVar(
+    "COMMOPS_OVERLAP_TUNED", "",
+    "Path of a tuned table (launch/bench_overlap.py --tune) whose measured strategies the overlap "
+    "operators' strategy='auto' follows.",
+)
+
+VARIABLES = (NVTX, MPI_MASTER_ADDR, TOPOLOGY, CALIBRATION, TUNED, PEER_BYTES, PEER_TIMEOUT_S, OVERLAP_TUNED)
 
 
 @functools.cache

@@ -9,6 +9,7 @@ present, with the share of the collective hidden. Writes JSON, CSV and a plot on
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -20,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import collectives as C  # noqa: E402
 from bench.cli import DTYPES  # noqa: E402
-from bench.gemm_collective import OPS, format_overlap_table, measure_shape, plot_overlap  # noqa: E402
+from bench.gemm_collective import OPS, format_overlap_table, measure_shape, plot_overlap, tuned_overlap_table  # noqa: E402
 from bench.report import write_csv, write_json  # noqa: E402
 
 # Decode-like (small M) and Llama-like prefill shapes of a TP=2 row-parallel linear; the four
@@ -40,6 +41,7 @@ def main() -> int:
     p.add_argument("--json")
     p.add_argument("--csv")
     p.add_argument("--plot")
+    p.add_argument("--tune", metavar="PATH", help="write the measured-best strategy per shape (for COMMOPS_OVERLAP_TUNED)")
     args = p.parse_args()
     comm = C.init()
     cuda = bool(comm.backend_for("cuda")) and torch.cuda.is_available()
@@ -71,6 +73,8 @@ def main() -> int:
             write_csv(records, args.csv)  # type: ignore[arg-type]
         if args.plot:
             plot_overlap(records, args.plot, f"{comm.size} ranks, {meta['device']}, {dtype}")
+        if args.tune:
+            Path(args.tune).write_text(json.dumps(tuned_overlap_table(records, meta), indent=1) + "\n")
     bad = sum(r.wrong or 0 for r in records)
     C.destroy()
     return 1 if bad else 0

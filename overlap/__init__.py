@@ -17,10 +17,11 @@ from .ops import (
     reference_all_gather_gemm,
     reference_gemm_all_reduce,
     reference_gemm_reduce_scatter,
+    set_tuned,
 )
 
 __all__ = [
     "gemm_all_reduce", "gemm_reduce_scatter", "all_gather_gemm",
     "reference_gemm_all_reduce", "reference_gemm_reduce_scatter", "reference_all_gather_gemm",
-    "OverlapChoice", "last_choice", "STRATEGIES",
+    "OverlapChoice", "last_choice", "set_tuned", "STRATEGIES",
 ]

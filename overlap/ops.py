@@ -32,7 +32,7 @@ from collectives.errors import InvalidArgumentError, UnsupportedError
 __all__ = [
     "gemm_all_reduce", "gemm_reduce_scatter", "all_gather_gemm",
     "reference_gemm_all_reduce", "reference_gemm_reduce_scatter", "reference_all_gather_gemm",
-    "OverlapChoice", "last_choice", "STRATEGIES",
+    "OverlapChoice", "last_choice", "set_tuned", "STRATEGIES",
 ]
 
 STRATEGIES = ("sequential", "chunked")
@@ -114,15 +114,62 @@ def _check_dim(name: str, dim: int, t: torch.Tensor, leading: int) -> int:
     return dim % (leading + 1)
 
 
-def _strategy(op: str, comm: C.Communicator, strategy: str, chunks: int, device: torch.device) -> OverlapChoice:
+_TUNED: dict[str, Any] = {}
+
+
+def set_tuned(table: Any) -> None:
+    """Follow this tuned table (the dict ``launch/bench_overlap.py --tune`` writes, or its path) in
+    ``strategy="auto"``; ``None`` goes back to ``COMMOPS_OVERLAP_TUNED``. Give every rank the same one."""
+    if isinstance(table, (str, bytes)) or hasattr(table, "__fspath__"):
+        import json
+        from pathlib import Path
+
+        table = json.loads(Path(table).read_text())
+    _TUNED.clear()
+    if table is not None:
+        _TUNED["table"] = table
+
+
+def _tuned_table() -> Any:
+    if "table" not in _TUNED:
+        from collectives import _env
+
+        path = _env.OVERLAP_TUNED.get()
+        if not path:
+            return None
+        set_tuned(path)
+    return _TUNED["table"]
+
+
+def _from_table(op: str, comm: C.Communicator, dtype: torch.dtype, m: int, k: int, n: int) -> OverlapChoice | None:
+    """The table's strategy for the measured shape nearest in M with the same op, dtype, K and N."""
+    import math
+
+    table = _tuned_table()
+    if table is None or table.get("meta", {}).get("world", comm.size) != comm.size:
+        return None
+    name = str(dtype).removeprefix("torch.")
+    rows = [e for e in table.get("entries", []) if e["op"] == op and e["dtype"] == name and e["K"] == k and e["N"] == n]
+    if not rows:
+        return None
+    e = min(rows, key=lambda e: abs(math.log2(max(e["M"], 1)) - math.log2(max(m, 1))))
+    return OverlapChoice(op, e["strategy"], int(e.get("chunks", 1)),
+                         f"tuned table: measured best for {op} {name} M={e['M']} K={k} N={n} ({e.get('note', '')})")
+
+
+def _strategy(op: str, comm: C.Communicator, strategy: str, chunks: int, a: torch.Tensor, b: torch.Tensor,
+              m: int) -> OverlapChoice:
     if strategy not in ("auto", *STRATEGIES):
         raise UnsupportedError("strategy", strategy, f"is not a strategy of {op}", f"pass 'auto' or one of {list(STRATEGIES)}")
     if not isinstance(chunks, int) or chunks < 1:
         raise InvalidArgumentError("chunks", chunks, "must be a positive int", f"pass {DEFAULT_CHUNKS}")
     if strategy == "auto":
-        where = "CUDA" if device.type == "cuda" else device.type
-        return OverlapChoice(op, "sequential", 1, f"no overlap measurement for {op} on {where} yet: "
-                             "the plain sequence (launch/bench_overlap.py measures the others)")
+        found = _from_table(op, comm, a.dtype, m, b.shape[0], b.shape[1])
+        if found is not None:
+            return found
+        where = "CUDA" if a.device.type == "cuda" else a.device.type
+        return OverlapChoice(op, "sequential", 1, f"no overlap measurement for {op} on {where} at this shape: "
+                             "the plain sequence (launch/bench_overlap.py --tune measures the others)")
     return OverlapChoice(op, strategy, chunks if strategy == "chunked" else 1, "requested by the caller")
 
 
@@ -202,7 +249,7 @@ def _gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group: Any, bias: torch.T
         A new ``[..., N]`` tensor, the same on every rank.
     """
     comm = C.get_communicator(group)
-    choice = _LAST[comm] = _strategy("gemm_all_reduce", comm, strategy, chunks, a.device)
+    choice = _LAST[comm] = _strategy("gemm_all_reduce", comm, strategy, chunks, a, b, a.numel() // max(1, a.shape[-1]))
     if choice.strategy == "sequential":
         out = torch.matmul(a, b)
         C.all_reduce(out, group=group)
@@ -238,7 +285,7 @@ def _gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: Any, scatter_d
     if a.shape[d] % w:
         raise InvalidArgumentError("scatter_dim", scatter_dim, f"has size {a.shape[d]}, which {w} ranks do not divide",
                                    f"make dimension {scatter_dim} a multiple of {w} or scatter along another")
-    choice = _LAST[comm] = _strategy("gemm_reduce_scatter", comm, strategy, chunks, a.device)
+    choice = _LAST[comm] = _strategy("gemm_reduce_scatter", comm, strategy, chunks, a, b, a.numel() // max(1, a.shape[-1]))
     lead = a.movedim(d, 0)
     rows = lead.reshape(-1, a.shape[-1])  # the scattered dimension first, flattened with the others
     m = rows.shape[0]
@@ -278,7 +325,8 @@ def _all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: Any, gather_
     comm = C.get_communicator(group)
     d = _check_dim("gather_dim", gather_dim, a_shard, a_shard.dim() - 1)
     w = comm.size
-    choice = _LAST[comm] = _strategy("all_gather_gemm", comm, strategy, chunks, a_shard.device)
+    choice = _LAST[comm] = _strategy("all_gather_gemm", comm, strategy, chunks, a_shard, b,
+                                     a_shard.numel() // max(1, a_shard.shape[-1]) * w)
     lead = a_shard.movedim(d, 0)
     rows = lead.reshape(-1, a_shard.shape[-1]).contiguous()
     m, n = rows.shape[0], b.shape[1]

@@ -165,3 +165,41 @@ def test_overlap_benchmark_smoke(worlds) -> None:  # noqa: ANN001
         assert variants == ["gemm", "collective", "sequential", "chunked/2", "chunked/4", "auto"], variants
     assert all(w in (None, 0) for _, _, w, _ in rows)
     assert all(ratio > 0 for *_, ratio in rows)
+
+
+def _auto_follows_table(rank: int, world: int) -> tuple[str, int, bool, str, float]:
+    ops.set_tuned({"meta": {"world": world}, "entries": [
+        {"op": "gemm_all_reduce", "dtype": "float32", "M": 16, "K": 3, "N": 2, "strategy": "chunked", "chunks": 3},
+        {"op": "gemm_all_reduce", "dtype": "float32", "M": 4096, "K": 3, "N": 2, "strategy": "sequential"}]})
+    try:
+        g = torch.Generator().manual_seed(rank)
+        a, b = torch.randn(13, 3, generator=g), torch.randn(3, 2, generator=g)
+        out = ops.gemm_all_reduce(a, b)  # M=13: nearest measured M is 16
+        first = ops.last_choice()
+        ops.gemm_all_reduce(torch.randn(13, 4), torch.randn(4, 2))  # no entry for K=4
+        second = ops.last_choice()
+        assert first is not None and second is not None
+        err = (out - ops.reference_gemm_all_reduce(a, b)).abs().max().item()
+        return first.strategy, first.chunks, "tuned table" in first.reason, second.strategy, err
+    finally:
+        ops.set_tuned(None)
+
+
+def test_auto_follows_a_tuned_table(worlds) -> None:  # noqa: ANN001
+    for strategy, chunks, from_table, other, err in worlds(2).run(_auto_follows_table):
+        assert (strategy, chunks, from_table, other) == ("chunked", 3, True, "sequential")
+        assert err < 1e-5
+
+
+def test_tuned_table_keeps_the_sequence_unless_clearly_beaten() -> None:
+    from bench.gemm_collective import TUNE_MARGIN, OverlapRecord, tuned_overlap_table
+
+    def rec(variant: str, t: float, m: int) -> OverlapRecord:
+        return OverlapRecord("gemm_all_reduce", m, 8, 8, "bfloat16", 2, "cuda:0", variant, t, 1.0, 1.0, 100.0, 1.0,
+                             0.0, t / 100.0, 0)
+
+    records = [rec("sequential", 100.0, 64), rec("chunked/4", 100.0 * TUNE_MARGIN + 0.5, 64),
+               rec("sequential", 100.0, 4096), rec("chunked/2", 80.0, 4096), rec("chunked/8", 70.0, 4096)]
+    table = tuned_overlap_table(records, {"world": 2})
+    got = {(e["M"], e["strategy"], e["chunks"]) for e in table["entries"]}
+    assert got == {(64, "sequential", 1), (4096, "chunked", 8)}
