@@ -30,7 +30,7 @@ from collectives.errors import InvalidArgumentError
 
 from .ops import DEFAULT_CHUNKS, all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "MoELayer"]
 
 
 def _divide(name: str, n: int, world: int) -> int:
@@ -241,3 +241,54 @@ class RowParallelLinear(nn.Module):
         return (f"in_features={self.in_features} ({self.in_per_rank} here), out_features={self.out_features}, "
                 f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
                 f"sequence_parallel={self.sequence_parallel}, strategy={self.strategy!r}")
+
+
+class MoELayer(nn.Module):
+    """A mixture-of-experts MLP with expert parallelism: top-k softmax router, SwiGLU experts.
+
+    The router (``[num_experts, hidden]``, no bias) is replicated: it is initialised on rank 0
+    and broadcast. Routing: softmax over the experts, the ``top_k`` largest, renormalised to sum
+    to one (Mixtral's choice). Rank r holds experts ``r*E/W ... (r+1)*E/W - 1``
+    (``GroupedSwiGLU``); tokens travel through ``MoEDispatcher``.
+
+    Args:
+        hidden, ffn_hidden: the model's width and each expert's inner width.
+        num_experts: ``E``, divisible by the group's size.
+        top_k: experts per token.
+        group: the expert-parallel group (default: world).
+        capacity_factor: ``None`` (dropless) or each expert's capacity factor.
+        chunks: the pipeline's chunks (``MoEDispatcher.forward_pipelined``).
+
+    ``forward(x)`` takes this rank's tokens ``[..., hidden]`` (any count, zero included) and
+    returns the same shape; every rank calls it together.
+    """
+
+    def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int, group: Any = None, *,
+                 dtype: torch.dtype | None = None, device: Any = None, capacity_factor: float | None = None,
+                 chunks: int | str = "auto") -> None:
+        super().__init__()
+        from .moe import GroupedSwiGLU, MoEDispatcher
+
+        if not 1 <= top_k <= num_experts:
+            raise InvalidArgumentError("top_k", top_k, f"is not in 1..num_experts ({num_experts})", "pick fewer experts per token")
+        self.group, self.top_k, self.chunks = group, top_k, chunks
+        self.dispatcher = MoEDispatcher(num_experts, hidden, group, dtype=dtype, device=device,
+                                        capacity_factor=capacity_factor)
+        self.router = nn.Linear(hidden, num_experts, bias=False, dtype=dtype, device=device)
+        if dist.get_world_size(group) > 1:
+            C.broadcast(self.router.weight.data, group=group, group_src=0)
+        self.experts = GroupedSwiGLU(self.dispatcher.local_experts, hidden, ffn_hidden, dtype=dtype, device=device)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``topk_idx``, ``topk_weights``) for tokens ``x [tokens, hidden]``."""
+        logits = self.router(x)
+        # at least fp32: a bf16 softmax ties experts that fp32 tells apart
+        probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
+        w, idx = probs.topk(self.top_k, dim=-1)
+        return idx, (w / w.sum(-1, keepdim=True)).to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        idx, w = self.route(flat)
+        out = self.dispatcher.forward_pipelined(flat, idx, w, self.experts, chunks=self.chunks)
+        return out.view(x.shape)

@@ -1,0 +1,321 @@
+"""Expert-parallel dispatch and combine over all-to-all, and a pipelined forward.
+
+Design note. With ``E`` experts on ``W`` ranks, rank r owns experts ``r*E/W ... (r+1)*E/W - 1``.
+A dispatch turns each (token, chosen expert) pair into one row sent to the expert's rank:
+
+1. pairs are sorted by expert (stably, so ties keep token order); that is also rank order;
+2. the per-expert counts go to their ranks first (an all-to-all of ``E`` integers), so every
+   rank knows how many rows it will receive from whom for which of its experts (dropless:
+   any count works);
+3. the rows go in one ``all_to_all_single`` with uneven splits; a rank's rows for itself are a
+   local copy inside the collective and never cross a link;
+4. received rows (grouped by source rank, then expert) are regrouped by local expert.
+
+``combine`` runs the same steps backwards and sums each token's returned rows weighted by its
+router weights. The two are each other's adjoints, which is how autograd differentiates them
+(``_Dispatch``: backward is a combine without weights; ``_Combine``: backward is a dispatch of
+the output gradient, scaled by the weights, plus the weights' own gradient).
+
+With ``capacity_factor`` set, each expert takes at most ``ceil(capacity_factor * tokens * k /
+E)`` pairs from each rank, the first ones in token order; the rest are dropped (they add nothing
+to the output) and counted in the handle.
+
+``forward_pipelined`` splits the tokens into chunks and issues chunk i+1's dispatch before the
+experts compute chunk i. Overlapping the two needs the exchanges on a stream of their own, which
+is not built yet; until a machine's pipeline has been measured, ``chunks="auto"`` runs one chunk
+and says so.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import collectives as C
+from collectives.errors import InvalidArgumentError
+
+__all__ = ["MoEDispatcher", "DispatchHandle", "GroupedSwiGLU", "reference_moe"]
+
+
+@dataclass
+class DispatchHandle:
+    """The routing of one dispatch, which its combine (and both backward passes) replay.
+
+    Attributes:
+        tokens_per_expert: ``[E/W]`` rows received for each local expert (``recv_x`` is grouped
+            by these, in ascending local expert order).
+        send_counts: rows sent to each rank (``[W]``, the all-to-all's input splits).
+        recv_counts: rows received from each rank (``[W]``, its output splits).
+        recv_matrix: ``[W, E/W]`` rows received from each rank for each local expert.
+        order: the kept pairs' flat indices into ``topk_idx.view(-1)``, in send order.
+        token_of: the token of each sent row (``order // k``).
+        regroup: the permutation taking received rows (by source rank) to ``recv_x`` (by expert).
+        num_tokens, top_k: the dispatched batch's shape.
+        dropped: pairs dropped by the capacity limit on this rank (0 when dropless).
+    """
+
+    tokens_per_expert: list[int]
+    send_counts: list[int]
+    recv_counts: list[int]
+    recv_matrix: torch.Tensor
+    order: torch.Tensor
+    token_of: torch.Tensor
+    regroup: torch.Tensor
+    num_tokens: int
+    top_k: int
+    dropped: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _exchange_rows(rows: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
+    out = rows.new_empty((sum(recv), *rows.shape[1:]))
+    C.all_to_all_single(out, rows.contiguous(), recv, send, group=group)
+    return out
+
+
+def _route(handle: DispatchHandle, x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Rows of ``x`` (one per kept pair) to the experts' ranks, grouped by local expert."""
+    sent = x.index_select(0, handle.token_of)
+    received = _exchange_rows(sent, handle.send_counts, handle.recv_counts, group)
+    return received.index_select(0, handle.regroup)
+
+
+def _return(handle: DispatchHandle, rows: torch.Tensor, group: Any) -> torch.Tensor:
+    """Rows in ``recv_x``'s layout back to their pairs' ranks, in send order."""
+    by_source = torch.empty_like(rows)
+    by_source[handle.regroup] = rows
+    return _exchange_rows(by_source, handle.recv_counts, handle.send_counts, group)
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, handle: DispatchHandle, group: Any) -> torch.Tensor:
+        ctx.handle, ctx.group, ctx.shape = handle, group, x.shape
+        return _route(handle, x, group)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        back = _return(ctx.handle, g.contiguous(), ctx.group)
+        gx = back.new_zeros(ctx.shape)
+        gx.index_add_(0, ctx.handle.token_of, back)
+        return gx, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, weights: torch.Tensor, handle: DispatchHandle, group: Any) -> torch.Tensor:
+        back = _return(handle, rows.contiguous(), group)
+        w = weights.reshape(-1).index_select(0, handle.order).to(back.dtype)
+        out = back.new_zeros((handle.num_tokens, *back.shape[1:]))
+        out.index_add_(0, handle.token_of, back * w.unsqueeze(-1))
+        ctx.save_for_backward(back, w)
+        ctx.handle, ctx.group, ctx.wshape, ctx.wdtype = handle, group, weights.shape, weights.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        back, w = ctx.saved_tensors
+        h = ctx.handle
+        g_rows = g.index_select(0, h.token_of)  # each pair's share of the output gradient
+        grows = None
+        if ctx.needs_input_grad[0]:
+            grows = _exchange_rows(g_rows * w.unsqueeze(-1), h.send_counts, h.recv_counts, ctx.group)
+            grows = grows.index_select(0, h.regroup)
+        gw = None
+        if ctx.needs_input_grad[1]:
+            flat = torch.zeros(int(torch.tensor(ctx.wshape).prod()), dtype=ctx.wdtype, device=g.device)
+            flat[h.order] = (g_rows * back).sum(-1).to(ctx.wdtype)
+            gw = flat.view(ctx.wshape)
+        return grows, gw, None, None
+
+
+class MoEDispatcher:
+    """Dispatch tokens to their experts' ranks and combine the experts' outputs, for one group.
+
+    Args:
+        num_experts: ``E``, divisible by the group's size ``W``; rank r owns experts
+            ``r*E/W ... (r+1)*E/W - 1``.
+        hidden: the tokens' width.
+        group: the expert-parallel group (default: world).
+        dtype, device: of the tokens (checked on every call).
+        capacity_factor: ``None`` (dropless) or the factor of each expert's capacity per rank,
+            ``ceil(capacity_factor * tokens * k / E)`` pairs.
+
+    Every rank calls ``dispatch`` and ``combine`` the same number of times, in the same order
+    (they communicate); token counts may differ between ranks, and may be zero.
+    """
+
+    def __init__(self, num_experts: int, hidden: int, group: Any = None, *, dtype: torch.dtype | None = None,
+                 device: Any = None, capacity_factor: float | None = None) -> None:
+        comm = C.get_communicator(group)
+        if not isinstance(num_experts, int) or num_experts < 1 or num_experts % comm.size:
+            raise InvalidArgumentError("num_experts", num_experts, f"is not a positive multiple of the group's {comm.size} ranks",
+                                       f"use a multiple of {comm.size} (each rank owns the same number of experts)")
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise InvalidArgumentError("capacity_factor", capacity_factor, "must be positive or None", "pass e.g. 1.25, or None")
+        self.group, self.comm = group, comm
+        self.num_experts, self.hidden = num_experts, hidden
+        self.local_experts = num_experts // comm.size
+        self.first_expert = comm.rank * self.local_experts
+        self.dtype = dtype
+        self.device = torch.device(device) if device is not None else None
+        self.capacity_factor = capacity_factor
+        self.last_chunks: tuple[int, str] | None = None
+
+    # -- routing ---------------------------------------------------------------------------------
+    def _check(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None) -> None:
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.hidden:
+            raise InvalidArgumentError("x", x, f"is not [tokens, {self.hidden}]", f"pass x as [tokens, {self.hidden}]")
+        if self.dtype is not None and x.dtype != self.dtype:
+            raise InvalidArgumentError("x", x, f"has dtype {x.dtype}, the dispatcher {self.dtype}", f"pass {self.dtype} tokens")
+        if self.device is not None and x.device != self.device:
+            raise InvalidArgumentError("x", x, f"is on {x.device}, the dispatcher on {self.device}", f"move x to {self.device}")
+        if topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0] or topk_idx.dtype.is_floating_point:
+            raise InvalidArgumentError("topk_idx", topk_idx, f"is not an integer [{x.shape[0]}, k] tensor",
+                                       "pass the router's expert ids, one row per token")
+        if topk_idx.numel() and (int(topk_idx.min()) < 0 or int(topk_idx.max()) >= self.num_experts):
+            raise InvalidArgumentError("topk_idx", topk_idx, f"has expert ids outside 0..{self.num_experts - 1}",
+                                       f"route to experts 0..{self.num_experts - 1}")
+        if topk_idx.shape[1] > 1 and topk_idx.numel():
+            s = topk_idx.sort(dim=1).values
+            if bool((s[:, 1:] == s[:, :-1]).any()):
+                raise InvalidArgumentError("topk_idx", topk_idx, "routes a token to the same expert twice",
+                                           "give each token k distinct experts")
+        if topk_weights is not None and topk_weights.shape != topk_idx.shape:
+            raise InvalidArgumentError("topk_weights", topk_weights, f"has shape {tuple(topk_weights.shape)}, topk_idx "
+                                       f"{tuple(topk_idx.shape)}", "pass one weight per (token, expert) pair")
+
+    def route(self, topk_idx: torch.Tensor) -> DispatchHandle:
+        """The handle for routing ``topk_idx`` (exchanges the per-expert counts: collective)."""
+        tokens, k = topk_idx.shape
+        w, e_loc = self.comm.size, self.local_experts
+        flat = topk_idx.reshape(-1).to(torch.int64)
+        order = torch.sort(flat, stable=True).indices  # by expert, ties in token order
+        experts = flat[order]
+        per_expert = torch.bincount(experts, minlength=self.num_experts)
+        dropped = 0
+        if self.capacity_factor is not None and flat.numel():
+            cap = math.ceil(self.capacity_factor * tokens * k / self.num_experts)
+            start = torch.cumsum(per_expert, 0) - per_expert
+            rank_in_expert = torch.arange(flat.numel(), device=flat.device) - start[experts]
+            keep = rank_in_expert < cap
+            dropped = int((~keep).sum())
+            order, experts = order[keep], experts[keep]
+            per_expert = torch.bincount(experts, minlength=self.num_experts)
+        counts = per_expert.to(torch.int64).cpu()
+        if self.comm.backend_for("cpu"):
+            matrix = torch.empty(w * e_loc, dtype=torch.int64)
+            C.all_to_all_single(matrix, counts, group=self.group)
+        else:  # a GPU-only group: the counts travel as a device tensor
+            on_dev = torch.empty(w * e_loc, dtype=torch.int64, device=per_expert.device)
+            C.all_to_all_single(on_dev, per_expert.to(torch.int64).contiguous(), group=self.group)
+            matrix = on_dev.cpu()
+        matrix = matrix.view(w, e_loc)
+        send = counts.view(w, e_loc).sum(1).tolist()
+        recv = matrix.sum(1).tolist()
+        # received rows are [source 0: expert 0.., source 1: ...]; recv_x wants [expert 0: source 0.., ...]
+        src_starts = torch.cumsum(matrix.reshape(-1), 0) - matrix.reshape(-1)
+        pieces = [torch.arange(int(src_starts[q * e_loc + e]), int(src_starts[q * e_loc + e] + matrix[q, e]))
+                  for e in range(e_loc) for q in range(w)]
+        regroup = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int64)
+        dev = topk_idx.device
+        return DispatchHandle(matrix.sum(0).tolist(), send, recv, matrix, order, (order // k).to(dev),
+                              regroup.to(dev), tokens, k, dropped)
+
+    # -- the two halves --------------------------------------------------------------------------
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, DispatchHandle]:
+        """``recv_x [received pairs, hidden]`` grouped by local expert, and the routing handle.
+
+        Differentiable in ``x`` (``_Dispatch``: its backward is a combine without weights).
+        ``topk_weights`` is only checked here; ``combine`` takes it.
+        """
+        self._check(x, topk_idx, topk_weights)
+        handle = self.route(topk_idx)
+        return _Dispatch.apply(x, handle, self.group), handle
+
+    def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor) -> torch.Tensor:
+        """``out [tokens, hidden]``, ``out[t] = sum_j topk_weights[t, j] * expert_out`` of pair (t, j).
+
+        Differentiable in ``expert_out`` and ``topk_weights`` (``_Combine``: its backward is a
+        dispatch of the output gradient scaled by the weights).
+        """
+        if expert_out.shape[0] != sum(handle.tokens_per_expert):
+            raise InvalidArgumentError("expert_out", expert_out, f"has {expert_out.shape[0]} rows; the dispatch "
+                                       f"delivered {sum(handle.tokens_per_expert)}", "pass rows in recv_x's layout")
+        return _Combine.apply(expert_out, topk_weights, handle, self.group)
+
+    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                experts: Callable[[torch.Tensor, list[int]], torch.Tensor]) -> torch.Tensor:
+        """dispatch -> ``experts(recv_x, tokens_per_expert)`` -> combine."""
+        recv, handle = self.dispatch(x, topk_idx, topk_weights)
+        return self.combine(experts(recv, handle.tokens_per_expert), handle, topk_weights)
+
+    def forward_pipelined(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                          experts: Callable[[torch.Tensor, list[int]], torch.Tensor], chunks: int | str = "auto"
+                          ) -> torch.Tensor:
+        """``forward`` with the tokens in ``chunks`` parts, chunk i+1's rows sent before chunk i's
+        experts run. Every rank must pass the same ``chunks``; ``last_chunks`` says what ran.
+
+        The order is the pipeline's; the overlap itself needs the exchanges on their own CUDA
+        stream, which is not built yet: today the chunks run one after another (results equal).
+        """
+        if chunks == "auto":
+            n, why = 1, "no pipeline measurement on this machine yet: one chunk"
+        elif isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1:
+            n, why = chunks, "requested by the caller"
+        else:
+            raise InvalidArgumentError("chunks", chunks, "is not 'auto' or a positive int", "pass 'auto' or e.g. 4")
+        self.last_chunks = (n, why)
+        if n == 1:
+            return self.forward(x, topk_idx, topk_weights, experts)
+        self._check(x, topk_idx, topk_weights)
+        bounds = [(x.shape[0] * i // n, x.shape[0] * (i + 1) // n) for i in range(n)]
+        handles = [self.route(topk_idx[lo:hi]) for lo, hi in bounds]  # the small count exchanges first
+        recv = [_Dispatch.apply(x[bounds[0][0]:bounds[0][1]], handles[0], self.group)]
+        outs = []
+        for i, (lo, hi) in enumerate(bounds):
+            if i + 1 < n:
+                nlo, nhi = bounds[i + 1]
+                recv.append(_Dispatch.apply(x[nlo:nhi], handles[i + 1], self.group))
+            rows = experts(recv[i], handles[i].tokens_per_expert)
+            outs.append(_Combine.apply(rows, topk_weights[lo:hi], handles[i], self.group))
+        return torch.cat(outs)
+
+
+class GroupedSwiGLU(nn.Module):
+    """The local experts' SwiGLU MLPs, ``w2(silu(x w1) * (x w3))``, one GEMM per expert on rows
+    grouped by expert (the layout ``MoEDispatcher.dispatch`` returns)."""
+
+    def __init__(self, num_local_experts: int, hidden: int, ffn_hidden: int, *, dtype: torch.dtype | None = None,
+                 device: Any = None) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_local_experts, hidden, ffn_hidden, dtype=dtype, device=device))
+        self.w3 = nn.Parameter(torch.empty(num_local_experts, hidden, ffn_hidden, dtype=dtype, device=device))
+        self.w2 = nn.Parameter(torch.empty(num_local_experts, ffn_hidden, hidden, dtype=dtype, device=device))
+        for p in (self.w1, self.w3):
+            nn.init.normal_(p, std=hidden ** -0.5)
+        nn.init.normal_(self.w2, std=ffn_hidden ** -0.5)
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+        outs = []
+        for e, rows in enumerate(x.split(list(tokens_per_expert))):
+            outs.append((F.silu(rows @ self.w1[e]) * (rows @ self.w3[e])) @ self.w2[e])
+        return torch.cat(outs) if outs else x.new_zeros((0, self.w2.shape[-1]))
+
+
+def reference_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                  expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The single-process definition: ``out[t] = sum_j topk_weights[t, j] * expert(topk_idx[t, j], x[t])``."""
+    out = torch.zeros_like(x)
+    for j in range(topk_idx.shape[1]):
+        for e in topk_idx[:, j].unique().tolist():
+            rows = (topk_idx[:, j] == e).nonzero().squeeze(1)
+            out = out.index_add(0, rows, topk_weights[rows, j:j + 1].to(x.dtype) * expert(int(e), x[rows]))
+    return out

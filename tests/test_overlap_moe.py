@@ -1,0 +1,210 @@
+"""MoE dispatch and combine on Gloo (2-4 ranks) against the single-process definition.
+
+Each expert is a fixed affine map any rank can rebuild from its id, so every rank computes the
+reference ``out[t] = sum_j w[t, j] * expert_{idx[t, j]}(x[t])`` for its own tokens in float64,
+and its gradients with autograd. Cases: uneven random routing, every token to one expert, a rank
+with no tokens, capacity drops (the reference drops the same pairs: the first ``cap`` pairs of
+each expert in token order are kept), and the chunked forward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import collectives as C
+from overlap.moe import MoEDispatcher, reference_moe
+
+H = 6
+
+
+def _expert_params(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10_000 + e)
+    return torch.randn(H, H, generator=g, dtype=torch.float64) / H ** 0.5, torch.randn(H, generator=g, dtype=torch.float64)
+
+
+def _expert(e: int, x: torch.Tensor) -> torch.Tensor:
+    w, b = _expert_params(e)
+    return torch.tanh(x @ w + b)
+
+
+def _routing(rank: int, tokens: int, experts: int, k: int, case: str, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed * 31 + rank)
+    x = torch.randn(tokens, H, generator=g, dtype=torch.float64)
+    if case == "one_expert":
+        idx = torch.zeros(tokens, k, dtype=torch.int64)
+        idx[:, 1:] = torch.arange(1, k)  # token t goes to experts 0, 1, ..., k-1: expert 0 gets everything
+    else:
+        idx = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)]) if tokens else \
+            torch.empty(0, k, dtype=torch.int64)
+    w = torch.rand(tokens, k, generator=g, dtype=torch.float64)
+    return x, idx, w
+
+
+def _kept_mask(idx: torch.Tensor, experts: int, cap: int) -> torch.Tensor:
+    """Which (token, j) pairs an expert capacity of ``cap`` keeps: the first ``cap`` per expert in token order."""
+    keep = torch.zeros(idx.numel(), dtype=torch.bool)
+    seen = [0] * experts
+    for p, e in enumerate(idx.reshape(-1).tolist()):
+        if seen[e] < cap:
+            keep[p] = True
+        seen[e] += 1
+    return keep.view(idx.shape)
+
+
+def _case(rank: int, world: int, case: str, e_per_rank: int, k: int, tokens: list[int], seed: int,
+          capacity: float | None, chunks: int | str) -> dict[str, float]:
+    experts = e_per_rank * world
+    x, idx, w = _routing(rank, tokens[rank], experts, k, case, seed)
+    disp = MoEDispatcher(experts, H, dtype=torch.float64, capacity_factor=capacity)
+
+    def local(rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
+        outs = [_expert(disp.first_expert + e, r) for e, r in enumerate(rows.split(per_expert))]
+        return torch.cat(outs) if outs else rows
+
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    if chunks == 1:
+        recv, handle = disp.dispatch(xs, idx, ws)
+        assert recv.shape[0] == sum(handle.tokens_per_expert) and len(handle.tokens_per_expert) == e_per_rank
+        out = disp.combine(local(recv, handle.tokens_per_expert), handle, ws)
+        dropped = handle.dropped
+    else:
+        out = disp.forward_pipelined(xs, idx, ws, local, chunks=chunks)
+        dropped = 0
+    G = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 7 * rank), dtype=torch.float64)
+    (out * G).sum().backward()
+
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    want_dropped = 0
+    wk = wr
+    if capacity is not None:
+        keep = _kept_mask(idx, experts, math.ceil(capacity * x.shape[0] * k / experts))
+        want_dropped = int((~keep).sum())
+        wk = wr * keep
+    ref = reference_moe(xr, idx, wk, _expert)
+    if ref.requires_grad:  # a rank without tokens has nothing to differentiate (but ran our backward above)
+        (ref * G).sum().backward()
+    err = max((out - ref).abs().max().item() if out.numel() else 0.0,
+              (xs.grad - xr.grad).abs().max().item() if x.numel() else 0.0,
+              (ws.grad - wr.grad).abs().max().item() if w.numel() else 0.0)
+    return {"err": err, "dropped": float(dropped), "want_dropped": float(want_dropped if chunks == 1 else 0)}
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_dispatch_combine_match_the_single_process_moe(worlds, world_size: int) -> None:  # noqa: ANN001
+    w = worlds(world_size)
+    uneven = [5 + 3 * r for r in range(world_size)]
+    zero_on_one = [7] * world_size
+    zero_on_one[1] = 0
+    cases = [
+        ("random", 2, 2, uneven, None, 1),
+        ("random", 2, 3, uneven, None, 1),
+        ("random", 1, 1, uneven, None, 1),
+        ("one_expert", 2, 2, uneven, None, 1),
+        ("random", 2, 2, zero_on_one, None, 1),
+        ("random", 2, 2, uneven, 0.5, 1),        # capacity drops
+        ("one_expert", 2, 2, uneven, 1.0, 1),    # most of expert 0's pairs dropped
+        ("random", 2, 2, uneven, None, 3),       # chunked forward
+    ]
+    for seed, (case, e_per_rank, k, tokens, capacity, chunks) in enumerate(cases):
+        for res in w.run(_case, case, e_per_rank, k, tokens, seed, capacity, chunks):
+            assert res["err"] < 1e-12, (case, e_per_rank, k, tokens, capacity, chunks, res)
+            assert res["dropped"] == res["want_dropped"], (case, capacity, res)
+        if capacity is not None:
+            assert sum(r["dropped"] for r in w.run(_case, case, e_per_rank, k, tokens, seed, capacity, chunks)) > 0
+
+
+def _errors(rank: int, world: int) -> list[str]:
+    out = []
+    for make in (lambda: MoEDispatcher(2 * world + 1, H), lambda: MoEDispatcher(2 * world, H, capacity_factor=0.0)):
+        try:
+            make()
+            out.append("no error")
+        except C.InvalidArgumentError as exc:
+            out.append(str(exc))
+    d = MoEDispatcher(2 * world, H)
+    x = torch.randn(3, H)
+    for idx in (torch.tensor([[0, 0], [1, 2], [0, 1]]), torch.tensor([[0, 99], [1, 2], [0, 1]]), torch.zeros(3, 2)):
+        try:
+            d.dispatch(x, idx)
+            out.append("no error")
+        except C.InvalidArgumentError as exc:
+            out.append(str(exc))
+    return out
+
+
+def test_bad_routing_is_refused_before_anything_is_sent(worlds) -> None:  # noqa: ANN001
+    for msgs in worlds(2).run(_errors):
+        assert all("Fix:" in m for m in msgs), msgs
+        assert "num_experts" in msgs[0] and "capacity_factor" in msgs[1]
+        assert "same expert twice" in msgs[2] and "outside" in msgs[3] and "integer" in msgs[4]
+
+
+def _layer_case(rank: int, world: int, tokens: list[int], capacity: float | None) -> float:
+    import torch.nn.functional as F
+
+    from overlap.layers import MoELayer
+    from overlap.moe import GroupedSwiGLU
+
+    torch.manual_seed(4321)  # the same reference on every rank
+    E, k, FF = 2 * world, 2, 10
+    router = torch.nn.Linear(H, E, bias=False).double()
+    full = GroupedSwiGLU(E, H, FF, dtype=torch.float64)
+    layer = MoELayer(H, FF, E, k, dtype=torch.float64, capacity_factor=capacity)
+    lo = rank * (E // world)
+    with torch.no_grad():
+        layer.router.weight.copy_(router.weight)
+        for name in ("w1", "w2", "w3"):
+            getattr(layer.experts, name).copy_(getattr(full, name)[lo:lo + E // world])
+
+    def data(q: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(77 + q)
+        return torch.randn(tokens[q], H, generator=g, dtype=torch.float64), \
+            torch.randn(tokens[q], H, generator=g, dtype=torch.float64)
+
+    x, G = data(rank)
+    xs = x.clone().requires_grad_()
+    (layer(xs) * G).sum().backward()
+
+    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+        return (F.silu(rows @ full.w1[e]) * (rows @ full.w3[e])) @ full.w2[e]
+
+    # The reference over every rank's tokens (the experts' gradients sum over them); this rank's
+    # part also gives the input's and the router's gradients.
+    loss = torch.zeros((), dtype=torch.float64)
+    mine = None
+    for q in range(world):
+        xq, Gq = data(q)
+        xq = xq.clone().requires_grad_()
+        probs = torch.softmax(router(xq), dim=-1)
+        w, idx = probs.topk(k, dim=-1)
+        w = w / w.sum(-1, keepdim=True)
+        if capacity is not None:
+            w = w * _kept_mask(idx, E, math.ceil(capacity * tokens[q] * k / E))
+        out = reference_moe(xq, idx, w, expert)
+        if q == rank:
+            mine = (xq, router.weight.grad)
+            rloss = (out * Gq).sum()
+        loss = loss + (out * Gq).sum()
+    assert mine is not None
+    rgrad = torch.autograd.grad(rloss, [router.weight, mine[0]], retain_graph=True, allow_unused=True) \
+        if tokens[rank] else (None, None)
+    loss.backward()
+    errs = [(xs.grad - rgrad[1]).abs().max().item() if tokens[rank] else 0.0]
+    if tokens[rank]:
+        errs.append((layer.router.weight.grad - rgrad[0]).abs().max().item())
+    for name in ("w1", "w2", "w3"):
+        errs.append((getattr(layer.experts, name).grad - getattr(full, name).grad[lo:lo + E // world]).abs().max().item())
+    return max(errs)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_moe_layer_matches_the_single_process_layer(worlds, world_size: int) -> None:  # noqa: ANN001
+    w = worlds(world_size)
+    tokens = [9 + 2 * r for r in range(world_size)]
+    for capacity in (None, 0.75):
+        assert max(w.run(_layer_case, tokens, capacity)) < 1e-10, capacity
+    tokens[0] = 0  # a rank without tokens still takes part in every exchange
+    assert max(w.run(_layer_case, tokens, None)) < 1e-10
