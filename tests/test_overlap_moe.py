@@ -208,3 +208,16 @@ def test_moe_layer_matches_the_single_process_layer(worlds, world_size: int) -> 
         assert max(w.run(_layer_case, tokens, capacity)) < 1e-10, capacity
     tokens[0] = 0  # a rank without tokens still takes part in every exchange
     assert max(w.run(_layer_case, tokens, None)) < 1e-10
+
+
+def _moe_bench_smoke(rank: int, world: int) -> list[tuple[int, int, float]]:
+    from bench.moe_bench import measure_config
+
+    recs = measure_config(C.get_communicator(), "tiny", 6 + rank, 8, 12, 2 * world, 2, torch.float32,
+                          torch.device("cpu"), chunk_counts=(2,), iters=1, reps=1)
+    return [(r.chunks, r.wrong, r.bytes_sent) for r in recs]
+
+
+def test_moe_benchmark_smoke(worlds) -> None:  # noqa: ANN001
+    for rank, recs in enumerate(worlds(2).run(_moe_bench_smoke)):
+        assert recs == [(2, 0, (6 + rank) * 2 * 8 * 4)]  # tokens * k rows of 8 floats sent

@@ -1,0 +1,103 @@
+"""Timing MoE dispatch, experts and combine, sequential and pipelined, as functions that return records.
+
+For one configuration (tokens per rank, hidden, experts, top-k) with uniformly random routing,
+the same run times: ``dispatch`` (routing and exchange), the experts (``GroupedSwiGLU``),
+``combine``, the three in sequence, ``forward_pipelined`` at each chunk count, and NCCL's (or
+Gloo's) ``all_to_all_single`` moving the same rows with the same splits. Bandwidths count the
+rows a rank sends, its own included. ``hidden_pct`` is ``(sequential - pipelined) /
+(dispatch + combine)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+import collectives as C
+from overlap.moe import GroupedSwiGLU, MoEDispatcher
+
+from .gemm_collective import _time
+
+__all__ = ["MoERecord", "measure_config", "format_moe_table"]
+
+
+@dataclass
+class MoERecord:
+    config: str
+    tokens: int
+    hidden: int
+    ffn_hidden: int
+    experts: int
+    top_k: int
+    world: int
+    dtype: str
+    device: str
+    bytes_sent: int
+    dispatch_us: float
+    dispatch_GBps: float
+    combine_us: float
+    combine_GBps: float
+    a2a_us: float           # the backend's all_to_all_single on the same rows
+    a2a_GBps: float
+    experts_us: float
+    sequential_us: float
+    pipelined_us: float
+    chunks: int
+    hidden_pct: float
+    wrong: int              # pipelined output elements off the sequential one
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ffn_hidden: int, experts: int,
+                   top_k: int, dtype: torch.dtype, device: torch.device, *, chunk_counts: tuple[int, ...] = (2, 4),
+                   iters: int = 5, reps: int = 3, seed: int = 0) -> list[MoERecord]:
+    """One record per chunk count (the sequential figures repeat in each)."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed * 7919 + comm.rank)
+    x = torch.randn(tokens, hidden, generator=g, device=device).to(dtype)
+    idx = torch.rand(tokens, experts, generator=g, device=device).topk(top_k, dim=-1).indices
+    w = torch.rand(tokens, top_k, generator=g, device=device).to(dtype)
+    disp = MoEDispatcher(experts, hidden, comm.group, dtype=dtype, device=device)
+    mlp = GroupedSwiGLU(disp.local_experts, hidden, ffn_hidden, dtype=dtype, device=device)
+    with torch.no_grad():
+        recv, handle = disp.dispatch(x, idx, w)
+        y = mlp(recv, handle.tokens_per_expert)
+        es = x.element_size()
+        sent_bytes = sum(handle.send_counts) * hidden * es
+        t_dispatch = _time(lambda: disp.dispatch(x, idx, w), comm, device, iters, reps)
+        t_experts = _time(lambda: mlp(recv, handle.tokens_per_expert), comm, device, iters, reps)
+        t_combine = _time(lambda: disp.combine(y, handle, w), comm, device, iters, reps)
+        rows = x.index_select(0, handle.token_of)
+        out = rows.new_empty((sum(handle.recv_counts), hidden))
+        t_a2a = _time(lambda: dist.all_to_all_single(out, rows, handle.recv_counts, handle.send_counts,
+                                                     group=comm.group), comm, device, iters, reps)
+        ref = disp.forward(x, idx, w, mlp)
+        t_seq = _time(lambda: disp.forward(x, idx, w, mlp), comm, device, iters, reps)
+        records = []
+        for k in chunk_counts:
+            got = disp.forward_pipelined(x, idx, w, mlp, chunks=k)
+            scale = ref.abs().mean().item() + 1e-12
+            wrong = int(((got.float() - ref.float()).abs() > 1e-2 * (ref.float().abs() + scale)).sum())
+            t_pipe = _time(lambda k=k: disp.forward_pipelined(x, idx, w, mlp, chunks=k), comm, device, iters, reps)
+            comm_us = t_dispatch + t_combine
+            records.append(MoERecord(
+                name, tokens, hidden, ffn_hidden, experts, top_k, comm.size, str(dtype).removeprefix("torch."),
+                str(device), sent_bytes, t_dispatch, sent_bytes / t_dispatch / 1e3, t_combine,
+                sent_bytes / t_combine / 1e3, t_a2a, sent_bytes / t_a2a / 1e3, t_experts, t_seq, t_pipe, k,
+                100 * (t_seq - t_pipe) / comm_us if comm_us else 0.0, wrong))
+    return records
+
+
+def format_moe_table(records: list[MoERecord]) -> str:
+    lines = []
+    for r in records:
+        lines.append(f"{r.config:<14} tokens {r.tokens:>6} h {r.hidden:>5} E {r.experts:>4} k {r.top_k} | dispatch "
+                     f"{r.dispatch_us:9.1f} us {r.dispatch_GBps:7.2f} GB/s | combine {r.combine_us:9.1f} us "
+                     f"{r.combine_GBps:7.2f} GB/s | all_to_all {r.a2a_us:9.1f} us {r.a2a_GBps:7.2f} GB/s | experts "
+                     f"{r.experts_us:9.1f} us | sequential {r.sequential_us:9.1f} us | pipelined/{r.chunks} "
+                     f"{r.pipelined_us:9.1f} us ({r.hidden_pct:6.1f}% hidden) #wrong {r.wrong}")
+    return "\n".join(lines)

@@ -1,0 +1,77 @@
+"""Benchmark MoE dispatch and combine: ``torchrun --nproc-per-node N launch/bench_moe.py``.
+
+Configurations (tokens per rank, hidden, expert inner width, experts, top-k): on GPUs a
+DeepSeek-V3-like prefill (hidden 7168, expert width 2048, 32 experts per rank, i.e. 256 on 8
+GPUs, top-8, 4096 tokens) and its decode step (128 tokens); on CPUs small ones. Prints
+dispatch and combine time and GB/s beside the backend's ``all_to_all_single`` on the same rows,
+the experts' time, sequential and pipelined totals and the share of communication hidden.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import collectives as C  # noqa: E402
+from bench.cli import DTYPES  # noqa: E402
+from bench.moe_bench import format_moe_table, measure_config  # noqa: E402
+from bench.report import write_csv, write_json  # noqa: E402
+
+
+def _configs(cuda: bool, world: int) -> list[tuple[str, int, int, int, int, int]]:
+    if cuda:
+        return [("dsv3-prefill", 4096, 7168, 2048, 32 * world, 8), ("dsv3-decode", 128, 7168, 2048, 32 * world, 8)]
+    return [("small", 64, 32, 48, 4 * world, 2), ("small-decode", 8, 32, 48, 4 * world, 2)]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(prog="launch/bench_moe.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", action="append", default=None, metavar="NAME:TOKENS:HIDDEN:FFN:EXPERTS:K",
+                   help="a configuration (repeatable); default: the built-in ones")
+    p.add_argument("-d", "--dtype", default=None, choices=sorted(DTYPES))
+    p.add_argument("--chunks", default="2,4")
+    p.add_argument("-n", "--iters", type=int, default=5)
+    p.add_argument("-r", "--reps", type=int, default=3)
+    p.add_argument("--json")
+    p.add_argument("--csv")
+    args = p.parse_args()
+    comm = C.init()
+    cuda = bool(comm.backend_for("cuda")) and torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dtype = DTYPES[args.dtype or ("bf16" if cuda else "float")]
+    configs = _configs(cuda, comm.size)
+    if args.config:
+        configs = []
+        for c in args.config:
+            name, *nums = c.split(":")
+            configs.append((name, *map(int, nums)))  # type: ignore[arg-type]
+    chunks = tuple(int(x) for x in args.chunks.split(","))
+    records = []
+    for name, tokens, hidden, ffn, experts, k in configs:
+        rs = measure_config(comm, name, tokens, hidden, ffn, experts, k, dtype, device, chunk_counts=chunks,
+                            iters=args.iters, reps=args.reps)
+        records += rs
+        if comm.rank == 0:
+            print(format_moe_table(rs), flush=True)
+    if comm.rank == 0:
+        meta = {"command": " ".join(["launch/bench_moe.py", *sys.argv[1:]]), "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "world": comm.size, "backend": comm.backend, "torch": torch.__version__,
+                "device": torch.cuda.get_device_name() if cuda else f"cpu:{os.cpu_count()}"}
+        if args.json:
+            write_json(records, args.json, meta)  # type: ignore[arg-type]
+        if args.csv:
+            write_csv(records, args.csv)  # type: ignore[arg-type]
+    bad = sum(r.wrong for r in records)
+    C.destroy()
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
