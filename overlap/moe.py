@@ -179,12 +179,16 @@ class MoEDispatcher:
         if topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0] or topk_idx.dtype.is_floating_point:
             raise InvalidArgumentError("topk_idx", topk_idx, f"is not an integer [{x.shape[0]}, k] tensor",
                                        "pass the router's expert ids, one row per token")
-        if topk_idx.numel() and (int(topk_idx.min()) < 0 or int(topk_idx.max()) >= self.num_experts):
-            raise InvalidArgumentError("topk_idx", topk_idx, f"has expert ids outside 0..{self.num_experts - 1}",
-                                       f"route to experts 0..{self.num_experts - 1}")
-        if topk_idx.shape[1] > 1 and topk_idx.numel():
+        if topk_idx.numel():
+            # one read of three device values (a GPU synchronisation), not three
             s = topk_idx.sort(dim=1).values
-            if bool((s[:, 1:] == s[:, :-1]).any()):
+            dup = (s[:, 1:] == s[:, :-1]).any() if topk_idx.shape[1] > 1 else torch.zeros((), dtype=torch.bool,
+                                                                                              device=s.device)
+            lo, hi, twice = torch.stack([s[:, 0].min(), s[:, -1].max(), dup.to(s.dtype)]).tolist()
+            if lo < 0 or hi >= self.num_experts:
+                raise InvalidArgumentError("topk_idx", topk_idx, f"has expert ids outside 0..{self.num_experts - 1}",
+                                           f"route to experts 0..{self.num_experts - 1}")
+            if twice:
                 raise InvalidArgumentError("topk_idx", topk_idx, "routes a token to the same expert twice",
                                            "give each token k distinct experts")
         if topk_weights is not None and topk_weights.shape != topk_idx.shape:
@@ -219,14 +223,12 @@ class MoEDispatcher:
         matrix = matrix.view(w, e_loc)
         send = counts.view(w, e_loc).sum(1).tolist()
         recv = matrix.sum(1).tolist()
-        # received rows are [source 0: expert 0.., source 1: ...]; recv_x wants [expert 0: source 0.., ...]
-        src_starts = torch.cumsum(matrix.reshape(-1), 0) - matrix.reshape(-1)
-        pieces = [torch.arange(int(src_starts[q * e_loc + e]), int(src_starts[q * e_loc + e] + matrix[q, e]))
-                  for e in range(e_loc) for q in range(w)]
-        regroup = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int64)
-        dev = topk_idx.device
-        return DispatchHandle(matrix.sum(0).tolist(), send, recv, matrix, order, (order // k).to(dev),
-                              regroup.to(dev), tokens, k, dropped)
+        # Received rows are [source 0: expert 0.., source 1: ...]; recv_x wants [expert 0: source 0.., ...]:
+        # a stable sort of the received rows by their local expert.
+        expert_of_row = torch.arange(e_loc).repeat(w).repeat_interleave(matrix.reshape(-1))
+        regroup = torch.sort(expert_of_row, stable=True).indices
+        return DispatchHandle(matrix.sum(0).tolist(), send, recv, matrix, order, order // k,
+                              regroup.to(topk_idx.device), tokens, k, dropped)
 
     # -- the two halves --------------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None = None
