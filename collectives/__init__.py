@@ -25,6 +25,7 @@ from .bootstrap import LaunchInfo, init
 from .communicator import Communicator, destroy, get_communicator
 from .dispatch import Call, add_trace_hook, remove_trace_hook
 from .errors import (
+    CollectiveMismatch,
     CollectiveTimeout,
     CommopsError,
     InvalidArgumentError,
@@ -33,6 +34,7 @@ from .errors import (
     NotInitializedError,
     UnsupportedError,
 )
+from .recorder import dump as dump_trace
 from .selection import Choice
 from .work import Work
 
@@ -43,7 +45,7 @@ __all__ = [
     "ReduceOp", "Work", "Choice", "Call", "add_trace_hook", "remove_trace_hook", "LaunchInfo",
     "OPS", "DATA_OPS", "REDUCE_OPS",
     "CommopsError", "InvalidArgumentError", "InvalidTypeError", "UnsupportedError",
-    "NotInitializedError", "LaunchError", "CollectiveTimeout",
+    "NotInitializedError", "LaunchError", "CollectiveTimeout", "CollectiveMismatch", "dump_trace",
 ]
 
 Group = dist.ProcessGroup | None

@@ -89,7 +89,21 @@ OVERLAP_TUNED: EnvVar[str] = EnvVar(
     "operators' strategy='auto' follows.",
 )
 
-VARIABLES = (NVTX, MPI_MASTER_ADDR, TOPOLOGY, CALIBRATION, TUNED, PEER_BYTES, PEER_TIMEOUT_S, OVERLAP_TUNED)
+TRACE_DIR: EnvVar[str] = EnvVar(
+    "COMMOPS_TRACE_DIR", "",
+    "Directory for the flight recorder's dumps (one JSON file per rank), written when a collective "
+    "raises, on SIGUSR1 or SIGTERM, or on collectives.dump_trace(); read by python -m collectives.diagnose.",
+)
+
+DEBUG: EnvVar[bool] = EnvVar(
+    "COMMOPS_DEBUG", False,
+    "Debug check mode: before every collective the ranks compare a fingerprint of the call (op, "
+    "algorithm, shapes, dtype, reduce op, root, sequence number) through the store, and all raise "
+    "CollectiveMismatch naming the disagreement (collectives/debug.py; costs a store round trip per call).",
+)
+
+VARIABLES = (NVTX, MPI_MASTER_ADDR, TOPOLOGY, CALIBRATION, TUNED, PEER_BYTES, PEER_TIMEOUT_S, OVERLAP_TUNED,
+             TRACE_DIR, DEBUG)
 
 
 @functools.cache

@@ -114,7 +114,8 @@ def _from_mpi() -> tuple[LaunchInfo, dist.Store]:
     return LaunchInfo("mpi", rank, size, local_rank, local_size), store
 
 
-def init(backend: str | None = None, timeout: float | datetime.timedelta | None = None) -> Communicator:
+def init(backend: str | None = None, timeout: float | datetime.timedelta | None = None, *,
+         trace_dir: str | None = None, debug: bool | None = None) -> Communicator:
     """Initialise torch.distributed from the launcher's environment and return the world communicator.
 
     Idempotent: if torch.distributed is already initialised (by an earlier call or by the caller's
@@ -124,11 +125,20 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
         backend: "nccl", "gloo", "mpi", "hccl" (or torch's "cpu:gloo,cuda:nccl" form); ``None``
             picks by device: CUDA -> nccl, Ascend NPU -> hccl, else gloo.
         timeout: seconds (or a timedelta) every collective of the default group may take.
+        trace_dir: where the flight recorder dumps (``COMMOPS_TRACE_DIR`` by default); also
+            installs its SIGUSR1 / SIGTERM handlers (``collectives/recorder.py``).
+        debug: debug check mode for the world communicator (``COMMOPS_DEBUG`` by default;
+            ``collectives/debug.py``).
     Raises:
         LaunchError: not started by torchrun or an MPI launcher.
     """
+    from . import _env
+    from .recorder import set_trace_dir
+
+    if trace_dir or _env.TRACE_DIR.get():
+        set_trace_dir(trace_dir or _env.TRACE_DIR.get())
     if dist.is_initialized():
-        return get_communicator()
+        return _with_debug(get_communicator(), debug)
     info = launcher_environment()
     if info is None:
         raise LaunchError(f"no launcher found (no RANK/WORLD_SIZE/MASTER_ADDR, no MPI variables): {_HOW_TO_LAUNCH}")
@@ -151,4 +161,10 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
         dist.init_process_group(name, store=store, rank=info.rank, world_size=info.world_size, **kwargs)
     else:
         dist.init_process_group(name, init_method="env://", **kwargs)
-    return get_communicator()
+    return _with_debug(get_communicator(), debug)
+
+
+def _with_debug(comm: Communicator, debug: bool | None) -> Communicator:
+    if debug is not None:
+        comm.debug = debug
+    return comm

@@ -17,6 +17,7 @@ from weakref import WeakKeyDictionary
 import torch
 import torch.distributed as dist
 
+from . import _env
 from ._types import BACKEND_DEVICES, ReduceOp, normalize_reduce_op
 from .dispatch import Call, dispatch, dispatch_tensors
 from .errors import NotInitializedError
@@ -64,6 +65,7 @@ class Communicator:
             self.global_ranks = tuple(dist.get_global_rank(self.group, i) for i in range(self.size))
         self._group_rank = {g: i for i, g in enumerate(self.global_ranks)}
         self.backend = str(dist.get_backend(self.group))
+        self._group_name = str(getattr(self.group, "group_name", "") or id(self.group))
         self._backends = _backend_map(self.backend)
         self.device_types = tuple(self._backends) or ("cpu",)
         self.seq = 0
@@ -78,6 +80,7 @@ class Communicator:
         self._peer_reason: str | None = None  # why peer memory cannot run here ("" if it can; collectives/peer)
         self._peer_memory: Any = None  # collectives.peer.PeerMemory, built on first use
         self._fast: dict[Any, Any] = {}  # signature -> runner of calls already resolved (dispatch_tensors)
+        self.debug: bool = _env.DEBUG.get()  # debug check mode (collectives/debug.py)
 
     # -- facts -------------------------------------------------------------------------------
     def backend_for(self, device_type: str) -> str | None:

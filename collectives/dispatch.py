@@ -22,7 +22,8 @@ from ._types import normalize_reduce_op
 from ._validate import _current_device, validate
 from .algos import REGISTRY, Algorithm, ScheduledAlgorithm, for_op
 from .algos._schedule import Layout
-from .errors import UnsupportedError
+from .errors import CollectiveTimeout, UnsupportedError
+from .recorder import RECORDER, missing_ranks
 from .selection import Choice, choose
 from .work import EventWork, FutureWork, TorchWork, Work
 
@@ -155,14 +156,21 @@ def dispatch_tensors(comm: Communicator, op: str, output: torch.Tensor, input: t
     2xH200 machine it takes several microseconds off each small peer-memory call, which is most
     of the host time such a call has.
     """
-    if not async_op and not _HOOKS and type(output) is torch.Tensor and type(input) is torch.Tensor:
+    if not async_op and not _HOOKS and not comm.debug and type(output) is torch.Tensor and type(input) is torch.Tensor:
         key = (op, algorithm, reduce_op, output.dtype, output.numel(), input.numel())
         runner = comm._fast.get(key)
         if runner is not None and output.is_cuda and output.is_contiguous() and input.is_contiguous() \
                 and output.get_device() == _current_device() == input.get_device() \
                 and not _profiling() and not _env.nvtx_enabled():
             comm.seq += 1
-            runner(output, input)
+            entry = RECORDER.start_fast(comm, op, algorithm, output, input, reduce_op)
+            try:
+                runner(output, input)
+            except BaseException as exc:
+                RECORDER.end(entry, "failed")
+                _failed(comm, op, comm.seq, exc)
+                raise
+            RECORDER.end(entry)
             return None
     else:
         key = None
@@ -183,6 +191,16 @@ def dispatch(call: Call) -> Work | None:
     comm = call.comm
     comm.seq += 1
     call.seq = comm.seq
+    entry = RECORDER.start(call, algo.name)
+    if comm.debug:
+        from .debug import check_call
+
+        try:
+            check_call(call, algo.name)
+        except BaseException as exc:
+            RECORDER.end(entry, "failed")
+            _failed(comm, call.op, call.seq, exc)
+            raise
     hooks = _HOOKS
     if hooks:
         for h in hooks:
@@ -209,16 +227,49 @@ def dispatch(call: Call) -> Work | None:
                 if nvtx:
                     torch.cuda.nvtx.range_pop()
     except BaseException as exc:
+        RECORDER.end(entry, "failed")
         if hooks:
             for h in hooks:
                 h("error", call, exc)
+        _failed(comm, call.op, call.seq, exc)
         raise
+    RECORDER.end(entry, "enqueued" if call.async_op else "completed")
     if hooks:
         for h in hooks:
             h("end", call, result)
     elif not call.async_op and call.output is not None and call.output.is_cuda:
         call.fast = algo.fast_path(call)
     return result
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text
+
+
+def _failed(comm: Communicator, op: str, seq: int, exc: BaseException) -> None:
+    """A collective raised: dump the flight recorder; a timeout becomes ``CollectiveTimeout``
+    naming the ranks that never entered this call (from their published progress)."""
+    RECORDER.dump(f"{op} #{seq} on group {comm._group_name} raised: {exc}"[:2000])
+    if isinstance(exc, CollectiveTimeout) or not _is_timeout(exc):
+        return
+    missing = missing_ranks(comm, seq)
+    detail = (f"call #{seq} on group {comm._group_name} (global ranks {list(comm.global_ranks)}) timed out "
+              f"on rank {comm.global_ranks[comm.rank]}; " +
+              (f"rank(s) {missing} never entered it" if missing else "every rank entered it (one is slow or gone)"))
+    _abort(comm)
+    raise CollectiveTimeout(op, missing, detail) from exc
+
+
+def _abort(comm: Communicator) -> None:
+    # So that no rank stays blocked in this group's collectives (NCCL); Gloo's connections close
+    # when the process exits.
+    abort = getattr(torch.distributed.distributed_c10d, "_abort_process_group", None)
+    if abort is not None and comm.backend_for("cuda"):
+        try:
+            abort(comm.group)
+        except Exception:  # noqa: BLE001 - best effort: the error being raised matters more
+            pass
 
 
 def _run(algo: Algorithm, call: Call) -> Work | None:

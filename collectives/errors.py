@@ -16,6 +16,7 @@ __all__ = [
     "NotInitializedError",
     "LaunchError",
     "CollectiveTimeout",
+    "CollectiveMismatch",
 ]
 
 
@@ -57,6 +58,17 @@ class CollectiveTimeout(CommopsError, TimeoutError):
         self.op = op
         self.missing = missing
         super().__init__(f"{op}: rank(s) {missing} did not arrive: {detail}")
+
+
+class CollectiveMismatch(CommopsError, RuntimeError):
+    """Debug check mode: the ranks called a collective with different arguments; every rank
+    raises this, naming the field and which ranks passed which value, before anything is sent."""
+
+    def __init__(self, op: str, seq: int, field: str, sides: dict[str, list[int]]) -> None:
+        self.op, self.seq, self.field, self.sides = op, seq, field, sides
+        listed = "; ".join(f"rank(s) {ranks} passed {value}" for value, ranks in sides.items())
+        super().__init__(f"{op} call #{seq}: the ranks disagree on {field}: {listed}. Fix: give every rank of the "
+                         "group the same call (same op, shapes, dtype, reduce op and root) in the same order")
 
 
 def _short(value: object) -> str:

@@ -1,0 +1,224 @@
+"""The flight recorder: every collective of this process in a bounded ring buffer, dumped on trouble.
+
+Design note. The dispatch point (``collectives/dispatch.py``) records each call as it starts and
+marks it when it returns or fails. An entry holds the group, its per-group sequence number, op,
+algorithm, shapes, dtype, reduce op, root, the caller's file:line, wall-clock enqueue and end
+times and a state (``started``, ``completed``, ``enqueued`` for async calls, ``failed``). Entries
+are plain lists written into a preallocated ring (the oldest are overwritten), so a call costs a
+few attribute reads, two clock reads and a short walk up the stack for the call site: about a
+microsecond, measured by ``tests/test_faults_recorder.py`` and documented in the README.
+
+The ring is dumped as one JSON file per rank (``commops_trace_rank<R>.json``) into the trace
+directory (``COMMOPS_TRACE_DIR`` or ``collectives.init(trace_dir=...)``) when a collective raises,
+on SIGUSR1, on SIGTERM (then the signal's usual effect), or on request (:func:`dump`).
+``python -m collectives.diagnose DIR`` reads them.
+
+The recorder also publishes each rank's progress (the last sequence number it entered, per
+group) to the group's store from a background thread every ``PROGRESS_PERIOD_S``, so that a rank
+whose collective times out can name the ranks that never arrived from what they wrote, not from
+a guess (:func:`missing_ranks`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .communicator import Communicator
+    from .dispatch import Call
+
+__all__ = ["FlightRecorder", "RECORDER", "dump", "set_trace_dir", "missing_ranks", "FIELDS"]
+
+FIELDS = ("group", "group_ranks", "seq", "op", "algorithm", "in_shape", "out_shape", "dtype", "reduce_op", "root",
+          "callsite", "t_enqueue", "t_end", "state")
+CAPACITY = 4096
+PROGRESS_PERIOD_S = 0.5
+_PACKAGE = str(Path(__file__).resolve().parent)
+
+
+def _callsite() -> str:
+    """file:line of the first frame outside this package (the user's call)."""
+    f = sys._getframe(2)
+    while f is not None and f.f_code.co_filename.startswith(_PACKAGE):
+        f = f.f_back  # type: ignore[assignment]
+    return f"{f.f_code.co_filename}:{f.f_lineno}" if f is not None else "?"
+
+
+class FlightRecorder:
+    """A ring of the last ``capacity`` collective calls of this process."""
+
+    def __init__(self, capacity: int = CAPACITY) -> None:
+        self.capacity = capacity
+        # Preallocated slots, filled in place: a call allocates nothing the garbage collector
+        # would later have to walk.
+        self._ring: list[list[Any]] = [[None] * len(FIELDS) for _ in range(capacity)]
+        self._next = 0
+        self._lock = threading.Lock()
+        self.trace_dir: str | None = None
+        self._progress: dict[Any, list[Any]] = {}  # group -> [store, rank, last seq]
+        self._published: dict[Any, int] = {}
+        self._thread: threading.Thread | None = None
+
+    # -- recording (the dispatch point calls these) ----------------------------------------------
+    def start(self, call: Call, algorithm: str) -> list[Any]:
+        comm = call.comm
+        out, inp = call.output, call.input
+        return self._fill(comm, call.seq, call.op, algorithm, None if inp is None else inp.shape,
+                          None if out is None else out.shape, None if out is None else out.dtype, call.reduce_op,
+                          call.root)
+
+    def start_fast(self, comm: Communicator, op: str, algorithm: str, output: Any, input: Any, reduce_op: Any) -> list[Any]:
+        return self._fill(comm, comm.seq, op, algorithm, input.shape, output.shape, output.dtype, reduce_op, None)
+
+    def _fill(self, comm: Communicator, seq: int, op: str, algorithm: str, in_shape: Any, out_shape: Any, dtype: Any,
+              reduce_op: Any, root: Any) -> list[Any]:
+        i = self._next
+        self._next = i + 1
+        e = self._ring[i % self.capacity]
+        e[0], e[1], e[2], e[3], e[4], e[5], e[6] = comm._group_name, comm.global_ranks, seq, op, algorithm, in_shape, out_shape
+        e[7], e[8], e[9], e[10], e[11], e[12], e[13] = dtype, reduce_op, root, _callsite(), time.time(), None, "started"
+        progress = self._progress.get(comm._group_name)
+        if progress is None:
+            self._track(comm, seq)
+        else:
+            progress[2] = seq
+        return e
+
+    @staticmethod
+    def end(entry: list[Any], state: str = "completed") -> None:
+        entry[12] = time.time()
+        entry[13] = state
+
+    def clear(self) -> None:
+        """Forget every recorded call (the ring keeps its slots)."""
+        self._next = 0
+        for e in self._ring:
+            e[:] = [None] * len(FIELDS)
+
+    # -- reading and dumping -----------------------------------------------------------------------
+    def entries(self) -> list[dict[str, Any]]:
+        n, cap = self._next, self.capacity
+        return [_as_dict(self._ring[i % cap]) for i in range(max(0, n - cap), n)]
+
+    def dump(self, reason: str, directory: str | None = None) -> str | None:
+        """Write this rank's entries to ``directory`` (or the trace directory); the file's path, or None."""
+        from . import _env
+
+        where = directory or self.trace_dir or _env.TRACE_DIR.get()
+        if not where:
+            return None
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        Path(where).mkdir(parents=True, exist_ok=True)
+        path = Path(where) / f"commops_trace_rank{rank}.json"
+        data = {"rank": rank, "world": world, "host": socket.gethostname(), "pid": os.getpid(), "reason": reason,
+                "time": time.time(), "entries": self.entries()}
+        with self._lock:
+            tmp = path.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+            tmp.replace(path)
+        return str(path)
+
+    # -- progress in the store (for naming the ranks that did not arrive) -------------------------
+    def _track(self, comm: Communicator, seq: int) -> None:
+        store = _store()
+        if store is not None:
+            self._progress[comm._group_name] = [store, comm.rank, seq]
+            self._ensure_thread()
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._publish_loop, name="commops-progress", daemon=True)
+            self._thread.start()
+
+    def _publish_loop(self) -> None:
+        while True:
+            time.sleep(PROGRESS_PERIOD_S)
+            self.publish()
+
+    def publish(self) -> None:
+        """Write every group's last entered sequence number to its store (only what changed)."""
+        for group, (store, rank, seq) in [(g, tuple(v)) for g, v in list(self._progress.items())]:
+            if self._published.get(group) == seq:
+                continue
+            try:
+                store.set(f"commops/progress/{group}/{rank}", str(seq))
+                self._published[group] = seq
+            except Exception:  # noqa: BLE001 - the store is gone (shutdown): stop quietly
+                return
+
+
+def _as_dict(e: list[Any]) -> dict[str, Any]:
+    d = dict(zip(FIELDS, e))
+    for k in ("in_shape", "out_shape"):
+        if d[k] is not None:
+            d[k] = list(d[k])
+    if d["dtype"] is not None:
+        d["dtype"] = str(d["dtype"]).removeprefix("torch.")
+    d["group_ranks"] = list(d["group_ranks"])
+    return d
+
+
+def _store() -> Any:
+    try:
+        import torch.distributed as dist
+
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no default store (a group made without one)
+        return None
+
+
+RECORDER = FlightRecorder()
+
+
+def dump(reason: str = "on request", directory: str | None = None) -> str | None:
+    """Dump this rank's flight recorder (see the module docstring); returns the file's path."""
+    return RECORDER.dump(reason, directory)
+
+
+def set_trace_dir(directory: str | None) -> None:
+    """Where dumps go, and install the SIGUSR1 (dump) and SIGTERM (dump, then the usual) handlers."""
+    RECORDER.trace_dir = directory
+    if directory and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR1, lambda *_: RECORDER.dump("SIGUSR1"))
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_term(signum: int, frame: Any) -> None:
+            RECORDER.dump("SIGTERM")
+            if callable(previous):
+                previous(signum, frame)
+            else:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        signal.signal(signal.SIGTERM, on_term)
+
+
+def missing_ranks(comm: Communicator, seq: int, wait_s: float = 2 * PROGRESS_PERIOD_S) -> list[int]:
+    """Global ranks of ``comm``'s group whose published progress is below ``seq`` (they never
+    entered that call), read from the store after the publishers have had ``wait_s`` to catch up."""
+    store = _store()
+    if store is None:
+        return []
+    RECORDER.publish()
+    time.sleep(wait_s)
+    out = []
+    for r, g in enumerate(comm.global_ranks):
+        key = f"commops/progress/{comm._group_name}/{r}"
+        try:
+            seen = int(store.get(key).decode()) if store.check([key]) else -1
+        except Exception:  # noqa: BLE001 - unreadable: count as not arrived, say so in the caller
+            seen = -1
+        if seen < seq:
+            out.append(g)
+    return out

@@ -1,0 +1,148 @@
+"""The flight recorder, the timeout path and ``collectives.diagnose``, on Gloo.
+
+Faults are injected for real: a rank skips a collective on a group with a short timeout, or two
+ranks pass different shapes; the ranks' dumps then go through the diagnosis, which must name the
+culprit rank and the call's sequence number.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import collectives as C
+from collectives import recorder
+from collectives.diagnose import diagnose, load
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _record(rank: int, world: int, directory: str) -> dict[str, object]:
+    comm = C.get_communicator()
+    first = comm.seq
+    C.all_reduce(torch.ones(5))                                     # line A
+    C.all_reduce(torch.ones(3, dtype=torch.float64), op="max", algorithm="ring")
+    out = torch.empty(2 * world)
+    C.all_gather_single(out, torch.ones(2))
+    path = C.dump_trace("on request", directory)
+    data = json.loads(Path(path).read_text())  # type: ignore[arg-type]
+    mine = [e for e in data["entries"] if e["seq"] > first and e["group"] == comm._group_name]
+    return {"rank": data["rank"], "entries": mine}
+
+
+def test_recorder_keeps_every_call_with_its_call_site(worlds, tmp_path) -> None:  # noqa: ANN001
+    for res in worlds(2).run(_record, str(tmp_path)):
+        ops = [(e["op"], e["algorithm"], e["in_shape"], e["dtype"], e["reduce_op"], e["state"]) for e in res["entries"]]
+        assert ops == [("all_reduce", "recursive_doubling", [5], "float32", "sum", "completed"),
+                       ("all_reduce", "ring", [3], "float64", "max", "completed"),
+                       ("all_gather", ops[2][1], [2], "float32", None, "completed")], ops
+        seqs = [e["seq"] for e in res["entries"]]
+        assert seqs == sorted(seqs) and len(set(seqs)) == 3
+        assert all(e["callsite"].startswith(str(ROOT / "tests" / "test_faults_recorder.py")) for e in res["entries"])
+        assert all(e["t_end"] >= e["t_enqueue"] for e in res["entries"])
+
+
+def _skip(rank: int, world: int, directory: str) -> dict[str, object]:
+    recorder.RECORDER.clear()  # this worker ran other tests' collectives before
+    g = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=3))
+    C.all_reduce(torch.ones(4), group=g)  # every rank: progress is published for this group
+    recorder.RECORDER.trace_dir = directory  # where the failing call dumps
+    out: dict[str, object] = {"raised": None}
+    t0 = time.monotonic()
+    if rank != world - 1:  # the last rank skips the next call
+        try:
+            C.all_reduce(torch.ones(4), group=g, algorithm="native")
+        except C.CollectiveTimeout as exc:
+            out["raised"] = "CollectiveTimeout"
+            out["missing"] = exc.missing
+            out["message"] = str(exc)
+        except Exception as exc:  # noqa: BLE001 - reported to the parent as a failure of the test
+            out["raised"] = f"{type(exc).__name__}: {exc}"
+    out["seconds"] = time.monotonic() - t0
+    C.dump_trace("test end", directory)
+    recorder.RECORDER.trace_dir = None
+    dist.barrier()  # the world group still works
+    C.destroy(g)
+    return out
+
+
+def test_a_skipped_collective_times_out_naming_the_rank_that_never_came(worlds, tmp_path) -> None:  # noqa: ANN001
+    world = 3
+    results = worlds(world).run(_skip, str(tmp_path), timeout=120)
+    for rank, res in enumerate(results[:-1]):
+        assert res["raised"] == "CollectiveTimeout", res
+        assert res["missing"] == [world - 1], res
+        assert 2.5 < res["seconds"] < 15, res
+    found = diagnose(load(tmp_path))
+    groups = [f for f in found["groups"] if f["first_disagreement"] is not None]
+    assert len(groups) == 1, found
+    d = groups[0]["first_disagreement"]
+    assert d["missing"] == [world - 1] and d["op"] == "all_reduce"
+    # the diagnosis names the same call the timeout did
+    assert f"#{d['seq']}" in results[0]["message"]
+
+
+def _mismatch(rank: int, world: int, directory: str) -> str:
+    recorder.RECORDER.clear()
+    g = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=10))
+    comm = C.get_communicator(g)
+    comm.debug = True  # compare before sending: Gloo would abort the process on a size mismatch
+    n = 4 if rank == 0 else 6  # rank 0 passes a different shape
+    try:
+        C.all_reduce(torch.ones(n), group=g, algorithm="ring")
+        outcome = "returned"
+    except C.CollectiveMismatch as exc:
+        outcome = str(exc)
+    C.all_reduce(torch.ones(4), group=g)  # the same call everywhere still works in debug mode
+    # uneven all-to-all: row counts differ between ranks legitimately, and debug mode lets them
+    send = [1, 2] if rank == 0 else [3, 1]
+    recv = [1, 3] if rank == 0 else [2, 1]
+    out = torch.empty(sum(recv), 2)
+    C.all_to_all_single(out, torch.ones(sum(send), 2), recv, send, group=g)
+    C.dump_trace("test end", directory)
+    dist.barrier()
+    C.destroy(g)
+    return outcome
+
+
+def test_debug_mode_catches_a_shape_mismatch_on_every_rank_and_diagnose_shows_both(worlds, tmp_path) -> None:  # noqa: ANN001
+    outcomes = worlds(2).run(_mismatch, str(tmp_path), timeout=120)
+    assert outcomes[0] == outcomes[1], outcomes  # the same error text on every rank
+    assert "in_shape" in outcomes[0] and "rank(s) [0] passed [4]" in outcomes[0] and "rank(s) [1] passed [6]" in outcomes[0]
+    assert "Fix:" in outcomes[0]
+    proc = subprocess.run([sys.executable, "-m", "collectives.diagnose", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    assert "in_shape differs" in text and "rank(s) [0] passed [4]" in text and "rank(s) [1] passed [6]" in text, text
+    js = json.loads(subprocess.run([sys.executable, "-m", "collectives.diagnose", str(tmp_path), "--json"], cwd=ROOT,
+                                   capture_output=True, text=True, timeout=60).stdout)
+    bad = [f for f in js["groups"] if f["first_disagreement"]]
+    assert bad and "in_shape" in bad[0]["first_disagreement"]["differ"]
+
+
+def test_diagnose_finds_the_straggler_and_ignores_rotated_history(tmp_path) -> None:
+    # Synthetic dumps: three ranks, twenty completed calls, rank 2 enters each 50 ms late; rank 0's
+    # ring has lost the first five calls (it rotated), which is not a disagreement.
+    def entry(seq: int, rank: int) -> dict[str, object]:
+        t = 1000.0 + seq + (0.05 if rank == 2 else 0.001 * rank)
+        return {"group": "0", "group_ranks": [0, 1, 2], "seq": seq, "op": "all_reduce", "algorithm": "native",
+                "in_shape": [8], "out_shape": [8], "dtype": "float32", "reduce_op": "sum", "root": None,
+                "callsite": "train.py:10", "t_enqueue": t, "t_end": t + 0.06, "state": "completed"}
+
+    for rank in range(3):
+        first = 6 if rank == 0 else 1
+        data = {"rank": rank, "world": 3, "reason": "test", "entries": [entry(s, rank) for s in range(first, 21)]}
+        (tmp_path / f"commops_trace_rank{rank}.json").write_text(json.dumps(data))
+    found = diagnose(load(tmp_path))
+    g = found["groups"][0]
+    assert g["first_disagreement"] is None
+    assert g["straggler"]["rank"] == 2 and g["straggler"]["last_in"] == g["straggler"]["of"]
+    assert 45 < g["straggler"]["mean_lag_ms"] < 55
