@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import collectives as C
 
-__all__ = ["dispatch_overhead"]
+__all__ = ["dispatch_overhead", "recorder_and_debug_cost"]
 
 
 def _per_call(fn: Callable[[], object], calls: int, device: torch.device) -> float:
@@ -71,3 +71,38 @@ def dispatch_overhead(comm: C.Communicator, device: torch.device, *, calls: int 
     dist.all_reduce(t, dist.ReduceOp.MAX, group=g)
     return {"ours_us": t[0].item() * 1e6, "torch_us": t[1].item() * 1e6, "overhead_us": t[2].item() * 1e6,
             "calls_per_round": calls, "rounds": rounds, "world": comm.size}
+
+
+def recorder_and_debug_cost(comm: C.Communicator, device: torch.device, *, calls: int = 2000,
+                            rounds: int = 21) -> dict[str, float]:
+    """Microseconds per call of the flight recorder (``start`` + ``end`` of one entry) and of
+    debug check mode's fingerprint comparison (a store round trip, collective), medians over rounds."""
+    from collectives.debug import check_call
+    from collectives.dispatch import Call
+    from collectives.recorder import RECORDER
+
+    x = torch.ones(4, device=device)
+    call = Call("all_reduce", comm, x, reduce_op="sum")
+    rec = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for i in range(calls):
+            call.seq = i
+            RECORDER.end(RECORDER.start(call, "native"))
+        rec.append((time.perf_counter() - t0) / calls)
+    dbg = []
+    n = max(1, calls // 20)
+    for r in range(max(3, rounds // 4)):
+        dist.barrier(group=comm.group)
+        t0 = time.perf_counter()
+        for i in range(n):
+            call.seq = 10_000_000 + r * n + i
+            check_call(call, "native")
+        dbg.append((time.perf_counter() - t0) / n)
+    t = torch.tensor([statistics.median(rec), statistics.median(dbg)], dtype=torch.float64)
+    if device.type == "cuda":
+        t = t.to(device)
+    dist.all_reduce(t, dist.ReduceOp.MAX, group=comm.group)
+    return {"recorder_us": t[0].item() * 1e6, "debug_check_us": t[1].item() * 1e6,
+            "recorder_calls_per_round": calls, "debug_calls_per_round": n}
+

@@ -102,8 +102,14 @@ DEBUG: EnvVar[bool] = EnvVar(
     "CollectiveMismatch naming the disagreement (collectives/debug.py; costs a store round trip per call).",
 )
 
+RECORDER: EnvVar[bool] = EnvVar(
+    "COMMOPS_RECORDER", True,
+    "The flight recorder (collectives/recorder.py): on by default; '0' turns it off (its cost per "
+    "call is in the README).",
+)
+
 VARIABLES = (NVTX, MPI_MASTER_ADDR, TOPOLOGY, CALIBRATION, TUNED, PEER_BYTES, PEER_TIMEOUT_S, OVERLAP_TUNED,
-             TRACE_DIR, DEBUG)
+             TRACE_DIR, DEBUG, RECORDER)
 
 
 @functools.cache

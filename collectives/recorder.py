@@ -66,6 +66,10 @@ class FlightRecorder:
         self._progress: dict[Any, list[Any]] = {}  # group -> [store, rank, last seq]
         self._published: dict[Any, int] = {}
         self._thread: threading.Thread | None = None
+        from . import _env
+
+        self.enabled = _env.RECORDER.get()
+        self._scratch: list[Any] = [None] * len(FIELDS)  # what a call writes to while recording is off
 
     # -- recording (the dispatch point calls these) ----------------------------------------------
     def start(self, call: Call, algorithm: str) -> list[Any]:
@@ -80,6 +84,8 @@ class FlightRecorder:
 
     def _fill(self, comm: Communicator, seq: int, op: str, algorithm: str, in_shape: Any, out_shape: Any, dtype: Any,
               reduce_op: Any, root: Any) -> list[Any]:
+        if not self.enabled:
+            return self._scratch
         i = self._next
         self._next = i + 1
         e = self._ring[i % self.capacity]

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import collectives as C  # noqa: E402
-from bench.overhead import dispatch_overhead  # noqa: E402
+from bench.overhead import dispatch_overhead, recorder_and_debug_cost  # noqa: E402
 
 
 def main() -> int:
@@ -31,12 +31,15 @@ def main() -> int:
         else torch.device("cpu")
     res = dispatch_overhead(comm, device, calls=args.calls, rounds=args.rounds, op=args.op)
     res.update(backend=comm.backend, op=args.op, torch=torch.__version__)
+    res.update(recorder_and_debug_cost(comm, device))
     if comm.rank == 0:
         print(f"# dispatch overhead, {args.op} of 1 element, {comm.size} ranks, {comm.backend}: "
               f"{args.rounds} rounds x {args.calls} calls, interleaved")
         print(f"torch.distributed: {res['torch_us']:8.2f} us/call")
         print(f"commops native:    {res['ours_us']:8.2f} us/call")
         print(f"overhead:          {res['overhead_us']:8.2f} us/call (median of paired differences)")
+        print(f"flight recorder:   {res['recorder_us']:8.2f} us/call (one entry started and ended)")
+        print(f"debug check mode:  {res['debug_check_us']:8.2f} us/call (fingerprints compared through the store)")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=1)
