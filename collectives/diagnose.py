@@ -71,6 +71,12 @@ def diagnose(dumps: dict[int, dict[str, Any]], straggler_window: int = 20) -> di
                          "missing_last_seq": last, "differ": differ,
                          "states": {r: e["state"] for r, e in entered.items()}}
                 break
+        failures = [(s, r) for s in seqs for r in members if calls.get(r, {}).get(s, {}).get("state") == "failed"]
+        first_failure = None
+        if failures:
+            s0 = failures[0][0]
+            first_failure = {"seq": s0, "op": next(calls[r][s0]["op"] for ss, r in failures if ss == s0),
+                             "ranks": sorted(r for ss, r in failures if ss == s0)}
         done = [s for s in seqs if all(calls.get(r, {}).get(s, {}).get("state") == "completed" for r in members)]
         straggler = None
         if len(members) > 1 and done:
@@ -88,7 +94,7 @@ def diagnose(dumps: dict[int, dict[str, Any]], straggler_window: int = 20) -> di
                          "mean_lag_ms": 1e3 * statistics.mean(lag[rank]),
                          "others_mean_lag_ms": 1e3 * statistics.mean(x for r in members if r != rank for x in lag[r])}
         findings.append({"group": name, "ranks": g["ranks"], "no_dump": absent, "first_disagreement": first,
-                         "straggler": straggler,
+                         "first_failure": first_failure, "straggler": straggler,
                          "last_seq": {r: max(calls.get(r, {}), default=None) for r in members}})
     return {"ranks_dumped": sorted(dumps), "reasons": {r: d.get("reason") for r, d in dumps.items()},
             "groups": findings}
@@ -112,6 +118,9 @@ def _sentence(f: dict[str, Any]) -> str:
             parts.append(f"{field} differs: " + "; ".join(f"rank(s) {rs} passed {v}" for v, rs in groups.items()))
     if f["no_dump"]:
         parts.append(f"no dump from rank(s) {f['no_dump']} (crashed, or killed before it could write)")
+    ff = f.get("first_failure")
+    if ff is not None and (d is None or ff["seq"] != d["seq"]):
+        parts.append(f"call #{ff['seq']} ({ff['op']}) failed on rank(s) {ff['ranks']}")
     s = f["straggler"]
     if s is not None and s["mean_lag_ms"] > 2 * max(s["others_mean_lag_ms"], 0.05):
         parts.append(f"straggler: rank {s['rank']} entered last in {s['last_in']} of the last {s['of']} completed "

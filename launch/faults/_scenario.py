@@ -1,0 +1,53 @@
+"""What every fault scenario shares: start the group, inject, record what each rank saw.
+
+A scenario runs under torchrun (3 ranks or more; the culprit is the last rank) with
+``COMMOPS_TRACE_DIR`` set; every rank writes ``outcome_rank<R>.json`` there (what it raised and how
+long after the fault it noticed), and the flight recorder's dumps land beside it.
+``FAULT_TIMEOUT_S`` (default 5) is the group's collective timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+
+import collectives as C  # noqa: E402
+
+__all__ = ["run"]
+
+
+def run(name: str, inject: str, expect: str, body: Callable[[C.Communicator, int], Any], *, debug: bool = False,
+        warmup: int = 3) -> int:
+    """Start, announce, run ``warmup`` good calls, then ``body(comm, culprit)``; record the outcome."""
+    timeout = float(os.environ.get("FAULT_TIMEOUT_S", "5"))
+    trace = os.environ.get("COMMOPS_TRACE_DIR") or f"/tmp/commops-fault-{name}"
+    comm = C.init(timeout=datetime.timedelta(seconds=timeout), trace_dir=trace, debug=debug)
+    culprit = comm.size - 1
+    if comm.rank == 0:
+        print(f"[{name}] inject: {inject}\n[{name}] expect: {expect}", flush=True)
+    import torch
+
+    for _ in range(warmup):
+        C.all_reduce(torch.ones(8))
+    outcome: dict[str, Any] = {"rank": comm.rank, "culprit": culprit, "raised": None}
+    t0 = time.time()
+    try:
+        body(comm, culprit)
+        outcome["result"] = "returned"
+    except C.CommopsError as exc:
+        outcome.update(raised=type(exc).__name__, message=str(exc), missing=getattr(exc, "missing", None))
+    except Exception as exc:  # noqa: BLE001 - what the backend raised, recorded for the matrix
+        outcome.update(raised=type(exc).__name__, message=str(exc)[:500])
+    outcome["detect_s"] = time.time() - t0
+    C.dump_trace(f"{name} ends", trace)
+    Path(trace, f"outcome_rank{comm.rank}.json").write_text(json.dumps(outcome))
+    print(f"[{name}] rank {comm.rank}: {outcome.get('raised') or 'no error'} after {outcome['detect_s']:.1f} s", flush=True)
+    return 1 if outcome["raised"] else 0

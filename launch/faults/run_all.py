@@ -1,0 +1,138 @@
+"""Run every CPU fault scenario and check what the library said: ``python launch/faults/run_all.py``.
+
+Each scenario (a script beside this one) runs under ``torchrun --standalone --nproc-per-node N``
+(Gloo) with its own trace directory and a short collective timeout; then its dumps go through
+``collectives.diagnose``. Printed per scenario: whether the fault was detected as expected, the
+diagnosis (culprit rank, call sequence number, op), seconds from the fault to its detection,
+whether every rank exited within timeout + 15 s, and how many of the scenario's processes are
+left. ``--json`` writes the rows. The exit status is 1 if any scenario was missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+sys.path.insert(0, str(ROOT))
+
+from collectives.diagnose import diagnose, load  # noqa: E402
+
+# scenario -> what a correct detection looks like
+SCENARIOS = {
+    "skipped_collective": "timeout",
+    "rank_crash": "crash",
+    "shape_mismatch": "mismatch:in_shape",
+    "dtype_mismatch": "mismatch:dtype",
+    "reduce_op_mismatch": "mismatch:reduce_op",
+    "root_mismatch": "mismatch:root",
+    "straggler": "straggler",
+}
+
+
+def _left(script: Path) -> int:
+    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    return sum(1 for line in out.splitlines() if str(script) in line and "ps -eo" not in line)
+
+
+def _judge(kind: str, outcomes: dict[int, dict[str, Any]], found: dict[str, Any], world: int) -> dict[str, Any]:
+    culprit = world - 1
+    groups = found["groups"]
+    g = groups[0] if groups else {}
+    d = g.get("first_disagreement") or {}
+    row: dict[str, Any] = {"culprit_named": None, "seq": d.get("seq"), "op": d.get("op"), "detected": False}
+    others = [o for r, o in outcomes.items() if r != culprit]
+    if kind == "timeout":
+        row["detected"] = bool(others) and all(o["raised"] == "CollectiveTimeout" and o.get("missing") == [culprit]
+                                               for o in others)
+        row["culprit_named"] = d.get("missing")
+    elif kind == "crash":
+        row["detected"] = bool(others) and all(o["raised"] for o in others) and culprit in g.get("no_dump", [])
+        row["culprit_named"] = g.get("no_dump")
+        failed = g.get("first_failure") or {}
+        row["seq"], row["op"] = failed.get("seq"), failed.get("op")
+    elif kind.startswith("mismatch:"):
+        field = kind.split(":")[1]
+        sides = (d.get("differ") or {}).get(field, {})
+        values: dict[str, list[int]] = {}
+        for r, v in sides.items():
+            values.setdefault(json.dumps(v), []).append(int(r))
+        minority = min(values.values(), key=len) if len(values) > 1 else None
+        row["culprit_named"] = minority
+        row["detected"] = all(o["raised"] == "CollectiveMismatch" for o in outcomes.values()) and minority == [culprit]
+    elif kind == "straggler":
+        s = g.get("straggler") or {}
+        row["culprit_named"] = [s["rank"]] if s else None
+        row["detected"] = bool(s) and s["rank"] == culprit and all(o["raised"] is None for o in outcomes.values())
+        row["seq"] = max(g.get("last_seq", {}).values(), default=None)
+        row["op"] = "all_reduce"
+    return row
+
+
+def run_one(name: str, kind: str, world: int, timeout_s: float) -> dict[str, Any]:
+    script = HERE / f"{name}.py"
+    trace = tempfile.mkdtemp(prefix=f"commops-fault-{name}-")
+    env = dict(os.environ, COMMOPS_TRACE_DIR=trace, FAULT_TIMEOUT_S=str(timeout_s), PYTHONUNBUFFERED="1",
+               OMP_NUM_THREADS="1")
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                               str(world), str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout_s + 60)
+        exited, code, log = True, proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        exited, code, log = False, None, str(exc.stdout or "") + str(exc.stderr or "")
+    wall = time.monotonic() - t0
+    time.sleep(0.5)
+    outcomes = {}
+    for p in Path(trace).glob("outcome_rank*.json"):
+        o = json.loads(p.read_text())
+        outcomes[int(o["rank"])] = o
+    dumps = load(trace)
+    found = diagnose(dumps) if dumps else {"groups": []}
+    row = {"scenario": name, **_judge(kind, outcomes, found, world),
+           "detect_s": max((o["detect_s"] for o in outcomes.values() if o.get("raised")), default=None),
+           "wall_s": wall, "exit_code": code, "all_exited": exited and wall <= timeout_s + 15,  # start-up included
+           "processes_left": _left(script), "trace_dir": trace}
+    if kind == "straggler":
+        row["detect_s"] = None
+    if not row["detected"]:
+        row["log_tail"] = log[-3000:]
+    return row
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(prog="launch/faults/run_all.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--world", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=5.0, help="the groups' collective timeout, seconds")
+    p.add_argument("--only", default="", help="comma-separated scenarios (default: all)")
+    p.add_argument("--json")
+    args = p.parse_args()
+    names = [n for n in SCENARIOS if not args.only or n in args.only.split(",")]
+    rows = [run_one(n, SCENARIOS[n], args.world, args.timeout) for n in names]
+    print(f"{'scenario':<20} {'detected':<9} {'diagnosis (culprit, call #, op)':<36} {'to detect':>9} "
+          f"{'all exited':>10} {'left':>5}")
+    for r in rows:
+        diag = f"rank {r['culprit_named']}, #{r['seq']}, {r['op']}"
+        det = "-" if r["detect_s"] is None else f"{r['detect_s']:.1f} s"
+        print(f"{r['scenario']:<20} {'yes' if r['detected'] else 'NO':<9} {diag:<36} {det:>9} "
+              f"{'yes' if r['all_exited'] else 'NO':>10} {r['processes_left']:>5}")
+    for r in rows:
+        if not r["detected"]:
+            print(f"--- {r['scenario']} (missed) ---\n{r.get('log_tail', '')}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1, default=str) + "\n")
+    ok = all(r["detected"] and r["all_exited"] and r["processes_left"] == 0 for r in rows)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
