@@ -25,6 +25,8 @@ from typing import Any
 __all__ = ["load", "diagnose", "main"]
 
 _COMPARED = ("op", "in_shape", "out_shape", "dtype", "reduce_op", "root")
+# A rank that enters last by less than this is scheduling jitter, not a straggler worth naming.
+STRAGGLER_MS = 20.0
 
 
 def load(directory: str | Path) -> dict[int, dict[str, Any]]:
@@ -122,7 +124,7 @@ def _sentence(f: dict[str, Any]) -> str:
     if ff is not None and (d is None or ff["seq"] != d["seq"]):
         parts.append(f"call #{ff['seq']} ({ff['op']}) failed on rank(s) {ff['ranks']}")
     s = f["straggler"]
-    if s is not None and s["mean_lag_ms"] > 2 * max(s["others_mean_lag_ms"], 0.05):
+    if s is not None and s["mean_lag_ms"] >= STRAGGLER_MS and s["mean_lag_ms"] > 2 * s["others_mean_lag_ms"]:
         parts.append(f"straggler: rank {s['rank']} entered last in {s['last_in']} of the last {s['of']} completed "
                      f"calls, {s['mean_lag_ms']:.1f} ms behind on average")
     return "; ".join(parts) + "."

@@ -256,7 +256,8 @@ def _failed(comm: Communicator, op: str, seq: int, exc: BaseException) -> None:
     missing = missing_ranks(comm, seq)
     detail = (f"call #{seq} on group {comm._group_name} (global ranks {list(comm.global_ranks)}) timed out "
               f"on rank {comm.global_ranks[comm.rank]}; " +
-              (f"rank(s) {missing} never entered it" if missing else "every rank entered it (one is slow or gone)"))
+              (f"rank(s) {missing} never reported entering it (skipped it, stuck before it, or cut off from "
+               "the store)" if missing else "every rank entered it (one is slow, or gone mid-call)"))
     _abort(comm)
     raise CollectiveTimeout(op, missing, detail) from exc
 

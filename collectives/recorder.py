@@ -216,15 +216,26 @@ def missing_ranks(comm: Communicator, seq: int, wait_s: float = 2 * PROGRESS_PER
     store = _store()
     if store is None:
         return []
-    RECORDER.publish()
     time.sleep(wait_s)
+    # A rank cut off from the store (a link down) must not hang here: short store timeouts.
+    import datetime
+
+    previous = getattr(store, "timeout", None)
+    try:
+        store.set_timeout(datetime.timedelta(seconds=2))
+    except Exception:  # noqa: BLE001 - a store without timeouts: read as it is
+        previous = None
     out = []
-    for r, g in enumerate(comm.global_ranks):
-        key = f"commops/progress/{comm._group_name}/{r}"
-        try:
-            seen = int(store.get(key).decode()) if store.check([key]) else -1
-        except Exception:  # noqa: BLE001 - unreadable: count as not arrived, say so in the caller
-            seen = -1
-        if seen < seq:
-            out.append(g)
+    try:
+        for r, g in enumerate(comm.global_ranks):
+            key = f"commops/progress/{comm._group_name}/{r}"
+            try:
+                seen = int(store.get(key).decode()) if store.check([key]) else -1
+            except Exception:  # noqa: BLE001 - unreadable (the store is out of reach): not known to have arrived
+                seen = -1
+            if seen < seq:
+                out.append(g)
+    finally:
+        if previous is not None:
+            store.set_timeout(previous)
     return out

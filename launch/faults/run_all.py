@@ -68,6 +68,13 @@ def _judge(kind: str, outcomes: dict[int, dict[str, Any]], found: dict[str, Any]
         minority = min(values.values(), key=len) if len(values) > 1 else None
         row["culprit_named"] = minority
         row["detected"] = all(o["raised"] == "CollectiveMismatch" for o in outcomes.values()) and minority == [culprit]
+    elif kind == "link_down":
+        near = [o for r, o in outcomes.items() if r < world // 2]
+        far = list(range(world // 2, world))
+        row["detected"] = bool(near) and all(o["raised"] == "CollectiveTimeout" and o.get("missing") == far for o in near)
+        row["culprit_named"] = near[0].get("missing") if near else None
+        failed = g.get("first_failure") or {}
+        row["seq"], row["op"] = failed.get("seq"), failed.get("op")
     elif kind == "straggler":
         s = g.get("straggler") or {}
         row["culprit_named"] = [s["rank"]] if s else None
@@ -82,11 +89,16 @@ def run_one(name: str, kind: str, world: int, timeout_s: float) -> dict[str, Any
     trace = tempfile.mkdtemp(prefix=f"commops-fault-{name}-")
     env = dict(os.environ, COMMOPS_TRACE_DIR=trace, FAULT_TIMEOUT_S=str(timeout_s), PYTHONUNBUFFERED="1",
                OMP_NUM_THREADS="1")
+    if kind == "link_down":  # two emulated nodes of world/2 ranks; the emulator needs root
+        cmd = [sys.executable, str(ROOT / "launch" / "emulate_cluster.py"), "--nodes", "2", "--procs-per-node",
+               str(max(1, world // 2)), "--inter-node-mbit", "400", "--timeout", str(int(timeout_s + 120)), "--",
+               str(script)]
+        world = 2 * max(1, world // 2)
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), str(script)]
     t0 = time.monotonic()
     try:
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                               str(world), str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=timeout_s + 60)
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s + 180)
         exited, code, log = True, proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as exc:
         exited, code, log = False, None, str(exc.stdout or "") + str(exc.stderr or "")
@@ -100,7 +112,7 @@ def run_one(name: str, kind: str, world: int, timeout_s: float) -> dict[str, Any
     found = diagnose(dumps) if dumps else {"groups": []}
     row = {"scenario": name, **_judge(kind, outcomes, found, world),
            "detect_s": max((o["detect_s"] for o in outcomes.values() if o.get("raised")), default=None),
-           "wall_s": wall, "exit_code": code, "all_exited": exited and wall <= timeout_s + 15,  # start-up included
+           "wall_s": wall, "exit_code": code, "all_exited": exited and wall <= timeout_s + 15 + (20 if kind == "link_down" else 0),  # start-up included
            "processes_left": _left(script), "trace_dir": trace}
     if kind == "straggler":
         row["detect_s"] = None
@@ -113,11 +125,14 @@ def main() -> int:
     p = argparse.ArgumentParser(prog="launch/faults/run_all.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=3)
     p.add_argument("--timeout", type=float, default=5.0, help="the groups' collective timeout, seconds")
-    p.add_argument("--only", default="", help="comma-separated scenarios (default: all)")
+    p.add_argument("--only", default="", help="comma-separated scenarios (default: all CPU ones)")
+    p.add_argument("--emulated", action="store_true",
+                   help="also the link-down scenario in an emulated 2-node cluster (needs root)")
     p.add_argument("--json")
     args = p.parse_args()
-    names = [n for n in SCENARIOS if not args.only or n in args.only.split(",")]
-    rows = [run_one(n, SCENARIOS[n], args.world, args.timeout) for n in names]
+    scenarios = dict(SCENARIOS, **({"link_down": "link_down"} if args.emulated else {}))
+    names = [n for n in scenarios if not args.only or n in args.only.split(",")]
+    rows = [run_one(n, scenarios[n], args.world if scenarios[n] != "link_down" else 4, args.timeout) for n in names]
     print(f"{'scenario':<20} {'detected':<9} {'diagnosis (culprit, call #, op)':<36} {'to detect':>9} "
           f"{'all exited':>10} {'left':>5}")
     for r in rows:
