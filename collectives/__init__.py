@@ -34,6 +34,7 @@ from .errors import (
     NotInitializedError,
     UnsupportedError,
 )
+from ._wait import call_timeout
 from .recorder import dump as dump_trace
 from .selection import Choice
 from .work import Work
@@ -45,7 +46,7 @@ __all__ = [
     "ReduceOp", "Work", "Choice", "Call", "add_trace_hook", "remove_trace_hook", "LaunchInfo",
     "OPS", "DATA_OPS", "REDUCE_OPS",
     "CommopsError", "InvalidArgumentError", "InvalidTypeError", "UnsupportedError",
-    "NotInitializedError", "LaunchError", "CollectiveTimeout", "CollectiveMismatch", "dump_trace",
+    "NotInitializedError", "LaunchError", "CollectiveTimeout", "CollectiveMismatch", "dump_trace", "call_timeout",
 ]
 
 Group = dist.ProcessGroup | None

@@ -146,3 +146,31 @@ def test_diagnose_finds_the_straggler_and_ignores_rotated_history(tmp_path) -> N
     assert g["first_disagreement"] is None
     assert g["straggler"]["rank"] == 2 and g["straggler"]["last_in"] == g["straggler"]["of"]
     assert 45 < g["straggler"]["mean_lag_ms"] < 55
+
+
+def _call_timeout(rank: int, world: int) -> dict[str, object]:
+    recorder.RECORDER.clear()
+    g = dist.new_group(list(range(world)))  # the default (long) timeout
+    C.all_reduce(torch.ones(4), group=g)
+    out: dict[str, object] = {"raised": None}
+    t0 = time.monotonic()
+    if rank == world - 1:
+        time.sleep(4.0)  # late: the others' 1.5 s bound runs out first
+        C.all_reduce(torch.ones(4), group=g, algorithm="native")  # completes their pending call
+    else:
+        try:
+            with C.call_timeout(1.5):
+                C.all_reduce(torch.ones(4), group=g, algorithm="native")
+        except C.CollectiveTimeout as exc:
+            out["raised"], out["missing"] = "CollectiveTimeout", exc.missing
+    out["seconds"] = time.monotonic() - t0
+    dist.barrier()
+    C.destroy(g)
+    return out
+
+
+def test_call_timeout_bounds_a_call_below_the_group_timeout(worlds) -> None:  # noqa: ANN001
+    results = worlds(3).run(_call_timeout, timeout=120)
+    for res in results[:-1]:
+        assert res["raised"] == "CollectiveTimeout" and res["missing"] == [2], res
+        assert 1.4 < res["seconds"] < 4.0, res

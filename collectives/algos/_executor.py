@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ._schedule import Region, Schedule
+from .._wait import wait
 
 if TYPE_CHECKING:
     from ..communicator import Communicator
@@ -100,7 +101,7 @@ def execute(
             p2p.append(dist.P2POp(dist.irecv, t, to_global[rv.peer], group, tag))
         p2p += sends
         for work in dist.batch_isend_irecv(p2p):
-            work.wait()
+            wait(work)
         for rv, t in landing:
             at = 0
             for r in rv.dst:

@@ -33,6 +33,7 @@ from ..errors import UnsupportedError
 from ._base import Algorithm, _divide
 from .hierarchical import _equal, _rop, padded, run_flat, single_tier
 from .native import _all_gather, _reduce_scatter
+from .._wait import wait
 
 if TYPE_CHECKING:
     from ..dispatch import Call
@@ -90,9 +91,9 @@ class Grid2D(Algorithm):
         def both(fa: Any, fb: Any) -> None:
             wa = fa()
             wb = fb() if b is not None else None
-            wa.wait()
+            wait(wa)
             if wb is not None:
-                wb.wait()
+                wait(wb)
 
         both(lambda: _reduce_scatter(sa, a, rop, d.intra, True), lambda: _reduce_scatter(sb, b, rop, d.rail, True))
         both(lambda: dist.all_reduce(sa, rop, d.rail, True), lambda: dist.all_reduce(sb, rop, d.intra, True))

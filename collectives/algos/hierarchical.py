@@ -52,6 +52,7 @@ from ..errors import UnsupportedError
 from ._base import Algorithm, _divide
 from ._executor import REDUCERS
 from .native import Native, _all_gather, _reduce_scatter
+from .._wait import wait
 
 if TYPE_CHECKING:
     from topology import Topology
@@ -230,7 +231,7 @@ class Hierarchical(Algorithm):
 
         def done(works: Any) -> None:
             for w in works if isinstance(works, list) else [works]:
-                w.wait()
+                wait(w)
 
         # Chunks flow through three queues (intra, rail, intra): while chunk i crosses the nodes,
         # chunk i+1 is reduce-scattered and chunk i-1 all-gathered inside the node.
@@ -391,7 +392,7 @@ def _exchange(out: torch.Tensor, inp: torch.Tensor, recv: list[int], send: list[
     ops += [dist.P2POp(dist.isend, inp[so[i]:so[i + 1]], peers[i], group) for i in range(len(peers)) if i != me and send[i]]
     if ops:
         for w in dist.batch_isend_irecv(ops):
-            w.wait()
+            wait(w)
 
 
 def single_tier(nodes: list[list[int]], world: int) -> bool:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from .._types import OPS, torch_reduce_op
+from .._wait import limit, wait
 from ._base import Algorithm
 
 if TYPE_CHECKING:
@@ -30,6 +31,19 @@ class Native(Algorithm):
     returns_work = True
 
     def run(self, call: Call) -> dist.Work | None:
+        if not call.async_op and limit() is not None:
+            # Inside a call_timeout block: start asynchronously, wait with that bound.
+            call.async_op = True
+            try:
+                work = self._start(call)
+            finally:
+                call.async_op = False
+            if work is not None:
+                wait(work)
+            return work
+        return self._start(call)
+
+    def _start(self, call: Call) -> dist.Work | None:
         op, g, a = call.op, call.comm.group, call.async_op
         if op == "all_reduce":
             return dist.all_reduce(call.output, torch_reduce_op(call.reduce_op or "sum"), g, a)
