@@ -1,8 +1,12 @@
 """The one dispatch point every collective passes through.
 
 ``dispatch(call)`` validates the arguments (before anything is sent), resolves the algorithm
-(an explicit name, or ``auto`` through :mod:`collectives.selection`), notifies the trace hooks,
-labels the call for profilers, and hands it to the algorithm. No verb bypasses it.
+(an explicit name, or ``auto`` through :mod:`collectives.selection`), records the call in the
+flight recorder (:mod:`collectives.recorder`), in debug check mode compares it across ranks
+(:mod:`collectives.debug`), notifies the trace hooks, labels the call for profilers, and hands
+it to the algorithm; when the call fails it dumps the recorder and turns a timeout into
+``CollectiveTimeout`` naming the ranks that never entered the call. No verb bypasses it:
+``dispatch_tensors`` is its way in for the tensor verbs, with a fast path for repeated calls.
 
 Design note: the call is a small ``__slots__`` object rather than a dataclass and the profiler
 label is only built when a profiler is recording, because this function sits on every
