@@ -24,9 +24,11 @@ import collectives as C  # noqa: E402
 __all__ = ["run"]
 
 
-def run(name: str, inject: str, expect: str, body: Callable[[C.Communicator, int], Any], *, debug: bool = False,
+def run(name: str, inject: str, expect: str, body: Callable[[C.Communicator, int, Any], Any], *, debug: bool = False,
         warmup: int = 3) -> int:
-    """Start, announce, run ``warmup`` good calls, then ``body(comm, culprit)``; record the outcome."""
+    """Start, announce, run ``warmup`` good calls, then ``body(comm, culprit, device)`` inside a
+    ``call_timeout`` of the scenario's timeout (which bounds NCCL's waits on the host too);
+    record the outcome."""
     timeout = float(os.environ.get("FAULT_TIMEOUT_S", "5"))
     trace = os.environ.get("COMMOPS_TRACE_DIR") or f"/tmp/commops-fault-{name}"
     comm = C.init(timeout=datetime.timedelta(seconds=timeout), trace_dir=trace, debug=debug)
@@ -35,12 +37,16 @@ def run(name: str, inject: str, expect: str, body: Callable[[C.Communicator, int
         print(f"[{name}] inject: {inject}\n[{name}] expect: {expect}", flush=True)
     import torch
 
+    device = torch.device("cuda", torch.cuda.current_device()) if comm.backend_for("cuda") else torch.device("cpu")
     for _ in range(warmup):
-        C.all_reduce(torch.ones(8))
+        C.all_reduce(torch.ones(8, device=device))
     outcome: dict[str, Any] = {"rank": comm.rank, "culprit": culprit, "raised": None}
     t0 = time.time()
     try:
-        body(comm, culprit)
+        with C.call_timeout(timeout):
+            body(comm, culprit, device)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
         outcome["result"] = "returned"
     except C.CommopsError as exc:
         outcome.update(raised=type(exc).__name__, message=str(exc), missing=getattr(exc, "missing", None))

@@ -6,10 +6,10 @@ import torch
 from _scenario import run
 
 
-def body(comm, culprit):  # noqa: ANN001, ANN201
+def body(comm, culprit, dev):  # noqa: ANN001, ANN201
     import collectives as C
 
-    C.all_reduce(torch.ones(8, dtype=torch.float64 if comm.rank == culprit else torch.float32))
+    C.all_reduce(torch.ones(8, dtype=torch.float64 if comm.rank == culprit else torch.float32, device=dev))
 
 
 if __name__ == "__main__":

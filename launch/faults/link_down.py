@@ -17,7 +17,7 @@ import torch
 from _scenario import run
 
 
-def body(comm, culprit):  # noqa: ANN001, ANN201
+def body(comm, culprit, dev):  # noqa: ANN001, ANN201
     import collectives as C
 
     nodes = comm.topology.nodes()
@@ -27,7 +27,7 @@ def body(comm, culprit):  # noqa: ANN001, ANN201
     if comm.rank == far[0]:
         subprocess.run(["ip", "link", "set", "eth0", "down"], check=True)
     time.sleep(1.0)  # the link is down before anyone calls
-    C.all_reduce(torch.ones(1 << 16))
+    C.all_reduce(torch.ones(1 << 16, device=dev))
 
 
 if __name__ == "__main__":

@@ -8,12 +8,12 @@ import torch
 from _scenario import run
 
 
-def body(comm, culprit):  # noqa: ANN001, ANN201
+def body(comm, culprit, dev):  # noqa: ANN001, ANN201
     import collectives as C
 
     if comm.rank == culprit:
         os.kill(os.getpid(), signal.SIGKILL)
-    C.all_reduce(torch.ones(8))
+    C.all_reduce(torch.ones(8, device=dev))
 
 
 if __name__ == "__main__":

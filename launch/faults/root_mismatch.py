@@ -6,10 +6,10 @@ import torch
 from _scenario import run
 
 
-def body(comm, culprit):  # noqa: ANN001, ANN201
+def body(comm, culprit, dev):  # noqa: ANN001, ANN201
     import collectives as C
 
-    C.broadcast(torch.ones(8), group_src=1 if comm.rank == culprit else 0)
+    C.broadcast(torch.ones(8, device=dev), group_src=1 if comm.rank == culprit else 0)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,11 @@ Each scenario (a script beside this one) runs under ``torchrun --standalone --np
 diagnosis (culprit rank, call sequence number, op), seconds from the fault to its detection,
 whether every rank exited within timeout + 15 s, and how many of the scenario's processes are
 left. ``--json`` writes the rows. The exit status is 1 if any scenario was missed.
+
+``--gpu`` runs the NCCL matrix (skipped collective, crash and the mismatches, one rank per GPU);
+``--emulated`` adds the inter-node link going down in an emulated 2-node cluster (root only).
+Every scenario runs its faulty call inside ``collectives.call_timeout``, which also bounds NCCL's
+waits on the host.
 """
 
 from __future__ import annotations
@@ -66,6 +71,8 @@ def _judge(kind: str, outcomes: dict[int, dict[str, Any]], found: dict[str, Any]
         for r, v in sides.items():
             values.setdefault(json.dumps(v), []).append(int(r))
         minority = min(values.values(), key=len) if len(values) > 1 else None
+        if len(values) == 2 and all(len(v) == 1 for v in values.values()):  # two ranks: both sides are named
+            minority = [culprit] if [culprit] in values.values() else minority
         row["culprit_named"] = minority
         row["detected"] = all(o["raised"] == "CollectiveMismatch" for o in outcomes.values()) and minority == [culprit]
     elif kind == "link_down":
@@ -84,11 +91,20 @@ def _judge(kind: str, outcomes: dict[int, dict[str, Any]], found: dict[str, Any]
     return row
 
 
-def run_one(name: str, kind: str, world: int, timeout_s: float) -> dict[str, Any]:
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+GPU_SCENARIOS = ("skipped_collective", "rank_crash", "shape_mismatch", "dtype_mismatch", "reduce_op_mismatch",
+                 "root_mismatch")
+
+
+def run_one(name: str, kind: str, world: int, timeout_s: float, gpu: bool = False) -> dict[str, Any]:
     script = HERE / f"{name}.py"
     trace = tempfile.mkdtemp(prefix=f"commops-fault-{name}-")
     env = dict(os.environ, COMMOPS_TRACE_DIR=trace, FAULT_TIMEOUT_S=str(timeout_s), PYTHONUNBUFFERED="1",
                OMP_NUM_THREADS="1")
+    if gpu:
+        env.update(NO_MULTICAST)
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU matrix: Gloo, even on a GPU machine
     if kind == "link_down":  # two emulated nodes of world/2 ranks; the emulator needs root
         cmd = [sys.executable, str(ROOT / "launch" / "emulate_cluster.py"), "--nodes", "2", "--procs-per-node",
                str(max(1, world // 2)), "--inter-node-mbit", "400", "--timeout", str(int(timeout_s + 120)), "--",
@@ -128,11 +144,18 @@ def main() -> int:
     p.add_argument("--only", default="", help="comma-separated scenarios (default: all CPU ones)")
     p.add_argument("--emulated", action="store_true",
                    help="also the link-down scenario in an emulated 2-node cluster (needs root)")
+    p.add_argument("--gpu", action="store_true", help="the NCCL matrix: one rank per GPU (NVLink multicast off)")
     p.add_argument("--json")
     args = p.parse_args()
     scenarios = dict(SCENARIOS, **({"link_down": "link_down"} if args.emulated else {}))
+    if args.gpu:
+        import torch
+
+        scenarios = {n: k for n, k in scenarios.items() if n in GPU_SCENARIOS}
+        args.world = torch.cuda.device_count()
     names = [n for n in scenarios if not args.only or n in args.only.split(",")]
-    rows = [run_one(n, scenarios[n], args.world if scenarios[n] != "link_down" else 4, args.timeout) for n in names]
+    rows = [run_one(n, scenarios[n], args.world if scenarios[n] != "link_down" else 4, args.timeout, args.gpu)
+            for n in names]
     print(f"{'scenario':<20} {'detected':<9} {'diagnosis (culprit, call #, op)':<36} {'to detect':>9} "
           f"{'all exited':>10} {'left':>5}")
     for r in rows:

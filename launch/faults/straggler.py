@@ -7,13 +7,13 @@ import torch
 from _scenario import run
 
 
-def body(comm, culprit):  # noqa: ANN001, ANN201
+def body(comm, culprit, dev):  # noqa: ANN001, ANN201
     import collectives as C
 
     for _ in range(4):
         if comm.rank == culprit:
             time.sleep(0.5)
-        C.all_reduce(torch.ones(8))
+        C.all_reduce(torch.ones(8, device=dev))
 
 
 if __name__ == "__main__":
