@@ -20,10 +20,10 @@ With ``capacity_factor`` set, each expert takes at most ``ceil(capacity_factor *
 E)`` pairs from each rank, the first ones in token order; the rest are dropped (they add nothing
 to the output) and counted in the handle.
 
-``forward_pipelined`` splits the tokens into chunks and issues chunk i+1's dispatch before the
-experts compute chunk i. Overlapping the two needs the exchanges on a stream of their own, which
-is not built yet; until a machine's pipeline has been measured, ``chunks="auto"`` runs one chunk
-and says so.
+``forward_pipelined`` splits the tokens into chunks. Without autograd it issues the exchanges
+asynchronously (chunk i+1's dispatch and chunk i-1's combine travel while the experts compute
+chunk i); with autograd the chunks run one after another through the differentiable halves.
+Until a machine's pipeline has been measured, ``chunks="auto"`` runs one chunk and says so.
 """
 
 from __future__ import annotations
@@ -262,11 +262,14 @@ class MoEDispatcher:
     def forward_pipelined(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                           experts: Callable[[torch.Tensor, list[int]], torch.Tensor], chunks: int | str = "auto"
                           ) -> torch.Tensor:
-        """``forward`` with the tokens in ``chunks`` parts, chunk i+1's rows sent before chunk i's
-        experts run. Every rank must pass the same ``chunks``; ``last_chunks`` says what ran.
+        """``forward`` with the tokens in ``chunks`` parts. Every rank must pass the same ``chunks``;
+        ``last_chunks`` says what ran.
 
-        The order is the pipeline's; the overlap itself needs the exchanges on their own CUDA
-        stream, which is not built yet: today the chunks run one after another (results equal).
+        Without autograd (``torch.no_grad()``, inference) the exchanges are asynchronous: chunk
+        i+1's rows travel while the experts compute chunk i, and chunk i's combine returns while
+        chunk i+1 is computed (NCCL runs them on its own stream, Gloo on its threads). With
+        autograd the chunks run one after another through the differentiable dispatch and
+        combine (same results; overlapping the backward is not built yet).
         """
         if chunks == "auto":
             n, why = 1, "no pipeline measurement on this machine yet: one chunk"
@@ -280,6 +283,8 @@ class MoEDispatcher:
         self._check(x, topk_idx, topk_weights)
         bounds = [(x.shape[0] * i // n, x.shape[0] * (i + 1) // n) for i in range(n)]
         handles = [self.route(topk_idx[lo:hi]) for lo, hi in bounds]  # the small count exchanges first
+        if not torch.is_grad_enabled():
+            return self._overlapped(x, topk_weights, experts, bounds, handles)
         recv = [_Dispatch.apply(x[bounds[0][0]:bounds[0][1]], handles[0], self.group)]
         outs = []
         for i, (lo, hi) in enumerate(bounds):
@@ -289,6 +294,57 @@ class MoEDispatcher:
             rows = experts(recv[i], handles[i].tokens_per_expert)
             outs.append(_Combine.apply(rows, topk_weights[lo:hi], handles[i], self.group))
         return torch.cat(outs)
+
+    def _overlapped(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                    experts: Callable[[torch.Tensor, list[int]], torch.Tensor], bounds: list[tuple[int, int]],
+                    handles: list[DispatchHandle]) -> torch.Tensor:
+        """The no-grad pipeline: every rank issues the same exchanges in the same order.
+
+            exchange:  send 0 | send 1      | back 0, send 2 | back 1, send 3 | ...
+            experts:          | experts 0   | experts 1      | experts 2      | ...
+        """
+        g = self.group
+
+        def send(i: int) -> tuple[torch.Tensor, Any]:
+            h = handles[i]
+            lo, hi = bounds[i]
+            rows = x[lo:hi].index_select(0, h.token_of)
+            out = rows.new_empty((sum(h.recv_counts), *rows.shape[1:]))
+            return out, C.all_to_all_single(out, rows.contiguous(), h.recv_counts, h.send_counts, group=g,
+                                            async_op=True)
+
+        def back(i: int, y: torch.Tensor) -> tuple[torch.Tensor, Any]:
+            h = handles[i]
+            by_source = torch.empty_like(y)
+            by_source[h.regroup] = y
+            out = y.new_empty((sum(h.send_counts), *y.shape[1:]))
+            return out, C.all_to_all_single(out, by_source, h.send_counts, h.recv_counts, group=g, async_op=True)
+
+        result = x.new_zeros((x.shape[0], self.hidden))
+
+        def land(i: int, pending: tuple[torch.Tensor, Any]) -> None:
+            rows, work = pending
+            if work is not None:
+                work.wait()
+            h, (lo, hi) = handles[i], bounds[i]
+            w = topk_weights[lo:hi].reshape(-1).index_select(0, h.order).to(rows.dtype)
+            result[lo:hi].index_add_(0, h.token_of, rows * w.unsqueeze(-1))
+
+        incoming = send(0)
+        returning: tuple[int, tuple[torch.Tensor, Any]] | None = None
+        for i in range(len(bounds)):
+            rows, work = incoming
+            if i + 1 < len(bounds):
+                incoming = send(i + 1)
+            if work is not None:
+                work.wait()
+            y = experts(rows.index_select(0, handles[i].regroup), handles[i].tokens_per_expert)
+            if returning is not None:
+                land(*returning)
+            returning = (i, back(i, y))
+        if returning is not None:
+            land(*returning)
+        return result
 
 
 class GroupedSwiGLU(nn.Module):

@@ -221,3 +221,23 @@ def _moe_bench_smoke(rank: int, world: int) -> list[tuple[int, int, float]]:
 def test_moe_benchmark_smoke(worlds) -> None:  # noqa: ANN001
     for rank, recs in enumerate(worlds(2).run(_moe_bench_smoke)):
         assert recs == [(2, 0, (6 + rank) * 2 * 8 * 4)]  # tokens * k rows of 8 floats sent
+
+
+def _pipelined_no_grad(rank: int, world: int, chunks: int) -> float:
+    experts = 2 * world
+    x, idx, w = _routing(rank, 11 + 3 * rank, experts, 2, "random", 99)
+    disp = MoEDispatcher(experts, H, dtype=torch.float64)
+
+    def local(rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
+        outs = [_expert(disp.first_expert + e, r) for e, r in enumerate(rows.split(per_expert))]
+        return torch.cat(outs) if outs else rows
+
+    with torch.no_grad():
+        got = disp.forward_pipelined(x, idx, w, local, chunks=chunks)
+    return (got - reference_moe(x, idx, w, _expert)).abs().max().item()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_overlapped_pipeline_without_autograd_matches(worlds, world_size: int) -> None:  # noqa: ANN001
+    for chunks in (2, 4):
+        assert max(worlds(world_size).run(_pipelined_no_grad, chunks)) < 1e-12
