@@ -116,6 +116,9 @@ class _SumGradOverRanks(torch.autograd.Function):
 class ColumnParallelLinear(nn.Module):
     """``Y = X W^T + b`` with ``W``'s rows (output features) split across the group's ranks.
 
+    The weight is initialised like ``nn.Linear``'s full weight and sliced: the ranks' slices form
+    one layer when every rank seeds its generator alike (or use ``from_linear``).
+
     Args:
         in_features, out_features: the full layer's sizes; ``out_features`` divisible by the group's size.
         bias: keep this rank's slice of a bias.
@@ -192,6 +195,8 @@ class RowParallelLinear(nn.Module):
         sequence_parallel: reduce-scatter the output along dimension 0 (sequence) instead of
             all-reducing it, overlapped with the GEMM.
         strategy, chunks: passed to the overlap operators.
+
+    Construction is collective: the bias is initialised on rank 0 and broadcast.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group: Any = None,
@@ -247,7 +252,7 @@ class MoELayer(nn.Module):
     """A mixture-of-experts MLP with expert parallelism: top-k softmax router, SwiGLU experts.
 
     The router (``[num_experts, hidden]``, no bias) is replicated: it is initialised on rank 0
-    and broadcast. Routing: softmax over the experts, the ``top_k`` largest, renormalised to sum
+    and broadcast (construction is collective). Routing: softmax over the experts, the ``top_k`` largest, renormalised to sum
     to one (Mixtral's choice). Rank r holds experts ``r*E/W ... (r+1)*E/W - 1``
     (``GroupedSwiGLU``); tokens travel through ``MoEDispatcher``.
 

@@ -228,9 +228,9 @@ def _side_stream(device: torch.device) -> Any:
     return s
 
 
-def _bounds(n: int, chunks: int, align: int = 1) -> list[tuple[int, int]]:
-    """``chunks`` nearly equal [lo, hi) ranges of ``n`` items (multiples of ``align`` but the last), none empty."""
-    step = max(align, -(-n // chunks // align * align) if n >= align * chunks else -(-n // chunks))
+def _bounds(n: int, chunks: int) -> list[tuple[int, int]]:
+    """At most ``chunks`` [lo, hi) ranges of ``n`` items, of ceil(n / chunks) each but the last; none empty."""
+    step = max(1, -(-n // chunks))
     return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
 
 
