@@ -197,38 +197,50 @@ class MoEDispatcher:
 
     def route(self, topk_idx: torch.Tensor) -> DispatchHandle:
         """The handle for routing ``topk_idx`` (exchanges the per-expert counts: collective)."""
-        tokens, k = topk_idx.shape
-        w, e_loc = self.comm.size, self.local_experts
-        flat = topk_idx.reshape(-1).to(torch.int64)
-        order = torch.sort(flat, stable=True).indices  # by expert, ties in token order
-        experts = flat[order]
-        per_expert = torch.bincount(experts, minlength=self.num_experts)
-        dropped = 0
-        if self.capacity_factor is not None and flat.numel():
-            cap = math.ceil(self.capacity_factor * tokens * k / self.num_experts)
-            start = torch.cumsum(per_expert, 0) - per_expert
-            rank_in_expert = torch.arange(flat.numel(), device=flat.device) - start[experts]
-            keep = rank_in_expert < cap
-            dropped = int((~keep).sum())
-            order, experts = order[keep], experts[keep]
-            per_expert = torch.bincount(experts, minlength=self.num_experts)
-        counts = per_expert.to(torch.int64).cpu()
+        return self.route_chunks(topk_idx, [(0, topk_idx.shape[0])])[0]
+
+    def route_chunks(self, topk_idx: torch.Tensor, bounds: list[tuple[int, int]]) -> list[DispatchHandle]:
+        """One handle per token range of ``bounds``, with one exchange of every range's counts."""
+        k = topk_idx.shape[1] if topk_idx.dim() == 2 else 1
+        w, e_loc, E = self.comm.size, self.local_experts, self.num_experts
+        local = []
+        for lo, hi in bounds:
+            flat = topk_idx[lo:hi].reshape(-1).to(torch.int64)
+            order = torch.sort(flat, stable=True).indices  # by expert, ties in token order
+            experts = flat[order]
+            per_expert = torch.bincount(experts, minlength=E)
+            dropped = 0
+            if self.capacity_factor is not None and flat.numel():
+                cap = math.ceil(self.capacity_factor * (hi - lo) * k / E)
+                start = torch.cumsum(per_expert, 0) - per_expert
+                keep = torch.arange(flat.numel(), device=flat.device) - start[experts] < cap
+                dropped = int((~keep).sum())
+                order, experts = order[keep], experts[keep]
+                per_expert = torch.bincount(experts, minlength=E)
+            local.append((order, per_expert, dropped, hi - lo))
+        n = len(bounds)
+        # [n, W, E/W] -> [W, n, E/W]: what each rank receives, for each range, for each local expert
+        counts = torch.stack([c for _, c, _, _ in local]).to(torch.int64).view(n, w, e_loc)
+        send_buf = counts.transpose(0, 1).contiguous().view(-1)
         if self.comm.backend_for("cpu"):
-            matrix = torch.empty(w * e_loc, dtype=torch.int64)
-            C.all_to_all_single(matrix, counts, group=self.group)
+            send_buf = send_buf.cpu()
+            got = torch.empty_like(send_buf)
         else:  # a GPU-only group: the counts travel as a device tensor
-            on_dev = torch.empty(w * e_loc, dtype=torch.int64, device=per_expert.device)
-            C.all_to_all_single(on_dev, per_expert.to(torch.int64).contiguous(), group=self.group)
-            matrix = on_dev.cpu()
-        matrix = matrix.view(w, e_loc)
-        send = counts.view(w, e_loc).sum(1).tolist()
-        recv = matrix.sum(1).tolist()
-        # Received rows are [source 0: expert 0.., source 1: ...]; recv_x wants [expert 0: source 0.., ...]:
-        # a stable sort of the received rows by their local expert.
-        expert_of_row = torch.arange(e_loc).repeat(w).repeat_interleave(matrix.reshape(-1))
-        regroup = torch.sort(expert_of_row, stable=True).indices
-        return DispatchHandle(matrix.sum(0).tolist(), send, recv, matrix, order, order // k,
-                              regroup.to(topk_idx.device), tokens, k, dropped)
+            got = torch.empty_like(send_buf)
+        C.all_to_all_single(got, send_buf, group=self.group)
+        counts, got = counts.cpu(), got.cpu().view(w, n, e_loc)
+        handles = []
+        for c, (order, _, dropped, tokens) in enumerate(local):
+            matrix = got[:, c, :].contiguous()
+            send = counts[c].sum(1).tolist()
+            recv = matrix.sum(1).tolist()
+            # Received rows are [source 0: expert 0.., source 1: ...]; recv_x wants [expert 0: source 0.., ...]:
+            # a stable sort of the received rows by their local expert.
+            expert_of_row = torch.arange(e_loc).repeat(w).repeat_interleave(matrix.reshape(-1))
+            regroup = torch.sort(expert_of_row, stable=True).indices
+            handles.append(DispatchHandle(matrix.sum(0).tolist(), send, recv, matrix, order, order // k,
+                                          regroup.to(topk_idx.device), tokens, k, dropped))
+        return handles
 
     # -- the two halves --------------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None = None
@@ -282,7 +294,7 @@ class MoEDispatcher:
             return self.forward(x, topk_idx, topk_weights, experts)
         self._check(x, topk_idx, topk_weights)
         bounds = [(x.shape[0] * i // n, x.shape[0] * (i + 1) // n) for i in range(n)]
-        handles = [self.route(topk_idx[lo:hi]) for lo, hi in bounds]  # the small count exchanges first
+        handles = self.route_chunks(topk_idx, bounds)  # every chunk's counts in one small exchange
         if not torch.is_grad_enabled():
             return self._overlapped(x, topk_weights, experts, bounds, handles)
         recv = [_Dispatch.apply(x[bounds[0][0]:bounds[0][1]], handles[0], self.group)]
