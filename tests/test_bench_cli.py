@@ -72,3 +72,21 @@ def test_reports(tmp_path) -> None:  # noqa: ANN001
     assert len(rows) == 4 and rows[3]["time_us"] == "240.0"
     plot(rs, str(tmp_path / "r.png"), "t")
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_symm_mem_anchors_say_why_they_cannot_run_here() -> None:
+    from bench import anchors
+
+    assert "all-reduce" in anchors.unavailable("symm_mem_two_shot", "all_gather", torch.float32, torch.device("cpu"))
+    assert "CUDA" in anchors.unavailable("symm_mem_one_shot", "all_reduce", torch.float32, torch.device("cpu"))
+    assert "bf16 and fp32" in anchors.unavailable("symm_mem_one_shot", "all_reduce", torch.float64, torch.device("cuda"))
+
+
+def test_plot_vs_native_draws_one_panel_per_op_and_mode(tmp_path) -> None:  # noqa: ANN001
+    from bench.report import plot_vs_native
+
+    recs = [Record("all_reduce", a, "float32", b, b // 4, 2, "nccl", "cuda:0", g, t, t, t, 1.0, 1.0, 0)
+            for a, t in (("native", 10.0), ("one_shot", 5.0)) for b in (8, 1024) for g in (False, True)]
+    path = tmp_path / "r.png"
+    plot_vs_native(recs, str(path), "t")
+    assert path.stat().st_size > 1000
