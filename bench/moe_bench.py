@@ -20,7 +20,7 @@ from overlap.moe import GroupedSwiGLU, MoEDispatcher
 
 from .gemm_collective import _time
 
-__all__ = ["MoERecord", "measure_config", "format_moe_table"]
+__all__ = ["MoERecord", "measure_config", "format_moe_table", "plot_moe"]
 
 
 @dataclass
@@ -105,3 +105,37 @@ def format_moe_table(records: list[MoERecord]) -> str:
                      f"{r.experts_us:9.1f} us | sequential {r.sequential_us:9.1f} us | pipelined/{r.chunks} "
                      f"{r.pipelined_us:9.1f} us ({r.hidden_pct:6.1f}% hidden) #wrong {r.wrong}")
     return "\n".join(lines)
+
+
+def plot_moe(records: list[MoERecord], path: str, title: str = "") -> None:
+    """PNG: per configuration, dispatch and combine against the backend's all-to-all (GB/s), and
+    the sequential and pipelined layer times (one bar per chunk count)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = list(dict.fromkeys(r.config for r in records))
+    fig, (ax_bw, ax_t) = plt.subplots(1, 2, figsize=(13, 4.5))
+    first = [next(r for r in records if r.config == c) for c in configs]
+    xs = range(len(configs))
+    for i, (name, key) in enumerate((("dispatch", "dispatch_GBps"), ("combine", "combine_GBps"),
+                                     ("all_to_all_single", "a2a_GBps"))):
+        ax_bw.bar([x + i * 0.27 for x in xs], [getattr(r, key) for r in first], 0.27, label=name)
+    ax_bw.set_xticks([x + 0.27 for x in xs], configs)
+    ax_bw.set_ylabel("GB/s sent per rank")
+    ax_bw.legend(fontsize=8)
+    bars = [("sequential", lambda c: next(r for r in records if r.config == c).sequential_us)]
+    for k in dict.fromkeys(r.chunks for r in records):
+        bars.append((f"pipelined/{k}", lambda c, k=k: next(r.pipelined_us for r in records
+                                                           if r.config == c and r.chunks == k)))
+    width = 0.8 / len(bars)
+    for i, (name, value) in enumerate(bars):
+        ax_t.bar([x + i * width for x in xs], [value(c) for c in configs], width, label=name)
+    ax_t.set_xticks([x + 0.4 - width / 2 for x in xs], configs)
+    ax_t.set_ylabel("layer forward (us)")
+    ax_t.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

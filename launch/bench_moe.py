@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import collectives as C  # noqa: E402
 from bench.cli import DTYPES  # noqa: E402
-from bench.moe_bench import format_moe_table, measure_config  # noqa: E402
+from bench.moe_bench import format_moe_table, measure_config, plot_moe  # noqa: E402
 from bench.report import write_csv, write_json  # noqa: E402
 
 
@@ -41,6 +41,7 @@ def main() -> int:
     p.add_argument("-r", "--reps", type=int, default=3)
     p.add_argument("--json")
     p.add_argument("--csv")
+    p.add_argument("--plot")
     args = p.parse_args()
     comm = C.init()
     cuda = bool(comm.backend_for("cuda")) and torch.cuda.is_available()
@@ -68,6 +69,8 @@ def main() -> int:
             write_json(records, args.json, meta)  # type: ignore[arg-type]
         if args.csv:
             write_csv(records, args.csv)  # type: ignore[arg-type]
+        if args.plot:
+            plot_moe(records, args.plot, f"{comm.size} ranks, {meta['device']}, {dtype}")
     bad = sum(r.wrong for r in records)
     C.destroy()
     return 1 if bad else 0
