@@ -16,14 +16,22 @@ Design note.
   pull design reads peers' buffers, so every input must first be copied into the shared buffer:
   one more pass over the data (about 0.5 ms per GB on an H200, whose local copies move about
   4 TB/s counting reads and writes).
-* **Ordering.** Flags per (block, stage, source rank) in the flag area; an epoch counter per
-  block in device memory, so CUDA graphs replay correctly. Stores, then ``fence.sys``, then a
-  release store of the flag; waits are acquire loads bounded by ``%globaltimer``. See
-  ``kernels.cu`` for the timeline.
+* **Ordering.** Flags per (block, stage, source rank) in the flag area, holding the call's
+  number from a counter in device memory (so CUDA graphs replay correctly). Calls alternate
+  between two halves of the slots, which makes a "done" barrier unnecessary: a rank starting
+  call e knows every peer has finished call e - 2. Stores, then ``fence.sys``, then the flag;
+  waits are acquire loads bounded by ``%globaltimer``. See ``kernels.cu`` for the timeline and
+  the argument.
+* **Host cost.** A small call's budget is a few microseconds of host time: launches go through
+  ``cuLaunchKernel`` with prebuilt parameter blocks (``_launch.py``), the pieces of each
+  (algorithm, dtype, size) are planned once, and the dispatch point keeps a fast path for
+  repeated call signatures (``collectives/dispatch.py:dispatch_tensors``).
 * **Algorithms.** ``one_shot`` (all-reduce: every rank pushes everything and reduces everything;
-  reduce-scatter and all-gather: every rank pushes each peer its part) and ``two_shot``
+  reduce-scatter and all-gather: every rank pushes each peer its part), ``two_shot``
   (all-reduce as reduce-scatter then all-gather by pushes: each byte crosses the link once each
-  way, the least there is). Messages larger than the slot buffer run in pieces.
+  way, the least there is) and ``copy_engine`` (the same bytes moved by cudaMemcpyAsync on two
+  streams, SMs only reducing, chunks through a ring of slots). Messages larger than the slot
+  buffer run in pieces.
 * **Never multicast.** Nothing here creates multicast objects or uses ``multimem`` instructions.
 
 The public object is :class:`PeerMemory`; the registered algorithms (``collectives/algos``) use it
