@@ -160,10 +160,11 @@ def dispatch_tensors(comm: Communicator, op: str, output: torch.Tensor, input: t
     2xH200 machine it takes several microseconds off each small peer-memory call, which is most
     of the host time such a call has.
     """
-    if not async_op and not _HOOKS and not comm.debug and type(output) is torch.Tensor and type(input) is torch.Tensor:
+    if not async_op and not _HOOKS and not comm.debug and type(output) is torch.Tensor and output.is_cuda \
+            and type(input) is torch.Tensor:
         key = (op, algorithm, reduce_op, output.dtype, output.numel(), input.numel())
         runner = comm._fast.get(key)
-        if runner is not None and output.is_cuda and output.is_contiguous() and input.is_contiguous() \
+        if runner is not None and output.is_contiguous() and input.is_contiguous() \
                 and output.get_device() == _current_device() == input.get_device() \
                 and not _profiling() and not _env.nvtx_enabled():
             comm.seq += 1
