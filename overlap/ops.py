@@ -184,6 +184,12 @@ class _Side:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.works: list[Any] = []
+        # Collectives that run beside a GEMM must leave it the SMs: NCCL's kernels take a few
+        # blocks, while our peer-memory kernels take up to 128 and spin while they wait for a
+        # peer. chunked with auto's peer-memory algorithms measured 3-10x slower than the plain
+        # sequence on 2xH200 (2026-11-30, launch/bench_overlap.py); NCCL is the first thing to
+        # try against that (to be measured), the copy engines (no SMs) the next.
+        self.algorithm = "native" if self.cuda else "auto"
         if self.cuda:
             self.main = torch.cuda.current_stream(device)
             self.stream = _side_stream(device)
@@ -260,7 +266,7 @@ def _gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group: Any, bias: torch.T
         for lo, hi in _bounds(a2.shape[0], choice.chunks):
             part = out2[lo:hi]
             torch.matmul(a2[lo:hi], b, out=part)
-            side.run(lambda asy, p=part: C.all_reduce(p, group=group, async_op=asy), part)
+            side.run(lambda asy, p=part: C.all_reduce(p, group=group, async_op=asy, algorithm=side.algorithm), part)
         side.join()
         out = out2.view(*a.shape[:-1], b.shape[1])
     return out if bias is None else out + bias
@@ -301,7 +307,8 @@ def _gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: Any, scatter_d
         for lo, hi in _bounds(n, choice.chunks):
             full = torch.matmul(rows, b[:, lo:hi])
             shard = full.new_empty((m // w, hi - lo))
-            side.run(lambda asy, s=shard, f=full: C.reduce_scatter_single(s, f, group=group, async_op=asy), shard, full)
+            side.run(lambda asy, s=shard, f=full: C.reduce_scatter_single(s, f, group=group, async_op=asy,
+                                                                          algorithm=side.algorithm), shard, full)
             parts.append((lo, hi, shard))
         side.join()
         for lo, hi, shard in parts:
@@ -345,7 +352,8 @@ def _all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: Any, gather_
             g = rows.new_empty((w, hi - lo, rows.shape[1]))
             part = rows[lo:hi].contiguous()
             handle = side.run(lambda asy, g=g, p=part: C.all_gather_single(g.view(-1, p.shape[1]), p, group=group,
-                                                                           async_op=asy), g, part)
+                                                                           async_op=asy, algorithm=side.algorithm),
+                              g, part)
             gathered.append((lo, hi, g, handle))
         for lo, hi, g, handle in gathered:  # each chunk's GEMM waits for its own gather only
             if handle is not None:
