@@ -26,7 +26,8 @@ import collectives as C
 import overlap
 from overlap import ops as O
 
-from .harness import _slowest, _time_loops
+from .harness import _slowest
+from .harness import time_fn as _time
 
 __all__ = ["OverlapRecord", "measure_shape", "format_overlap_table", "plot_overlap", "tuned_overlap_table", "OPS"]
 
@@ -60,20 +61,6 @@ class OverlapRecord:
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
-
-
-class _Fn:
-    """What ``harness._time_loops`` needs: a call, a device, a communicator."""
-
-    def __init__(self, fn: Callable[[], object], comm: C.Communicator, device: torch.device) -> None:
-        self.call, self.comm, self.device = fn, comm, device
-
-
-def _time(fn: Callable[[], object], comm: C.Communicator, device: torch.device, iters: int, reps: int) -> float:
-    for _ in range(2):
-        fn()
-    per = _slowest(comm, _time_loops(_Fn(fn, comm, device), iters, reps, False), device)  # type: ignore[arg-type]
-    return sorted(per)[len(per) // 2] * 1e6
 
 
 def _wrong(got: torch.Tensor, ref: torch.Tensor, magnitude: torch.Tensor, dtype: torch.dtype) -> int:

@@ -29,7 +29,7 @@ from collectives.algos import REGISTRY, busbw_factor
 from . import anchors as A
 from . import reference as R
 
-__all__ = ["Record", "measure", "sweep", "element_count", "prepare"]
+__all__ = ["Record", "measure", "sweep", "element_count", "prepare", "time_fn"]
 
 _DIVIDED = ("reduce_scatter", "all_gather", "all_to_all")
 
@@ -170,6 +170,24 @@ def _time_loops(case: _Case, iters: int, reps: int, graph: bool) -> list[float]:
         end.synchronize()
         out.append(start.elapsed_time(end) / 1e3 / iters)
     return out
+
+
+class _Fn:
+    """What ``_time_loops`` needs of a case: a call, a device, a communicator."""
+
+    def __init__(self, fn: Callable[[], object], comm: C.Communicator, device: torch.device) -> None:
+        self.call, self.comm, self.device = fn, comm, device
+
+
+def time_fn(fn: Callable[[], object], comm: C.Communicator, device: torch.device, iters: int, reps: int,
+            graph: bool = False, warmup: int = 2) -> float:
+    """Microseconds per call of ``fn`` timed like a collective (see the module docstring): the
+    median over ``reps`` loops of the slowest rank's time, eagerly or replayed from a CUDA graph."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    per = _slowest(comm, _time_loops(_Fn(fn, comm, device), iters, reps, graph), device)  # type: ignore[arg-type]
+    return statistics.median(per) * 1e6
 
 
 def measure(comm: C.Communicator, op: str, algorithm: str, nbytes: int, dtype: torch.dtype, device: torch.device, *,

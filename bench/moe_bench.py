@@ -18,7 +18,7 @@ import torch.distributed as dist
 import collectives as C
 from overlap.moe import GroupedSwiGLU, MoEDispatcher
 
-from .gemm_collective import _time
+from .harness import time_fn as _time
 
 __all__ = ["MoERecord", "measure_config", "format_moe_table", "plot_moe"]
 

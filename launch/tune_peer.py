@@ -22,40 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import collectives as C  # noqa: E402
 from bench.cli import parse_size, sizes  # noqa: E402
+from bench.harness import time_fn  # noqa: E402
 from collectives.peer import PeerMemory  # noqa: E402
 
 
-def _time(fn, iters: int, reps: int, graph: bool) -> float:  # type: ignore[no-untyped-def]
-    """Median seconds per call."""
-    if graph:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(iters):
-                fn()
-        run = g.replay
-    else:
-        def run() -> None:
-            for _ in range(iters):
-                fn()
-    run()
-    out = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        dist.barrier()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / 1e3 / iters)
-    t = torch.tensor([statistics.median(out)], device="cuda")
-    dist.all_reduce(t, dist.ReduceOp.MAX)
-    return float(t.item())
+def _time(comm: C.Communicator, dev: torch.device, fn, iters: int, reps: int,  # type: ignore[no-untyped-def]
+          graph: bool) -> float:
+    """Median seconds per call (the collectives benchmark's timing, ``bench.harness.time_fn``)."""
+    return time_fn(fn, comm, dev, iters, reps, graph, warmup=1) / 1e6
 
 
 def _host_us(fn, calls: int = 300) -> float:  # type: ignore[no-untyped-def]
@@ -121,7 +95,7 @@ def link_rates(comm: C.Communicator, pm: PeerMemory, dev: torch.device, nbytes: 
     keep = pm.max_blocks
     for mb in (32, 64, 128):
         pm.max_blocks = mb
-        t = _time(lambda: pm.all_gather(dst, src), 3, 5, False)
+        t = _time(comm, dev, lambda: pm.all_gather(dst, src), 3, 5, False)
         out[f"sm_push_{mb}_blocks_GBps"] = nbytes * (comm.size - 1) / t / 1e9
     pm.max_blocks = keep
     chunk = min(pm.slot_bytes // 2 // comm.size, nbytes)
@@ -135,7 +109,7 @@ def link_rates(comm: C.Communicator, pm: PeerMemory, dev: torch.device, nbytes: 
             for q in peers:
                 rt.memcpyAsync(pm.slot_pointers[q] + comm.rank * chunk, raw.data_ptr() + off, chunk, 3, stream)
 
-    t = _time(ce, 3, 5, False)
+    t = _time(comm, dev, ce, 3, 5, False)
     out["copy_engine_GBps"] = nbytes * len(peers) / t / 1e9
 
     def ce_pull() -> None:
@@ -144,7 +118,7 @@ def link_rates(comm: C.Communicator, pm: PeerMemory, dev: torch.device, nbytes: 
             for q in peers:
                 rt.memcpyAsync(raw.data_ptr() + off, pm.slot_pointers[q] + comm.rank * chunk, chunk, 3, stream)
 
-    t = _time(ce_pull, 3, 5, False)
+    t = _time(comm, dev, ce_pull, 3, 5, False)
     out["copy_engine_pull_GBps"] = nbytes * len(peers) / t / 1e9
     side = torch.cuda.Stream()
     half = pm.slot_bytes // 2
@@ -160,7 +134,7 @@ def link_rates(comm: C.Communicator, pm: PeerMemory, dev: torch.device, nbytes: 
                                side.cuda_stream)
         main.wait_stream(side)
 
-    t = _time(ce_both, 3, 5, False)
+    t = _time(comm, dev, ce_both, 3, 5, False)
     out["copy_engine_push_and_pull_GBps"] = 2 * nbytes * len(peers) / t / 1e9
     return out
 
@@ -196,18 +170,20 @@ def main() -> int:
         row: dict[str, object] = {"bytes": n * 2}
         for graph in (False, True):
             tag = "graph" if graph else "eager"
-            row[f"nccl_{tag}_us"] = _time(lambda: dist.all_reduce(x), iters, args.reps, graph) * 1e6
+
+            def us(fn, graph=graph):  # type: ignore[no-untyped-def]
+                return _time(comm, dev, fn, iters, args.reps, graph) * 1e6
+
+            row[f"nccl_{tag}_us"] = us(lambda: dist.all_reduce(x))
             for bb, mb in choices:
                 pm.block_bytes, pm.max_blocks = bb, mb
                 for algo in ("one_shot", "two_shot"):
-                    row[f"{algo}_{bb >> 10}K:{mb}_{tag}_us"] = _time(lambda: pm.all_reduce(x, algo), iters,
-                                                                   args.reps, graph) * 1e6
+                    row[f"{algo}_{bb >> 10}K:{mb}_{tag}_us"] = us(lambda: pm.all_reduce(x, algo))
             if nbytes >= (8 << 20):
                 for cb in ce_chunks:
                     pm.ce_chunk_bytes = cb
                     try:
-                        row[f"copy_engine_{cb >> 20}M_{tag}_us"] = _time(lambda: pm.all_reduce(x, "copy_engine"), iters,
-                                                                       args.reps, graph) * 1e6
+                        row[f"copy_engine_{cb >> 20}M_{tag}_us"] = us(lambda: pm.all_reduce(x, "copy_engine"))
                     except C.UnsupportedError as exc:  # too few ring slots for this chunk
                         row[f"copy_engine_{cb >> 20}M_{tag}_us"] = str(exc)[:80]  # type: ignore[assignment]
         pm.check()

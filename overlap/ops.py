@@ -243,17 +243,7 @@ def _bounds(n: int, chunks: int) -> list[tuple[int, int]]:
 # -- operators -------------------------------------------------------------------------------------
 def _gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group: Any, bias: torch.Tensor | None, strategy: str,
                      chunks: int) -> torch.Tensor:
-    """``all_reduce(a @ b) + bias`` (``reference_gemm_all_reduce``), the bias added once.
-
-    Args:
-        a: ``[..., K]``, this rank's partial operand (e.g. a row-parallel layer's input shard).
-        b: ``[K, N]``.
-        group: the process group (default: world); every rank passes the same shapes and dtype.
-        bias: ``[N]`` or broadcastable to the result, added after the reduction.
-        strategy: "auto", "sequential" or "chunked" (``chunks`` row blocks of ``a``).
-    Returns:
-        A new ``[..., N]`` tensor, the same on every rank.
-    """
+    """The primitive of ``gemm_all_reduce`` (see there), without autograd."""
     comm = C.get_communicator(group)
     choice = _LAST[comm] = _strategy("gemm_all_reduce", comm, strategy, chunks, a, b, a.numel() // max(1, a.shape[-1]))
     if choice.strategy == "sequential":
@@ -274,17 +264,7 @@ def _gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group: Any, bias: torch.T
 
 def _gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: Any, scatter_dim: int, strategy: str,
                          chunks: int) -> torch.Tensor:
-    """``reduce_scatter(a @ b)`` along ``scatter_dim`` (``reference_gemm_reduce_scatter``).
-
-    Args:
-        a: ``[..., K]``; the result's dimension ``scatter_dim`` (one of ``a``'s leading ones) must
-            be a multiple of the group's size.
-        b: ``[K, N]``.
-        scatter_dim: the dimension of the result that is reduced and split across ranks.
-        strategy: "auto", "sequential" or "chunked" (``chunks`` column blocks of ``b``).
-    Returns:
-        This rank's slice: the result with ``scatter_dim`` divided by the group's size.
-    """
+    """The primitive of ``gemm_reduce_scatter`` (see there), without autograd."""
     comm = C.get_communicator(group)
     d = _check_dim("scatter_dim", scatter_dim, a, a.dim() - 1)
     w = comm.size
@@ -318,17 +298,8 @@ def _gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: Any, scatter_d
 
 def _all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: Any, gather_dim: int, strategy: str,
                      chunks: int, keep_gathered: bool = False) -> Any:
-    """``all_gather(a_shard)`` along ``gather_dim``, then ``@ b`` (``reference_all_gather_gemm``);
-    with ``keep_gathered`` also the gathered operand as rows ``[world * m, K]`` (for a backward).
-
-    Args:
-        a_shard: ``[..., K]``, this rank's slice of the full operand along ``gather_dim``.
-        b: ``[K, N]``.
-        gather_dim: the dimension (one of ``a_shard``'s leading ones) the ranks' slices join along.
-        strategy: "auto", "sequential" or "chunked" (``chunks`` row blocks of every rank's slice).
-    Returns:
-        ``[..., N]`` with ``gather_dim`` multiplied by the group's size, the same on every rank.
-    """
+    """The primitive of ``all_gather_gemm`` (see there), without autograd; with ``keep_gathered``
+    also the gathered operand as rows ``[world * m, K]`` (for a backward)."""
     comm = C.get_communicator(group)
     d = _check_dim("gather_dim", gather_dim, a_shard, a_shard.dim() - 1)
     w = comm.size

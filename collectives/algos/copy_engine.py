@@ -10,31 +10,12 @@ Runs on the GPUs of one node (``collectives/peer``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-from ..peer.memory import DTYPES
-from ._base import Algorithm
-from ._peer import check_peer_call, peer_fast_path, peer_run
-
-if TYPE_CHECKING:
-    from ..dispatch import Call
+from ._peer import PeerAlgorithm
 
 __all__ = ["CopyEngine"]
 
 
-class CopyEngine(Algorithm):
+class CopyEngine(PeerAlgorithm):
     name = "copy_engine"
     ops = frozenset({"all_reduce"})
-    dtypes = DTYPES
-    backends = frozenset({"nccl"})
-    topology_aware = True
     summary = "peer memory, copy-engine pushes and pulls with an SM reduction, pipelined (GPUs of one node)"
-
-    def check(self, call: Call) -> None:
-        check_peer_call(self.name, call)
-
-    def run(self, call: Call) -> None:
-        peer_run(self.name, call)
-
-    def fast_path(self, call: Call) -> Any:
-        return peer_fast_path(self.name, call)

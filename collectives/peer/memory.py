@@ -341,30 +341,25 @@ class PeerMemory:
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, average: bool = False) -> None:
         """``output`` ([m]) = this rank's shard of the sum of every rank's ``input`` ([world * m])."""
-        self._check(output)
-        self._check(input)
-        m, es = output.numel(), output.element_size()
-        pack = PACK_BYTES // es
-        piece = self._set_bytes // es // self.world // pack * pack
-        vec = output.data_ptr() % PACK_BYTES == 0 and input.data_ptr() % PACK_BYTES == 0 and m % pack == 0
-        for off in range(0, m, piece):
-            k = min(piece, m - off)
-            self._launch("reduce_scatter", output.dtype, vec, k * es * self.world, input.data_ptr() + off * es,
-                         output.data_ptr() + off * es, k, m)
+        self._by_shard("reduce_scatter", output, input, output.numel())
         if average:
             output.div_(self.world)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """``output`` ([world * m]) = every rank's ``input`` ([m]) in rank order."""
+        self._by_shard("all_gather", output, input, input.numel())
+
+    def _by_shard(self, kind: str, output: torch.Tensor, input: torch.Tensor, m: int) -> None:
+        """Launch ``kind`` over shards of ``m`` elements, in pieces that fit one set of slots."""
         self._check(output)
         self._check(input)
-        m, es = input.numel(), input.element_size()
+        es = output.element_size()
         pack = PACK_BYTES // es
         piece = self._set_bytes // es // self.world // pack * pack
         vec = output.data_ptr() % PACK_BYTES == 0 and input.data_ptr() % PACK_BYTES == 0 and m % pack == 0
         for off in range(0, m, piece):
             k = min(piece, m - off)
-            self._launch("all_gather", input.dtype, vec, k * es * self.world, input.data_ptr() + off * es,
+            self._launch(kind, output.dtype, vec, k * es * self.world, input.data_ptr() + off * es,
                          output.data_ptr() + off * es, k, m)
 
     def check(self) -> None:
