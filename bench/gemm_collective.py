@@ -27,7 +27,7 @@ import overlap
 from overlap import ops as O
 
 from .harness import _slowest
-from .harness import time_fn as _time
+from .harness import time_interleaved as _time_interleaved
 
 __all__ = ["OverlapRecord", "measure_shape", "format_overlap_table", "plot_overlap", "tuned_overlap_table", "OPS"]
 
@@ -151,9 +151,8 @@ def measure_shape(comm: C.Communicator, op: str, M: int, K: int, N: int, dtype: 
         raise C.UnsupportedError("op", op, "is not an overlap operator", f"use one of {list(OPS)}")
 
     with torch.no_grad():
-        t_gemm = _time(gemm, comm, device, iters, reps)
-        t_comm = _time(comm_only, comm, device, iters, reps)
-        variants: list[tuple[str, Callable[[], torch.Tensor]]] = [("sequential", lambda: run("sequential", 1))]
+        variants: list[tuple[str, Callable[[], object]]] = [("gemm", gemm), ("collective", comm_only),
+                                                              ("sequential", lambda: run("sequential", 1))]
         variants += [(f"chunked/{k}", lambda k=k: run("chunked", k)) for k in chunk_counts if k <= M // w]
         variants.append(("auto", lambda: run("auto", 1)))
         fused = _asynctp(op, device)
@@ -165,12 +164,16 @@ def measure_shape(comm: C.Communicator, op: str, M: int, K: int, N: int, dtype: 
             else:
                 variants.append(("asynctp", lambda: torch.ops.symm_mem.fused_all_gather_matmul(
                     a, [b], 0, g.group_name)[1][0]))
-        timed = []
-        for name, fn in variants:
+        checked = {}
+        for name, fn in variants[2:]:
             out = fn()
-            wrong = int(_slowest(comm, [float(_wrong(out, ref, mag, dtype))], device)[0])
+            wrong = int(_slowest(comm, [float(_wrong(out, ref, mag, dtype))], device)[0])  # type: ignore[arg-type]
             chosen = overlap.last_choice(g).strategy if name == "auto" else None  # type: ignore[union-attr]
-            timed.append((name, _time(fn, comm, device, iters, reps), wrong, chosen))
+            checked[name] = (wrong, chosen)
+        # every variant timed in the same rounds (bench/harness.py:time_interleaved)
+        times = _time_interleaved(dict(variants), comm, device, iters, reps)
+        t_gemm, t_comm = times["gemm"], times["collective"]
+        timed = [(name, times[name], *checked[name]) for name, _ in variants[2:]]
     seq = timed[0][1]
     common = dict(op=op, M=M, K=K, N=N, dtype=str(dtype).removeprefix("torch."), world=w, device=str(device),
                   gemm_us=t_gemm, comm_us=t_comm, sequential_us=seq, ideal_us=max(t_gemm, t_comm))
@@ -212,11 +215,15 @@ def plot_overlap(records: list[OverlapRecord], path: str, title: str = "") -> No
     import matplotlib.pyplot as plt
 
     ops = list(dict.fromkeys(r.op for r in records))
+    # one colour per variant across every panel
+    every = sorted(dict.fromkeys(r.variant for r in records if r.variant not in ("gemm", "collective")),
+                   key=lambda v: (v != "sequential", v == "auto", v == "asynctp", len(v), v))
+    colour = {v: f"C{i}" for i, v in enumerate(every)}
     fig, axes = plt.subplots(len(ops), 1, figsize=(12, 3.6 * len(ops)), squeeze=False)
     for ax, op in zip(axes[:, 0], ops):
         mine = [r for r in records if r.op == op and r.variant not in ("gemm", "collective")]
         shapes = list(dict.fromkeys((r.M, r.K, r.N) for r in mine))
-        names = list(dict.fromkeys(r.variant for r in mine))
+        names = [v for v in every if any(r.variant == v for r in mine)]
         width = 0.8 / max(1, len(names))
         for i, name in enumerate(names):
             xs, ys = [], []
@@ -225,7 +232,7 @@ def plot_overlap(records: list[OverlapRecord], path: str, title: str = "") -> No
                 if hit:
                     xs.append(j + i * width)
                     ys.append(hit[0].vs_sequential)
-            ax.bar(xs, ys, width, label=name)
+            ax.bar(xs, ys, width, label=name, color=colour[name])
         ideal = [min(r.ideal_us / r.sequential_us for r in mine if (r.M, r.K, r.N) == s) for s in shapes]
         ax.scatter([j + 0.4 - width / 2 for j in range(len(shapes))], ideal, marker="_", s=400, c="k", label="ideal")
         ax.axhline(1.0, color="k", lw=0.8, ls="--")

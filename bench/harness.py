@@ -29,7 +29,7 @@ from collectives.algos import REGISTRY, busbw_factor
 from . import anchors as A
 from . import reference as R
 
-__all__ = ["Record", "measure", "sweep", "element_count", "prepare", "time_fn"]
+__all__ = ["Record", "measure", "sweep", "element_count", "prepare", "time_fn", "time_interleaved"]
 
 _DIVIDED = ("reduce_scatter", "all_gather", "all_to_all")
 
@@ -188,6 +188,23 @@ def time_fn(fn: Callable[[], object], comm: C.Communicator, device: torch.device
     _sync(device)
     per = _slowest(comm, _time_loops(_Fn(fn, comm, device), iters, reps, graph), device)  # type: ignore[arg-type]
     return statistics.median(per) * 1e6
+
+
+def time_interleaved(fns: dict[str, Callable[[], object]], comm: C.Communicator, device: torch.device, iters: int,
+                     reps: int, warmup: int = 2) -> dict[str, float]:
+    """Microseconds per call of each of ``fns``, timed like :func:`time_fn` but in rounds: each
+    round times one loop of every function in turn, and each gets the median over ``reps`` rounds.
+    Variants compared with each other then share the machine's drift instead of each getting a
+    different stretch of it (on a busy host, a loop timed a second later can be 2x off)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    _sync(device)
+    per: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            per[name] += _slowest(comm, _time_loops(_Fn(fn, comm, device), iters, 1, False), device)  # type: ignore[arg-type]
+    return {name: statistics.median(v) * 1e6 for name, v in per.items()}
 
 
 def measure(comm: C.Communicator, op: str, algorithm: str, nbytes: int, dtype: torch.dtype, device: torch.device, *,

@@ -161,7 +161,10 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
         dist.init_process_group(name, store=store, rank=info.rank, world_size=info.world_size, **kwargs)
     else:
         dist.init_process_group(name, init_method="env://", **kwargs)
-    return _with_debug(get_communicator(), debug)
+    comm = get_communicator()
+    if "timeout" in kwargs:
+        comm.timeout_s = kwargs["timeout"].total_seconds()  # also bounds the peer-memory kernels' waits
+    return _with_debug(comm, debug)
 
 
 def _with_debug(comm: Communicator, debug: bool | None) -> Communicator:

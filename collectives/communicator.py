@@ -69,6 +69,7 @@ class Communicator:
         self._backends = _backend_map(self.backend)
         self.device_types = tuple(self._backends) or ("cpu",)
         self.seq = 0
+        self.timeout_s: float | None = None  # init(timeout=...) for the world group
         self._tag = 0
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None

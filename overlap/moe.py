@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -179,18 +180,6 @@ class MoEDispatcher:
         if topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0] or topk_idx.dtype.is_floating_point:
             raise InvalidArgumentError("topk_idx", topk_idx, f"is not an integer [{x.shape[0]}, k] tensor",
                                        "pass the router's expert ids, one row per token")
-        if topk_idx.numel():
-            # one read of three device values (a GPU synchronisation), not three
-            s = topk_idx.sort(dim=1).values
-            dup = (s[:, 1:] == s[:, :-1]).any() if topk_idx.shape[1] > 1 else torch.zeros((), dtype=torch.bool,
-                                                                                              device=s.device)
-            lo, hi, twice = torch.stack([s[:, 0].min(), s[:, -1].max(), dup.to(s.dtype)]).tolist()
-            if lo < 0 or hi >= self.num_experts:
-                raise InvalidArgumentError("topk_idx", topk_idx, f"has expert ids outside 0..{self.num_experts - 1}",
-                                           f"route to experts 0..{self.num_experts - 1}")
-            if twice:
-                raise InvalidArgumentError("topk_idx", topk_idx, "routes a token to the same expert twice",
-                                           "give each token k distinct experts")
         if topk_weights is not None and topk_weights.shape != topk_idx.shape:
             raise InvalidArgumentError("topk_weights", topk_weights, f"has shape {tuple(topk_weights.shape)}, topk_idx "
                                        f"{tuple(topk_idx.shape)}", "pass one weight per (token, expert) pair")
@@ -200,46 +189,76 @@ class MoEDispatcher:
         return self.route_chunks(topk_idx, [(0, topk_idx.shape[0])])[0]
 
     def route_chunks(self, topk_idx: torch.Tensor, bounds: list[tuple[int, int]]) -> list[DispatchHandle]:
-        """One handle per token range of ``bounds``, with one exchange of every range's counts."""
+        """One handle per token range of ``bounds``, with one exchange of every range's counts.
+
+        The routing is worked out on the host, in numpy, from one copy of ``topk_idx``: the host
+        must learn the counts anyway (the row exchange's splits are host integers), and a few
+        numpy calls on ``tokens * k`` small integers (a radix sort, a count) cost far less than
+        the dozens of small kernel launches the same steps take on a GPU (about 1 ms of host time
+        per dispatch on 2xH200, launch/bench_moe.py). The checks of the expert ids come with it,
+        before anything is sent. The results go back to the device in one copy.
+        """
         k = topk_idx.shape[1] if topk_idx.dim() == 2 else 1
         w, e_loc, E = self.comm.size, self.local_experts, self.num_experts
+        dev = topk_idx.device
+        ids = topk_idx.detach().to("cpu", torch.int64).numpy().reshape(-1, k)
+        if ids.size:
+            if ids.min() < 0 or ids.max() >= E:
+                raise InvalidArgumentError("topk_idx", topk_idx, f"has expert ids outside 0..{E - 1}",
+                                           f"route to experts 0..{E - 1}")
+            by_row = np.sort(ids, axis=1)
+            if k > 1 and (by_row[:, 1:] == by_row[:, :-1]).any():
+                raise InvalidArgumentError("topk_idx", topk_idx, "routes a token to the same expert twice",
+                                           "give each token k distinct experts")
+        small = np.int16 if E <= np.iinfo(np.int16).max else np.int64  # numpy sorts 16-bit keys by radix
         local = []
         for lo, hi in bounds:
-            flat = topk_idx[lo:hi].reshape(-1).to(torch.int64)
-            order = torch.sort(flat, stable=True).indices  # by expert, ties in token order
+            flat = ids[lo:hi].reshape(-1)
+            order = np.argsort(flat.astype(small), kind="stable")  # by expert, ties in token order
             experts = flat[order]
-            per_expert = torch.bincount(experts, minlength=E)
+            per_expert = np.bincount(experts, minlength=E)
             dropped = 0
-            if self.capacity_factor is not None and flat.numel():
+            if self.capacity_factor is not None and flat.size:
                 cap = math.ceil(self.capacity_factor * (hi - lo) * k / E)
-                start = torch.cumsum(per_expert, 0) - per_expert
-                keep = torch.arange(flat.numel(), device=flat.device) - start[experts] < cap
-                dropped = int((~keep).sum())
+                start = np.cumsum(per_expert) - per_expert
+                keep = np.arange(flat.size) - start[experts] < cap
                 order, experts = order[keep], experts[keep]
-                per_expert = torch.bincount(experts, minlength=E)
+                dropped = flat.size - order.size
+                per_expert = np.bincount(experts, minlength=E)
             local.append((order, per_expert, dropped, hi - lo))
         n = len(bounds)
+        counts = np.stack([c for _, c, _, _ in local]).reshape(n, w, e_loc)
         # [n, W, E/W] -> [W, n, E/W]: what each rank receives, for each range, for each local expert
-        counts = torch.stack([c for _, c, _, _ in local]).to(torch.int64).view(n, w, e_loc)
-        send_buf = counts.transpose(0, 1).contiguous().view(-1)
-        if self.comm.backend_for("cpu"):
-            send_buf = send_buf.cpu()
-            got = torch.empty_like(send_buf)
-        else:  # a GPU-only group: the counts travel as a device tensor
-            got = torch.empty_like(send_buf)
-        C.all_to_all_single(got, send_buf, group=self.group)
-        counts, got = counts.cpu(), got.cpu().view(w, n, e_loc)
-        handles = []
+        send_buf = torch.from_numpy(np.ascontiguousarray(counts.transpose(1, 0, 2)).reshape(-1))
+        if dev.type == "cpu" or not self.comm.backend_for(dev.type):
+            got_t = torch.empty_like(send_buf)
+            C.all_to_all_single(got_t, send_buf, group=self.group)
+        else:
+            # GPU tokens: the counts travel over the GPU's backend, like the rows
+            got_dev = torch.empty_like(send_buf, device=dev)
+            C.all_to_all_single(got_dev, send_buf.to(dev), group=self.group)
+            got_t = got_dev.cpu()
+        got = got_t.numpy().reshape(w, n, e_loc)
+        local_ids = np.tile(np.arange(e_loc, dtype=small), w)
+        pieces, layout = [], []
         for c, (order, _, dropped, tokens) in enumerate(local):
-            matrix = got[:, c, :].contiguous()
-            send = counts[c].sum(1).tolist()
-            recv = matrix.sum(1).tolist()
+            matrix = np.ascontiguousarray(got[:, c, :])
             # Received rows are [source 0: expert 0.., source 1: ...]; recv_x wants [expert 0: source 0.., ...]:
             # a stable sort of the received rows by their local expert.
-            expert_of_row = torch.arange(e_loc).repeat(w).repeat_interleave(matrix.reshape(-1))
-            regroup = torch.sort(expert_of_row, stable=True).indices
-            handles.append(DispatchHandle(matrix.sum(0).tolist(), send, recv, matrix, order, order // k,
-                                          regroup.to(topk_idx.device), tokens, k, dropped))
+            regroup = np.argsort(np.repeat(local_ids, matrix.reshape(-1)), kind="stable")
+            pieces += [order, order // k, regroup]
+            layout.append((matrix, dropped, tokens, counts[c].sum(1).tolist(), matrix.sum(1).tolist()))
+        flat_all = torch.from_numpy(np.concatenate(pieces).astype(np.int64)) if pieces else torch.empty(0, dtype=torch.int64)
+        on_dev = flat_all.to(dev)  # one copy to the device for every index of every range
+        handles, at = [], 0
+        for c, (matrix, dropped, tokens, send, recv) in enumerate(layout):
+            m_pairs, m_recv = local[c][0].size, sum(recv)
+            order_t = on_dev[at:at + m_pairs]
+            token_t = on_dev[at + m_pairs:at + 2 * m_pairs]
+            regroup_t = on_dev[at + 2 * m_pairs:at + 2 * m_pairs + m_recv]
+            at += 2 * m_pairs + m_recv
+            handles.append(DispatchHandle(matrix.sum(0).tolist(), send, recv, torch.from_numpy(matrix), order_t,
+                                          token_t, regroup_t, tokens, k, dropped))
         return handles
 
     # -- the two halves --------------------------------------------------------------------------

@@ -115,6 +115,9 @@ def _check_dim(name: str, dim: int, t: torch.Tensor, leading: int) -> int:
 
 
 _TUNED: dict[str, Any] = {}
+# auto's decisions per (op, world, dtype, device type, M, K, N): a small call's budget has no room
+# for a table search on every call.
+_AUTO: dict[tuple[Any, ...], OverlapChoice] = {}
 
 
 def set_tuned(table: Any) -> None:
@@ -126,6 +129,7 @@ def set_tuned(table: Any) -> None:
 
         table = json.loads(Path(table).read_text())
     _TUNED.clear()
+    _AUTO.clear()
     if table is not None:
         _TUNED["table"] = table
 
@@ -164,74 +168,48 @@ def _strategy(op: str, comm: C.Communicator, strategy: str, chunks: int, a: torc
     if not isinstance(chunks, int) or chunks < 1:
         raise InvalidArgumentError("chunks", chunks, "must be a positive int", f"pass {DEFAULT_CHUNKS}")
     if strategy == "auto":
-        found = _from_table(op, comm, a.dtype, m, b.shape[0], b.shape[1])
-        if found is not None:
-            return found
-        where = "CUDA" if a.device.type == "cuda" else a.device.type
-        return OverlapChoice(op, "sequential", 1, f"no overlap measurement for {op} on {where} at this shape: "
-                             "the plain sequence (launch/bench_overlap.py --tune measures the others)")
+        key = (op, comm.size, a.dtype, a.device.type, m, b.shape[0], b.shape[1])
+        found = _AUTO.get(key)
+        if found is None:
+            found = _from_table(op, comm, a.dtype, m, b.shape[0], b.shape[1])
+            if found is None:
+                where = "CUDA" if a.device.type == "cuda" else a.device.type
+                found = OverlapChoice(op, "sequential", 1, f"no overlap measurement for {op} on {where} at this "
+                                      "shape: the plain sequence (launch/bench_overlap.py --tune measures the others)")
+            _AUTO[key] = found
+        return found
     return OverlapChoice(op, strategy, chunks if strategy == "chunked" else 1, "requested by the caller")
 
 
 # -- asynchronous collectives for the chunked strategy ---------------------------------------------
 class _Side:
-    """Runs collectives after the work queued so far: on a second CUDA stream, or as async CPU work.
+    """Runs each collective asynchronously after the work queued so far: NCCL on its own stream
+    (ordered after the current stream's work by the backend), Gloo on its threads.
 
     ``run`` returns a handle whose ``wait()`` makes the caller's later work wait for that
-    collective only; ``join`` waits for all of them.
+    collective only (on CUDA by ordering the current stream, not by blocking the host); ``join``
+    waits for all of them.
     """
 
     def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
         self.works: list[Any] = []
         # Collectives that run beside a GEMM must leave it the SMs: NCCL's kernels take a few
         # blocks, while our peer-memory kernels take up to 128 and spin while they wait for a
-        # peer. chunked with auto's peer-memory algorithms measured 3-10x slower than the plain
-        # sequence on 2xH200 (2026-11-30, launch/bench_overlap.py); NCCL is the first thing to
-        # try against that (to be measured), the copy engines (no SMs) the next.
-        self.algorithm = "native" if self.cuda else "auto"
-        if self.cuda:
-            self.main = torch.cuda.current_stream(device)
-            self.stream = _side_stream(device)
+        # peer; chunked with auto's peer-memory algorithms measured 3-10x slower than the plain
+        # sequence on 2xH200 (launch/bench_overlap.py, 2026-11-30). So on CUDA: NCCL, started
+        # asynchronously, which costs the host one call and no stream switching.
+        self.algorithm = "native" if device.type == "cuda" else "auto"
 
-    def run(self, fn: Any, *tensors: torch.Tensor) -> Any:
-        if not self.cuda:
-            work = fn(True)
-            self.works.append(work)
-            return work
-        self.stream.wait_stream(self.main)
-        with torch.cuda.stream(self.stream):
-            fn(False)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        for t in tensors:
-            t.record_stream(self.stream)
-        return _Ready(self.main, done)
+    def run(self, fn: Any) -> Any:
+        work = fn(True)
+        self.works.append(work)
+        return work
 
     def join(self) -> None:
-        if self.cuda:
-            self.main.wait_stream(self.stream)
         for w in self.works:
             if w is not None:
                 w.wait()
-
-
-class _Ready:
-    def __init__(self, main: Any, event: Any) -> None:
-        self.main, self.event = main, event
-
-    def wait(self) -> None:
-        self.main.wait_event(self.event)
-
-
-_SIDE: dict[Any, Any] = {}
-
-
-def _side_stream(device: torch.device) -> Any:
-    s = _SIDE.get(device)
-    if s is None:
-        s = _SIDE[device] = torch.cuda.Stream(device)
-    return s
+        self.works.clear()
 
 
 def _bounds(n: int, chunks: int) -> list[tuple[int, int]]:
@@ -256,7 +234,7 @@ def _gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group: Any, bias: torch.T
         for lo, hi in _bounds(a2.shape[0], choice.chunks):
             part = out2[lo:hi]
             torch.matmul(a2[lo:hi], b, out=part)
-            side.run(lambda asy, p=part: C.all_reduce(p, group=group, async_op=asy, algorithm=side.algorithm), part)
+            side.run(lambda asy, p=part: C.all_reduce(p, group=group, async_op=asy, algorithm=side.algorithm))
         side.join()
         out = out2.view(*a.shape[:-1], b.shape[1])
     return out if bias is None else out + bias
@@ -288,7 +266,7 @@ def _gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: Any, scatter_d
             full = torch.matmul(rows, b[:, lo:hi])
             shard = full.new_empty((m // w, hi - lo))
             side.run(lambda asy, s=shard, f=full: C.reduce_scatter_single(s, f, group=group, async_op=asy,
-                                                                          algorithm=side.algorithm), shard, full)
+                                                                          algorithm=side.algorithm))
             parts.append((lo, hi, shard))
         side.join()
         for lo, hi, shard in parts:
@@ -323,8 +301,7 @@ def _all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: Any, gather_
             g = rows.new_empty((w, hi - lo, rows.shape[1]))
             part = rows[lo:hi].contiguous()
             handle = side.run(lambda asy, g=g, p=part: C.all_gather_single(g.view(-1, p.shape[1]), p, group=group,
-                                                                           async_op=asy, algorithm=side.algorithm),
-                              g, part)
+                                                                           async_op=asy, algorithm=side.algorithm))
             gathered.append((lo, hi, g, handle))
         for lo, hi, g, handle in gathered:  # each chunk's GEMM waits for its own gather only
             if handle is not None:

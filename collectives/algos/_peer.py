@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._wait import gpu_done, limit
 from ..errors import UnsupportedError
 from ..peer.memory import DTYPES, peer_memory, peer_unavailable
 from ._base import Algorithm
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
 __all__ = ["PeerAlgorithm"]
 
 _REDUCE_OPS = ("sum", "avg")
+_GRACE_S = 5.0
 
 
 class PeerAlgorithm(Algorithm):
@@ -38,6 +40,14 @@ class PeerAlgorithm(Algorithm):
 
     def run(self, call: Call) -> None:
         self.fast_path(call)(call.output, call.input)
+        bound = limit()
+        if bound is not None and not call.async_op:
+            # Inside call_timeout: wait on the host for the kernels, which give up on their own
+            # after the PeerMemory's timeout (recording the peer that never arrived: check()
+            # raises CollectiveTimeout naming it); the grace covers work queued before them.
+            s = bound.total_seconds()
+            gpu_done(s + _GRACE_S, s)
+            peer_memory(call.comm).check()
 
     def fast_path(self, call: Call) -> Callable[[torch.Tensor, torch.Tensor], Any]:
         """Straight to PeerMemory: what ``dispatch_tensors`` keeps for repeats of ``call``'s signature."""

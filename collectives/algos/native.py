@@ -39,7 +39,7 @@ class Native(Algorithm):
             finally:
                 call.async_op = False
             if work is not None:
-                wait(work)
+                wait(work, cuda=call.output is not None and call.output.is_cuda)
             return work
         return self._start(call)
 

@@ -9,6 +9,7 @@ splits messages into pieces that fit the slots, picks the vectorised or the scal
 from __future__ import annotations
 
 import math
+import os
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -119,7 +120,8 @@ class PeerMemory:
         slot_bytes: bytes of this rank's slot buffer (``COMMOPS_PEER_BYTES``), used in two halves
             on alternate calls; the largest piece a call moves at once is a fraction of a half,
             larger messages run in pieces.
-        timeout_s: how long a kernel waits for a peer before it gives up (``COMMOPS_PEER_TIMEOUT_S``).
+        timeout_s: how long a kernel waits for a peer before it gives up (``COMMOPS_PEER_TIMEOUT_S``
+            if set, else the timeout given to ``collectives.init``, else 60 s).
         block_bytes: about how many bytes one thread block moves; sets the grid.
         max_blocks: the most thread blocks a call uses (at most 128).
     """
@@ -140,7 +142,11 @@ class PeerMemory:
             raise UnsupportedError("slot_bytes", size, "must be a multiple of 4096 and at least 1 MiB",
                                    f"pass a size such as {64 << 20}")
         self.slot_bytes = size
-        self.timeout_s = float(timeout_s if timeout_s is not None else _env.PEER_TIMEOUT_S.get())
+        if timeout_s is None:
+            # COMMOPS_PEER_TIMEOUT_S if set, else the group's timeout from init(timeout=...), else its default
+            given = _env.PEER_TIMEOUT_S.name in os.environ or comm.timeout_s is None
+            timeout_s = _env.PEER_TIMEOUT_S.get() if given else comm.timeout_s
+        self.timeout_s = float(timeout_s)  # type: ignore[arg-type]
         self._plans: dict[tuple[str, torch.dtype, int], Any] = {}
         self.block_bytes = block_bytes
         self.max_blocks = max_blocks

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -24,6 +25,14 @@ import collectives as C  # noqa: E402
 __all__ = ["run"]
 
 
+class LauncherStop(Exception):
+    """SIGTERM: the launcher stopped this rank, which torchrun does to every rank once one exits."""
+
+
+def _stop(*_: Any) -> None:
+    raise LauncherStop("SIGTERM: the launcher stopped this rank (another rank exited)")
+
+
 def run(name: str, inject: str, expect: str, body: Callable[[C.Communicator, int, Any], Any], *, debug: bool = False,
         warmup: int = 3) -> int:
     """Start, announce, run ``warmup`` good calls, then ``body(comm, culprit, device)`` inside a
@@ -32,6 +41,8 @@ def run(name: str, inject: str, expect: str, body: Callable[[C.Communicator, int
     timeout = float(os.environ.get("FAULT_TIMEOUT_S", "5"))
     trace = os.environ.get("COMMOPS_TRACE_DIR") or f"/tmp/commops-fault-{name}"
     comm = C.init(timeout=datetime.timedelta(seconds=timeout), trace_dir=trace, debug=debug)
+    # Record a stop by the launcher as this rank's outcome (the dump below is written either way).
+    signal.signal(signal.SIGTERM, _stop)
     culprit = comm.size - 1
     if comm.rank == 0:
         print(f"[{name}] inject: {inject}\n[{name}] expect: {expect}", flush=True)

@@ -114,7 +114,7 @@ def run_one(name: str, kind: str, world: int, timeout_s: float, gpu: bool = Fals
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), str(script)]
     t0 = time.monotonic()
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s + 180)
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s + 90)
         exited, code, log = True, proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as exc:
         exited, code, log = False, None, str(exc.stdout or "") + str(exc.stderr or "")
@@ -129,7 +129,8 @@ def run_one(name: str, kind: str, world: int, timeout_s: float, gpu: bool = Fals
     row = {"scenario": name, **_judge(kind, outcomes, found, world),
            "detect_s": max((o["detect_s"] for o in outcomes.values() if o.get("raised")), default=None),
            "wall_s": wall, "exit_code": code, "all_exited": exited and wall <= timeout_s + 15 + (20 if kind == "link_down" else 0),  # start-up included
-           "processes_left": _left(script), "trace_dir": trace}
+           "processes_left": _left(script), "trace_dir": trace,
+           "raised": {r: o.get("raised") for r, o in sorted(outcomes.items())}}
     if kind == "straggler":
         row["detect_s"] = None
     if not row["detected"]:
@@ -154,8 +155,11 @@ def main() -> int:
         scenarios = {n: k for n, k in scenarios.items() if n in GPU_SCENARIOS}
         args.world = torch.cuda.device_count()
     names = [n for n in scenarios if not args.only or n in args.only.split(",")]
-    rows = [run_one(n, scenarios[n], args.world if scenarios[n] != "link_down" else 4, args.timeout, args.gpu)
-            for n in names]
+    rows = []
+    for n in names:
+        rows.append(run_one(n, scenarios[n], args.world if scenarios[n] != "link_down" else 4, args.timeout, args.gpu))
+        print(f"[run_all] {n}: {'detected' if rows[-1]['detected'] else 'MISSED'} in {rows[-1]['wall_s']:.1f} s",
+              file=sys.stderr, flush=True)
     print(f"{'scenario':<20} {'detected':<9} {'diagnosis (culprit, call #, op)':<36} {'to detect':>9} "
           f"{'all exited':>10} {'left':>5}")
     for r in rows:
