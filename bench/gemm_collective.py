@@ -1,9 +1,9 @@
 """Timing the overlap operators against their plain sequence, as functions that return records.
 
 For one shape ``(M, K, N)`` and op, the same run times: the GEMM alone, the collective alone, the
-plain sequence, each strategy (``chunked`` at several chunk counts), ``auto``, and torch's AsyncTP
-fused op where the installed torch has it (``fused_matmul_reduce_scatter``,
-``fused_all_gather_matmul``). Derived: the ideal ``max(GEMM, collective)`` and the share of the
+plain sequence, each strategy (``chunked`` and, on the GPUs of one node, ``copy_engine``, at
+several chunk counts), ``auto``, and torch's AsyncTP fused op where the installed torch has it
+(``fused_matmul_reduce_scatter``, ``fused_all_gather_matmul``). Derived: the ideal ``max(GEMM, collective)`` and the share of the
 collective hidden, ``(sequential - time) / collective``. Every variant's output is checked
 against the plain sequence computed in float32 (``#wrong``: elements outside the rounding bound
 of ``_wrong``).
@@ -48,7 +48,7 @@ class OverlapRecord:
     dtype: str
     world: int
     device: str
-    variant: str          # sequential, chunked/4, auto, asynctp, gemm, collective
+    variant: str          # sequential, chunked/4, copy_engine/4, auto, asynctp, gemm, collective
     time_us: float
     gemm_us: float
     comm_us: float
@@ -154,6 +154,10 @@ def measure_shape(comm: C.Communicator, op: str, M: int, K: int, N: int, dtype: 
         variants: list[tuple[str, Callable[[], object]]] = [("gemm", gemm), ("collective", comm_only),
                                                               ("sequential", lambda: run("sequential", 1))]
         variants += [(f"chunked/{k}", lambda k=k: run("chunked", k)) for k in chunk_counts if k <= M // w]
+        from overlap import _copy_engine
+
+        if not _copy_engine.unavailable(comm, device, dtype):
+            variants += [(f"copy_engine/{k}", lambda k=k: run("copy_engine", k)) for k in chunk_counts if k <= M // w]
         variants.append(("auto", lambda: run("auto", 1)))
         fused = _asynctp(op, device)
         if fused:
@@ -255,7 +259,7 @@ def tuned_overlap_table(records: list[OverlapRecord], meta: dict[str, object]) -
     for op, m, k, n, dtype in shapes:
         mine = [r for r in records if (r.op, r.M, r.K, r.N, r.dtype) == (op, m, k, n, dtype)]
         seq = next(r for r in mine if r.variant == "sequential")
-        ours = [r for r in mine if r.variant.startswith("chunked/")]
+        ours = [r for r in mine if r.variant.startswith(("chunked/", "copy_engine/"))]
         best = min(ours, key=lambda r: r.time_us) if ours else seq
         if best.time_us > TUNE_MARGIN * seq.time_us:
             best = seq

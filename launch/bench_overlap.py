@@ -35,7 +35,7 @@ def main() -> int:
     p.add_argument("--ops", default="all", help=f"comma-separated, or 'all' ({', '.join(OPS)})")
     p.add_argument("--shapes", default=None, help=f"comma-separated MxKxN (default on GPUs: {GPU_SHAPES})")
     p.add_argument("-d", "--dtype", default=None, choices=sorted(DTYPES), help="default bf16 on GPUs, float on CPUs")
-    p.add_argument("--chunks", default="2,4,8", help="chunk counts of the chunked strategy")
+    p.add_argument("--chunks", default="2,4,8", help="chunk counts of the chunked and copy_engine strategies")
     p.add_argument("-n", "--iters", type=int, default=10)
     p.add_argument("-r", "--reps", type=int, default=5)
     p.add_argument("--json")

@@ -10,7 +10,7 @@ each overlapped with its GEMM and, in the backward pass, with the gradient's GEM
 the row layer all-reduces (``gemm_all_reduce``) and the column layer's backward all-reduces the
 input gradient while the weight gradient is computed.
 
-``strategy`` is passed to the operators ("auto", "sequential", "chunked"). Gradients follow the
+``strategy`` is passed to the operators ("auto", "sequential", "chunked", "copy_engine"). Gradients follow the
 tensor-parallel convention: a replicated output's loss is counted once; the bias of a row layer
 under sequence parallelism gets its gradient summed over ranks here (Megatron leaves that to
 the trainer), so that the layer pair's gradients equal the unsharded module's.

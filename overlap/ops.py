@@ -5,11 +5,12 @@ Design note. An operator takes the GEMM's operands and the group, and runs one o
 * ``sequential``: the GEMM, then the collective (through ``collectives``, so ``auto`` picks its
   algorithm): the baseline, and what ``auto`` runs wherever overlap is not known to pay;
 * ``chunked``: the GEMM in chunks, each chunk's collective issued asynchronously as soon as the
-  chunk is computed, so that it runs while the next chunk is computed. On CUDA the collectives
-  run on a second stream (every algorithm, ours and NCCL's, orders itself after the chunk's
-  GEMM through an event); on CPU they run as asynchronous Gloo work. The chunking keeps each
-  collective's input contiguous: all-reduce chunks rows of ``a``, reduce-scatter chunks columns
-  of ``b``, all-gather chunks the rows of every rank's shard.
+  chunk is computed, so that it runs while the next chunk is computed: on CUDA NCCL's collective
+  on NCCL's own stream, on CPU asynchronous Gloo work. The chunking keeps each collective's
+  input contiguous: all-reduce chunks rows of ``a``, reduce-scatter chunks columns of ``b``,
+  all-gather chunks the rows of every rank's shard;
+* ``copy_engine`` (the GPUs of one node): the data moves by copy engines through peer memory
+  while the GEMM chunks run, and reductions ride in the GEMM's epilogue (``_copy_engine.py``).
 
 Chunk counts and the choice between strategies come from measurements (``launch/bench_overlap.py``);
 until a machine has them, ``auto`` runs ``sequential`` and says so. Shapes follow torch:
@@ -35,7 +36,7 @@ __all__ = [
     "OverlapChoice", "last_choice", "set_tuned", "STRATEGIES",
 ]
 
-STRATEGIES = ("sequential", "chunked")
+STRATEGIES = ("sequential", "chunked", "copy_engine")
 DEFAULT_CHUNKS = 4
 
 # torch 2.13 renamed the single-tensor collectives; 2.11 only has the old names.
@@ -178,7 +179,13 @@ def _strategy(op: str, comm: C.Communicator, strategy: str, chunks: int, a: torc
                                       "shape: the plain sequence (launch/bench_overlap.py --tune measures the others)")
             _AUTO[key] = found
         return found
-    return OverlapChoice(op, strategy, chunks if strategy == "chunked" else 1, "requested by the caller")
+    if strategy == "copy_engine":
+        from . import _copy_engine
+
+        why = _copy_engine.unavailable(comm, a.device, a.dtype)
+        if why:
+            raise UnsupportedError("strategy", strategy, f"cannot run here: {why}", "use 'auto', 'sequential' or 'chunked'")
+    return OverlapChoice(op, strategy, 1 if strategy == "sequential" else chunks, "requested by the caller")
 
 
 # -- asynchronous collectives for the chunked strategy ---------------------------------------------
@@ -227,6 +234,12 @@ def _gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group: Any, bias: torch.T
     if choice.strategy == "sequential":
         out = torch.matmul(a, b)
         C.all_reduce(out, group=group)
+    elif choice.strategy == "copy_engine":
+        from . import _copy_engine
+        from collectives.peer import peer_memory
+
+        a2 = a.reshape(-1, a.shape[-1]).contiguous()
+        out = _copy_engine.gemm_all_reduce(peer_memory(comm), a2, b, choice.chunks).view(*a.shape[:-1], b.shape[1])
     else:
         a2 = a.reshape(-1, a.shape[-1])
         out2 = a2.new_empty((a2.shape[0], b.shape[1]))
@@ -257,6 +270,11 @@ def _gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: Any, scatter_d
         full = torch.matmul(rows, b)
         out2 = full.new_empty((m // w, b.shape[1]))
         C.reduce_scatter_single(out2, full, group=group)
+    elif choice.strategy == "copy_engine":
+        from . import _copy_engine
+        from collectives.peer import peer_memory
+
+        out2 = _copy_engine.gemm_reduce_scatter(peer_memory(comm), rows.contiguous(), b, choice.chunks)
     else:
         n = b.shape[1]
         out2 = rows.new_empty((m // w, n))
@@ -291,6 +309,12 @@ def _all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: Any, gather_
         full = rows.new_empty((m * w, rows.shape[1]))
         C.all_gather_single(full, rows, group=group)
         out2 = torch.matmul(full, b)
+    elif choice.strategy == "copy_engine":
+        from . import _copy_engine
+        from collectives.peer import peer_memory
+
+        out2, kept = _copy_engine.all_gather_gemm(peer_memory(comm), rows, b, choice.chunks, keep_gathered)
+        full = None if kept is None else kept.view(m * w, -1)
     else:
         full = rows.new_empty((w, m, rows.shape[1])) if keep_gathered else None
         out2 = rows.new_empty((m * w, n))
@@ -392,7 +416,8 @@ def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group: Any = None, *, bias
         b: ``[K, N]``.
         group: the process group (default: world); every rank passes the same shapes and dtype.
         bias: broadcastable to the ``[..., N]`` result, added after the reduction.
-        strategy: "auto", "sequential" or "chunked" (``chunks`` row blocks of ``a``).
+        strategy: "auto", "sequential", "chunked" (``chunks`` row blocks of ``a``) or "copy_engine"
+            (``chunks`` per rank's row block).
     Returns:
         A new ``[..., N]`` tensor, the same on every rank. Differentiable (``_GemmAllReduceFn``):
         the backward pass communicates nothing.
@@ -410,7 +435,8 @@ def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: Any = None, *, 
             be a multiple of the group's size.
         b: ``[K, N]``.
         scatter_dim: the dimension of the result that is reduced and split across ranks.
-        strategy: "auto", "sequential" or "chunked" (``chunks`` column blocks of ``b``).
+        strategy: "auto", "sequential", "chunked" (``chunks`` column blocks of ``b``) or
+            "copy_engine" (``chunks`` per rank's row block).
     Returns:
         This rank's slice: the result with ``scatter_dim`` divided by the group's size.
         Differentiable (``_GemmReduceScatterFn``): the backward all-gathers the gradient,
@@ -428,7 +454,8 @@ def all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: Any = None, *
         a_shard: ``[..., K]``, this rank's slice of the full operand along ``gather_dim``.
         b: ``[K, N]`` (a column-parallel layer's weight shard, transposed).
         gather_dim: the dimension (one of ``a_shard``'s leading ones) the ranks' slices join along.
-        strategy: "auto", "sequential" or "chunked" (``chunks`` row blocks of every rank's slice).
+        strategy: "auto", "sequential", "chunked" or "copy_engine" (``chunks`` row blocks of every
+            rank's slice).
     Returns:
         ``[..., N]`` with ``gather_dim`` multiplied by the group's size. Differentiable
         (``_AllGatherGemmFn``): the backward reduce-scatters the data gradient, overlapped with

@@ -43,7 +43,10 @@ def main() -> int:
             fails.append(f"rank {r} {what}: max error {err:.3g} (scale {scale:.3g})")
 
     g = torch.Generator(device=dev)
-    for strategy, chunks in (("sequential", 1), ("chunked", 3), ("auto", 1)):
+    cases = [("sequential", 1), ("chunked", 3), ("auto", 1)]
+    if dev.type == "cuda":  # chunks > the 16 (8 for all-reduce) ring slots: slots reused within a call
+        cases += [("copy_engine", 1), ("copy_engine", 3), ("copy_engine", 20)]
+    for strategy, chunks in cases:
         for m in (7 * w, 64 * w + w):
             g.manual_seed(100 * m + r)
             a = torch.randn(m, 96, generator=g, device=dev) / 96 ** 0.5
@@ -56,10 +59,28 @@ def main() -> int:
             close(f"all_gather_gemm {strategy}/{chunks} M={m}",
                   ops.all_gather_gemm(a, b, strategy=strategy, chunks=chunks), ops.reference_all_gather_gemm(a, b))
 
+    if dev.type == "cuda":
+        # all-reduce rows that the ranks do not divide (uneven blocks), and back-to-back calls
+        # with fresh data (a race shows as an error that moves)
+        for i in range(30):
+            g.manual_seed(7000 + 10 * i + r)
+            m = 5 * w + 1 + i % 3
+            a = torch.randn(m, 64, generator=g, device=dev) / 8
+            b = torch.randn(64, 48, generator=g, device=dev)
+            close(f"gemm_all_reduce copy_engine/4 M={m} call {i}", ops.gemm_all_reduce(a, b, strategy="copy_engine",
+                                                                                  chunks=4),
+                  ops.reference_gemm_all_reduce(a, b))
+            a2 = torch.randn(4 * w, 64, generator=g, device=dev) / 8
+            close(f"gemm_reduce_scatter copy_engine/2 call {i}", ops.gemm_reduce_scatter(a2, b, strategy="copy_engine",
+                                                                                      chunks=2),
+                  ops.reference_gemm_reduce_scatter(a2, b))
+            close(f"all_gather_gemm copy_engine/2 call {i}", ops.all_gather_gemm(a2, b, strategy="copy_engine", chunks=2),
+                  ops.reference_all_gather_gemm(a2, b))
+
     # tensor-parallel MLP against the unsharded module
     H, S, B = 16 * w, 8 * w, 2
     for sp in (False, True):
-        for strategy in ("sequential", "chunked"):
+        for strategy in ("sequential", "chunked") + (("copy_engine",) if dev.type == "cuda" else ()):
             torch.manual_seed(7)
             ref1, ref2 = torch.nn.Linear(H, 4 * H).to(dev), torch.nn.Linear(4 * H, H).to(dev)
             x = torch.randn(S, B, H, device=dev, requires_grad=True)

@@ -116,6 +116,7 @@ def _bad(rank: int, world: int) -> list[str]:
         lambda: ops.all_gather_gemm(a, b, strategy="fastest"),                      # no such strategy
         lambda: ops.all_gather_gemm(a, b, strategy="chunked", chunks=0),
         lambda: ops.gemm_all_reduce([1.0], b),                                      # not a tensor
+        lambda: ops.gemm_reduce_scatter(a, b, strategy="copy_engine"),              # needs GPUs
     ]
     out = []
     for call in calls:
@@ -133,6 +134,7 @@ def test_bad_arguments_raise_before_anything_is_sent(worlds) -> None:  # noqa: A
         assert "inner dimension 4" in messages[0] and "dtype" in messages[1]
         assert "do not divide" in messages[2] and "scatter_dim" in messages[3]
         assert "fastest" in messages[4] and "chunks" in messages[5] and "not a torch.Tensor" in messages[6]
+        assert "copy_engine" in messages[7] and "GPUs of one node" in messages[7]
 
 
 def _auto_reason(rank: int, world: int) -> tuple[str, str]:

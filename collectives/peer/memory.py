@@ -186,6 +186,7 @@ class PeerMemory:
         self._ctx = ctx.tobytes()
         self._index = self.device.index
         self._kernels: dict[tuple[str, torch.dtype | None, bool], _launch.Kernel] = {}
+        self._slot_tensor: torch.Tensor | None = None  # slot_view's tensor over my slot buffer
         torch.cuda.synchronize(self.device)
         _all_gather_ints(comm, [0])  # every rank mapped every peer before anyone pushes
 
@@ -345,6 +346,58 @@ class PeerMemory:
         """Address of rank q's copy-engine flag (slot, stage) for signals from this rank."""
         return self._flag_pointers[q] + (_BLOCK_FLAG_WORDS + (slot * CE_STAGES + stage) * MAX_RANKS + self.rank) * 4
 
+    # -- copy-engine channels (for operators that overlap the copies with their own compute) -----
+    # An operator brackets its use with ce_open() / ce_close() on the current stream (barriers:
+    # every rank is inside, resp. has issued every signal to its peers), moves data with
+    # ce_push() and orders itself with ce_signal() / ce_wait() on the copy-engine flags: ring
+    # slots 0..CE_RING-1, stages CE_PUSHED, CE_REDUCED, CE_PULLED, each flag one per source rank.
+    # Values are use counts the host knows (see kernels.cu, "copy-engine path"); ce_close()
+    # resets this rank's flags for the next user.
+
+    def ce_open(self) -> None:
+        """Open a copy-engine section on the current stream (a barrier of every rank)."""
+        self._kernel("ce_fence", None, False, 1)(1, _launch.current_stream(self._index), 0)
+
+    def ce_close(self) -> None:
+        """Close it (a barrier; then this rank's copy-engine flags are zeroed)."""
+        self._kernel("ce_fence", None, False, 1)(1, _launch.current_stream(self._index), 1)
+
+    def ce_wait(self, stream: int, slot: int, stage: int, value: int) -> None:
+        """On ``stream``: wait (bounded) until every peer's flag (slot, stage) to this rank is >= value."""
+        self._kernel("ce_wait", None, False, 3)(1, stream, slot, stage, value)
+
+    def ce_signal(self, stream: int, peer: int, slot: int, stage: int, value: int) -> None:
+        """On ``stream``, after its earlier work: set this rank's flag (slot, stage) at ``peer`` to ``value``."""
+        _launch.write_value(stream, self._ce_flag(peer, slot, stage), value)
+
+    def ce_push(self, stream: int, peer: int, offset: int, src: int, nbytes: int) -> None:
+        """On ``stream``: copy ``nbytes`` from the device address ``src`` to ``offset`` bytes into
+        ``peer``'s slot buffer, by a copy engine."""
+        if offset < 0 or offset + nbytes > self.slot_bytes:
+            raise UnsupportedError("offset", offset, f"with {nbytes} B runs outside the {self.slot_bytes} B slot buffer",
+                                   "plan pieces that fit COMMOPS_PEER_BYTES")
+        _launch.copy_async(self.slot_pointers[peer] + offset, src, nbytes, stream)
+
+    def slot_view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor over this rank's own slot buffer, ``offset`` bytes in (what peers pushed there)."""
+        es = torch.empty((), dtype=dtype).element_size()
+        n = math.prod(shape)
+        if offset % es or offset < 0 or offset + n * es > self.slot_bytes:
+            raise UnsupportedError("offset", offset, f"does not place {shape} {dtype} inside the slot buffer",
+                                   "plan pieces that fit COMMOPS_PEER_BYTES")
+        if self._slot_tensor is None:
+            import cupy
+
+            mem = cupy.cuda.UnownedMemory(self.slot_pointers[self.rank], self.slot_bytes, self, self.device.index)
+            arr = cupy.ndarray((self.slot_bytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
+            self._slot_tensor = torch.from_dlpack(arr)
+        return self._slot_tensor[offset:offset + n * es].view(dtype).view(shape)
+
+    @property
+    def copy_streams(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        """Two side streams of this rank's device for copy-engine work (push, pull)."""
+        return self._copy_streams
+
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, average: bool = False) -> None:
         """``output`` ([m]) = this rank's shard of the sum of every rank's ``input`` ([world * m])."""
         self._by_shard("reduce_scatter", output, input, output.numel())
@@ -395,6 +448,7 @@ class PeerMemory:
             for p in self._own:
                 rt.free(p)
         self._opened, self._own = [], []
+        self._slot_tensor = None
         self._plans.clear()  # the next call re-plans, and _check refuses a closed PeerMemory
         self.closed = True
 

@@ -1,0 +1,247 @@
+"""The ``copy_engine`` strategy: GEMM chunks whose results (or operands) travel between the GPUs
+of one node by copy engines, so the collective takes no SMs from the GEMMs.
+
+Design note. This is the decomposition AsyncTP and Flux use, over the peer buffers of
+``collectives.peer`` (``PeerMemory``'s copy-engine channels: pushes by ``cudaMemcpyAsync`` into a
+peer's slot buffer, flags written by stream memory operations, bounded one-block waits).
+
+* ``all_gather_gemm``: every rank pushes its shard, chunk by chunk, into every peer's slots on a
+  copy stream, while its compute stream multiplies its own shard; then each peer's chunk is
+  multiplied straight out of the slot where it landed.
+* ``gemm_reduce_scatter``: every rank first computes the rows that belong to its peers, chunk by
+  chunk (chunk j for every peer, then chunk j + 1), and pushes each partial result into that
+  peer's slots as soon as it is computed; then it computes its own rows with ``addmm``, the
+  peers' partial sums entering as the GEMM's C operand (the reduction costs no pass of its own).
+* ``gemm_all_reduce``: the reduce-scatter above over row blocks, then every reduced chunk is
+  pushed to the peers, which copy it into place on a second copy stream while the compute stream
+  goes on with the next chunk.
+
+Ring slots are reused when the peer has consumed them (the ``CE_PULLED`` flag); a block too large
+for two ring slots of the peer buffer (``COMMOPS_PEER_BYTES``) runs in more chunks. The whole call
+sits between ``ce_open`` and ``ce_close`` barriers, so nothing else uses the slots meanwhile.
+Everything is ordered on streams: nothing on the path waits on the host. Every rank splits every
+block into the same number of chunks (some possibly empty), so that flags and slots line up
+across ranks. ``tests/test_overlap_copy_engine_sim.py`` runs this bookkeeping on CPU threads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from collectives.errors import UnsupportedError
+from collectives.peer import _launch
+from collectives.peer.memory import CE_PULLED, CE_PUSHED, CE_RING, DTYPES, PeerMemory
+
+__all__ = ["all_gather_gemm", "gemm_reduce_scatter", "gemm_all_reduce", "unavailable"]
+
+_ALIGN = 256  # bytes: every slot region starts on a 256-byte boundary (vector loads, GEMM operands)
+
+
+def unavailable(comm: Any, device: torch.device, dtype: torch.dtype) -> str:
+    """Why the copy-engine strategy cannot run here, or ``""``."""
+    from collectives.peer import peer_unavailable
+
+    if device.type != "cuda":
+        return f"it moves data between GPUs of one node; these tensors are on {device.type}"
+    if dtype not in DTYPES:
+        return f"peer memory carries {sorted(map(str, DTYPES))}, not {dtype}"
+    return peer_unavailable(comm)
+
+
+def _split(n: int, chunks: int) -> list[tuple[int, int]]:
+    """Exactly ``chunks`` [lo, hi) ranges over ``n`` (some empty when n < chunks)."""
+    return [(n * j // chunks, n * (j + 1) // chunks) for j in range(chunks)]
+
+
+def _region(rows: int, cols: int, es: int) -> int:
+    return -(-rows * cols * es // _ALIGN) * _ALIGN
+
+
+def _enough(chunks: int, rows: int, cols: int, es: int, world: int, budget: int) -> int:
+    """``chunks``, raised until two ring slots of chunks fit in ``budget`` bytes (a message larger
+    than the peer buffer runs in more, smaller chunks)."""
+    fit = budget // (2 * world) // _ALIGN * _ALIGN // max(1, cols * es)
+    if fit < 1:
+        raise UnsupportedError("b", cols, f"rows of {cols * es} B do not fit {world} x 2 slots of {budget} B of peer "
+                               "memory", "raise COMMOPS_PEER_BYTES")
+    return max(chunks, -(-rows // fit))
+
+
+def _ring(pm: PeerMemory, region: int, budget: int, most: int) -> int:
+    ring = min(most, budget // (pm.world * region)) if region else most
+    if ring < 1:
+        raise UnsupportedError("chunks", region, f"needs {pm.world * region} B of peer slots per chunk, more than the "
+                               f"{budget} B available", "use more chunks, or raise COMMOPS_PEER_BYTES")
+    return ring
+
+
+class _Streams:
+    """The compute stream and the copy streams of one call, and the events between them."""
+
+    def __init__(self, pm: PeerMemory) -> None:
+        self.main = torch.cuda.current_stream(pm.device)
+        self.push, self.pull = pm.copy_streams
+        self.ms, self.ps, self.ls = self.main.cuda_stream, self.push.cuda_stream, self.pull.cuda_stream
+
+    def after_main(self, side: torch.cuda.Stream) -> None:
+        ev = torch.cuda.Event()
+        ev.record(self.main)
+        side.wait_event(ev)
+
+    def join(self, *sides: torch.cuda.Stream) -> None:
+        for side in sides:
+            ev = torch.cuda.Event()
+            ev.record(side)
+            self.main.wait_event(ev)
+
+
+def all_gather_gemm(pm: PeerMemory, rows: torch.Tensor, b: torch.Tensor, chunks: int,
+                    keep_gathered: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[w * m, N]`` = every rank's ``rows`` ``[m, K]`` in rank order, times ``b``; with
+    ``keep_gathered`` also the gathered rows ``[w, m, K]``."""
+    w, r, es = pm.world, pm.rank, rows.element_size()
+    m, k = rows.shape
+    n = b.shape[1]
+    out = rows.new_empty((w, m, n))
+    full = rows.new_empty((w, m, k)) if keep_gathered else None
+    bounds = _split(m, _enough(chunks, m, k, es, w, pm.slot_bytes))
+    region = _region(max(hi - lo for lo, hi in bounds), k, es)
+    ring = _ring(pm, region, pm.slot_bytes, CE_RING)
+    peers = [(r + d) % w for d in range(1, w)]
+    st = _Streams(pm)
+    pm.ce_open()
+    st.after_main(st.push)
+    base = rows.data_ptr()
+    for j, (lo, hi) in enumerate(bounds):
+        s, u = j % ring, j // ring
+        if u:
+            pm.ce_wait(st.ps, s, CE_PULLED, u)  # every peer has multiplied what it got in this slot last time
+        for q in peers:
+            if hi > lo:
+                pm.ce_push(st.ps, q, (s * w + r) * region, base + lo * k * es, (hi - lo) * k * es)
+            pm.ce_signal(st.ps, q, s, CE_PUSHED, u + 1)
+    torch.matmul(rows, b, out=out[r])
+    if full is not None:
+        full[r].copy_(rows)
+    for j, (lo, hi) in enumerate(bounds):
+        s, u = j % ring, j // ring
+        pm.ce_wait(st.ms, s, CE_PUSHED, u + 1)
+        for q in peers:
+            if hi > lo:
+                got = pm.slot_view((s * w + q) * region, (hi - lo, k), rows.dtype)
+                torch.matmul(got, b, out=out[q, lo:hi])
+                if full is not None:
+                    full[q, lo:hi].copy_(got)
+            pm.ce_signal(st.ms, q, s, CE_PULLED, u + 1)
+    st.join(st.push)  # `rows` is read by the push stream: the caller may free it after this call
+    pm.ce_close()
+    return out.view(w * m, n), full
+
+
+def _reduce_scatter_phase(pm: PeerMemory, st: _Streams, rows: torch.Tensor, b: torch.Tensor, blocks: list[tuple[int, int]],
+                          chunks: int, ring: int, slot0: int, region: int, out: torch.Tensor,
+                          after_chunk: Any = None) -> list[torch.Tensor]:
+    """Peers' blocks first, each chunk pushed as soon as it is computed; then this rank's block
+    with the peers' partial sums as addmm's C operand, into ``out`` (this block's rows).
+    ``after_chunk(j, lo, hi)`` runs after chunk j of this rank's block is in ``out``. Returns the
+    staging tensors, which must live until the push stream is joined."""
+    w, r, es = pm.world, pm.rank, rows.element_size()
+    n = b.shape[1]
+    peers = [(r + d) % w for d in range(1, w)]
+    staging = []
+    splits = {q: _split(blocks[q][1] - blocks[q][0], chunks) for q in peers}
+    # chunk by chunk, every peer's part of the chunk: a peer consumes a ring slot once every rank
+    # has filled it, so filling it for one peer at a time would deadlock 3 ranks or more
+    for j in range(chunks):
+        s, u = slot0 + j % ring, j // ring
+        for q in peers:
+            lo, hi = splits[q][j]
+            part = torch.matmul(rows[blocks[q][0] + lo:blocks[q][0] + hi], b) if hi > lo else None
+            st.after_main(st.push)
+            if u and q == peers[0]:
+                pm.ce_wait(st.ps, s, CE_PULLED, u)  # every peer has consumed this slot's last use
+            if part is not None:
+                pm.ce_push(st.ps, q, (s * w + r) * region, part.data_ptr(), (hi - lo) * n * es)
+                staging.append(part)
+            pm.ce_signal(st.ps, q, s, CE_PUSHED, u + 1)
+    r_lo, r_hi = blocks[r]
+    for j, (lo, hi) in enumerate(_split(r_hi - r_lo, chunks)):
+        s, u = slot0 + j % ring, j // ring
+        pm.ce_wait(st.ms, s, CE_PUSHED, u + 1)
+        if hi > lo:
+            got = [pm.slot_view((s * w + q) * region, (hi - lo, n), rows.dtype) for q in peers]
+            acc = got[0] if len(got) == 1 else torch.stack(got).sum(0)
+            torch.addmm(acc, rows[r_lo + lo:r_lo + hi], b, out=out[lo:hi])
+        for q in peers:
+            pm.ce_signal(st.ms, q, s, CE_PULLED, u + 1)
+        if after_chunk is not None:
+            after_chunk(j, lo, hi)
+    return staging
+
+
+def gemm_reduce_scatter(pm: PeerMemory, rows: torch.Tensor, b: torch.Tensor, chunks: int) -> torch.Tensor:
+    """This rank's ``[M / w, N]`` block of the sum over ranks of ``rows @ b`` (``rows`` ``[M, K]``)."""
+    w, es = pm.world, rows.element_size()
+    m = rows.shape[0] // w
+    blocks = [(q * m, (q + 1) * m) for q in range(w)]
+    out = rows.new_empty((m, b.shape[1]))
+    chunks = _enough(chunks, m, b.shape[1], es, w, pm.slot_bytes)
+    region = _region(max(hi - lo for lo, hi in _split(m, chunks)), b.shape[1], es)
+    ring = _ring(pm, region, pm.slot_bytes, CE_RING)
+    st = _Streams(pm)
+    pm.ce_open()
+    staging = _reduce_scatter_phase(pm, st, rows, b, blocks, chunks, ring, 0, region, out)
+    st.join(st.push)
+    del staging
+    pm.ce_close()
+    return out
+
+
+def gemm_all_reduce(pm: PeerMemory, rows: torch.Tensor, b: torch.Tensor, chunks: int) -> torch.Tensor:
+    """The sum over ranks of ``rows @ b`` (``rows`` ``[M, K]``), on every rank: reduce-scatter over
+    row blocks as above, each reduced chunk pushed to the peers and copied into place there."""
+    w, r, es = pm.world, pm.rank, rows.element_size()
+    total, n = rows.shape[0], b.shape[1]
+    step = -(-total // w)
+    blocks = [(min(total, q * step), min(total, (q + 1) * step)) for q in range(w)]
+    out = rows.new_empty((total, n))
+    half = pm.slot_bytes // 2 // _ALIGN * _ALIGN
+    chunks = _enough(chunks, step, n, es, w, half)
+    region = _region(max(hi - lo for lo, hi in _split(step, chunks)), n, es)
+    ring = _ring(pm, region, half, CE_RING // 2)
+    ag0 = CE_RING // 2  # ring slots of the all-gather phase, in the second half of the buffer
+    peers = [(r + d) % w for d in range(1, w)]
+    st = _Streams(pm)
+    r_lo = blocks[r][0]
+
+    def share(j: int, lo: int, hi: int) -> None:
+        # this reduced chunk to every peer (push stream), after the addmm that made it
+        s, u = ag0 + j % ring, j // ring
+        st.after_main(st.push)
+        if u:
+            pm.ce_wait(st.ps, s, CE_PULLED, u)
+        for q in peers:
+            if hi > lo:
+                pm.ce_push(st.ps, q, half + ((s - ag0) * w + r) * region, out[r_lo + lo].data_ptr(), (hi - lo) * n * es)
+            pm.ce_signal(st.ps, q, s, CE_PUSHED, u + 1)
+
+    pm.ce_open()
+    st.after_main(st.pull)
+    staging = _reduce_scatter_phase(pm, st, rows, b, blocks, chunks, ring, 0, region, out[r_lo:blocks[r][1]], share)
+    # the peers' reduced chunks, copied into place by the pull stream as they arrive
+    splits = {q: _split(blocks[q][1] - blocks[q][0], chunks) for q in peers}
+    for j in range(chunks):
+        s, u = ag0 + j % ring, j // ring
+        pm.ce_wait(st.ls, s, CE_PUSHED, u + 1)
+        for q in peers:
+            lo, hi = splits[q][j]
+            if hi > lo:
+                src = pm.slot_pointers[r] + half + ((s - ag0) * w + q) * region
+                _launch.copy_async(out[blocks[q][0] + lo].data_ptr(), src, (hi - lo) * n * es, st.ls)
+            pm.ce_signal(st.ls, q, s, CE_PULLED, u + 1)
+    st.join(st.push, st.pull)
+    del staging
+    pm.ce_close()
+    return out
