@@ -41,7 +41,8 @@ def main() -> int:
     p.add_argument("--json")
     p.add_argument("--csv")
     p.add_argument("--plot")
-    p.add_argument("--tune", metavar="PATH", help="write the measured-best strategy per shape (for COMMOPS_OVERLAP_TUNED)")
+    p.add_argument("--tune", metavar="PATH", help="write the measured-best strategy per shape (for COMMOPS_OVERLAP_TUNED); "
+                   "an existing table for the same world size keeps its other entries")
     args = p.parse_args()
     comm = C.init()
     cuda = bool(comm.backend_for("cuda")) and torch.cuda.is_available()
@@ -74,7 +75,16 @@ def main() -> int:
         if args.plot:
             plot_overlap(records, args.plot, f"{comm.size} ranks, {meta['device']}, {dtype}")
         if args.tune:
-            Path(args.tune).write_text(json.dumps(tuned_overlap_table(records, meta), indent=1) + "\n")
+            table = tuned_overlap_table(records, meta)
+            path = Path(args.tune)
+            if path.exists():  # add to a table from earlier runs (another op or shape list)
+                old = json.loads(path.read_text())
+                if old.get("meta", {}).get("world") == comm.size:
+                    key = ("op", "dtype", "M", "K", "N")
+                    mine = {tuple(e[k] for k in key) for e in table["entries"]}  # type: ignore[attr-defined]
+                    table["entries"] = [e for e in old.get("entries", []) if tuple(e[k] for k in key) not in mine] \
+                        + table["entries"]  # type: ignore[operator]
+            path.write_text(json.dumps(table, indent=1) + "\n")
     bad = sum(r.wrong or 0 for r in records)
     C.destroy()
     return 1 if bad else 0
