@@ -40,7 +40,9 @@ def unavailable(name: str, op: str, dtype: torch.dtype, device: torch.device) ->
 def build(name: str, group: Any, numel: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """(input in symmetric memory, output, the call) for one all-reduce of ``numel`` elements."""
     symm_mem = importlib.import_module("torch.distributed._symmetric_memory")
-    gname = (group or dist.group.WORLD).group_name
+    g = group if group is not None else dist.group.WORLD
+    assert g is not None
+    gname = g.group_name
     inp = symm_mem.empty(numel, dtype=dtype, device=device)
     symm_mem.rendezvous(inp, gname)
     if name == "symm_mem_one_shot":

@@ -120,7 +120,7 @@ def main(argv: Sequence[str] | None = None, op: str | None = None) -> int:
     records = []
     for one in ops:
         algos = prepare(one, [a.strip() for a in args.algorithms.split(",")], comm, dtype, device,
-                        say=lambda msg: lead and print(msg, flush=True), skip_unsupported=len(ops) > 1)
+                        say=lambda msg: print(msg, flush=True) if lead else None, skip_unsupported=len(ops) > 1)
         if lead:
             print(f"# commops {one} benchmark: {comm.size} ranks, backend {comm.backend}, device {device.type}, "
                   f"dtype {args.dtype}, iters {args.iters} x reps {args.reps}, warmup {args.warmup}", flush=True)

@@ -15,6 +15,7 @@ collectives benchmark (``bench/harness.py``), the slowest rank's.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -153,11 +154,12 @@ def measure_shape(comm: C.Communicator, op: str, M: int, K: int, N: int, dtype: 
     with torch.no_grad():
         variants: list[tuple[str, Callable[[], object]]] = [("gemm", gemm), ("collective", comm_only),
                                                               ("sequential", lambda: run("sequential", 1))]
-        variants += [(f"chunked/{k}", lambda k=k: run("chunked", k)) for k in chunk_counts if k <= M // w]
+        variants += [(f"chunked/{k}", functools.partial(run, "chunked", k)) for k in chunk_counts if k <= M // w]
         from overlap import _copy_engine
 
         if not _copy_engine.unavailable(comm, device, dtype):
-            variants += [(f"copy_engine/{k}", lambda k=k: run("copy_engine", k)) for k in chunk_counts if k <= M // w]
+            variants += [(f"copy_engine/{k}", functools.partial(run, "copy_engine", k)) for k in chunk_counts
+                         if k <= M // w]
         variants.append(("auto", lambda: run("auto", 1)))
         fused = _asynctp(op, device)
         if fused:

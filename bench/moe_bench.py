@@ -10,6 +10,8 @@ rows a rank sends, its own included. ``hidden_pct`` is ``(sequential - pipelined
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -86,7 +88,7 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
         for k in chunk_counts:
             got = disp32.forward_pipelined(x.float(), idx, w.float(), mlp32, chunks=k)
             wrong = int(((got - ref).abs() > 1e-4 * (ref.abs() + ref.abs().mean() + 1e-12)).sum())
-            t_pipe = _time(lambda k=k: disp.forward_pipelined(x, idx, w, mlp, chunks=k), comm, device, iters, reps)
+            t_pipe = _time(functools.partial(disp.forward_pipelined, x, idx, w, mlp, chunks=k), comm, device, iters, reps)
             comm_us = t_dispatch + t_combine
             records.append(MoERecord(
                 name, tokens, hidden, ffn_hidden, experts, top_k, comm.size, str(dtype).removeprefix("torch."),
@@ -125,10 +127,15 @@ def plot_moe(records: list[MoERecord], path: str, title: str = "") -> None:
     ax_bw.set_xticks([x + 0.27 for x in xs], configs)
     ax_bw.set_ylabel("GB/s sent per rank")
     ax_bw.legend(fontsize=8)
-    bars = [("sequential", lambda c: next(r for r in records if r.config == c).sequential_us)]
+    def sequential(c: str) -> float:
+        return next(r for r in records if r.config == c).sequential_us
+
+    def pipelined(k: int, c: str) -> float:
+        return next(r.pipelined_us for r in records if r.config == c and r.chunks == k)
+
+    bars: list[tuple[str, Callable[[str], float]]] = [("sequential", sequential)]
     for k in dict.fromkeys(r.chunks for r in records):
-        bars.append((f"pipelined/{k}", lambda c, k=k: next(r.pipelined_us for r in records
-                                                           if r.config == c and r.chunks == k)))
+        bars.append((f"pipelined/{k}", functools.partial(pipelined, k)))
     width = 0.8 / len(bars)
     for i, (name, value) in enumerate(bars):
         ax_t.bar([x + i * width for x in xs], [value(c) for c in configs], width, label=name)

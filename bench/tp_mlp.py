@@ -10,6 +10,7 @@ over the largest magnitude of the sequential value, across the four tensors.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -96,7 +97,7 @@ def measure_mlp(comm: C.Communicator, tokens: int, hidden: int, ffn: int, dtype:
         e = max(float((a.detach().float() - b.detach().float()).abs().max())
                 / max(float(b.detach().float().abs().max()), 1e-30) for a, b in zip(got, ref))
         errs[v] = _slowest(comm, [e], device)[0]
-    times = _time_interleaved({v: (lambda m=m: step(m)) for v, m in mods.items()}, comm, device, iters, reps)
+    times = _time_interleaved({v: functools.partial(step, m) for v, m in mods.items()}, comm, device, iters, reps)
     seq = times.get("sequential", times[variants[0]])
     name = str(dtype).removeprefix("torch.")
     return [MLPRecord(tokens, hidden, ffn, sequence_parallel, w, name, str(device), v, times[v], seq, seq / times[v],

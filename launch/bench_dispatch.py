@@ -29,7 +29,7 @@ def main() -> int:
     comm = C.init()
     device = torch.device("cuda", torch.cuda.current_device()) if comm.backend_for("cuda") and torch.cuda.is_available() \
         else torch.device("cpu")
-    res = dispatch_overhead(comm, device, calls=args.calls, rounds=args.rounds, op=args.op)
+    res: dict[str, object] = dict(dispatch_overhead(comm, device, calls=args.calls, rounds=args.rounds, op=args.op))
     res.update(backend=comm.backend, op=args.op, torch=torch.__version__)
     res.update(recorder_and_debug_cost(comm, device))
     if comm.rank == 0:
