@@ -144,25 +144,34 @@ def _time_loops(case: _Case, iters: int, reps: int, graph: bool) -> list[float]:
             out.append((time.perf_counter() - t0) / iters)
         return out
     if graph:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm the side stream before capture
-                case.call()
-        torch.cuda.current_stream().wait_stream(stream)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(iters):
-                case.call()
-        run = g.replay
+        run = _captured(case.call, iters)
     else:
         def run() -> None:
             for _ in range(iters):
                 case.call()
+    return _timed_runs(run, case.comm, dev, iters, reps)
+
+
+def _captured(call: Callable[[], object], iters: int) -> Callable[[], None]:
+    """``iters`` calls captured in one CUDA graph; returns its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm the side stream before capture
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(iters):
+            call()
+    return g.replay
+
+
+def _timed_runs(run: Callable[[], None], comm: C.Communicator, dev: torch.device, iters: int, reps: int) -> list[float]:
     out = []
     for _ in range(reps):
         _sync(dev)
-        dist.barrier(group=case.comm.group)
+        dist.barrier(group=comm.group)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         run()
@@ -191,19 +200,25 @@ def time_fn(fn: Callable[[], object], comm: C.Communicator, device: torch.device
 
 
 def time_interleaved(fns: dict[str, Callable[[], object]], comm: C.Communicator, device: torch.device, iters: int,
-                     reps: int, warmup: int = 2) -> dict[str, float]:
+                     reps: int, warmup: int = 2, graph: bool = False) -> dict[str, float]:
     """Microseconds per call of each of ``fns``, timed like :func:`time_fn` but in rounds: each
     round times one loop of every function in turn, and each gets the median over ``reps`` rounds.
     Variants compared with each other then share the machine's drift instead of each getting a
-    different stretch of it (on a busy host, a loop timed a second later can be 2x off)."""
+    different stretch of it (on a busy host, a loop timed a second later can be 2x off). With
+    ``graph`` (CUDA), each function's loop is captured once in a CUDA graph and the rounds replay it."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     _sync(device)
+    replays = {name: _captured(fn, iters) for name, fn in fns.items()} if graph and device.type == "cuda" else {}
     per: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
-            per[name] += _slowest(comm, _time_loops(_Fn(fn, comm, device), iters, 1, False), device)  # type: ignore[arg-type]
+            if name in replays:
+                loop = _timed_runs(replays[name], comm, device, iters, 1)
+            else:
+                loop = _time_loops(_Fn(fn, comm, device), iters, 1, False)  # type: ignore[arg-type]
+            per[name] += _slowest(comm, loop, device)
     return {name: statistics.median(v) * 1e6 for name, v in per.items()}
 
 

@@ -38,6 +38,8 @@ def main() -> int:
     p.add_argument("--chunks", default="2,4,8", help="chunk counts of the chunked and copy_engine strategies")
     p.add_argument("-n", "--iters", type=int, default=10)
     p.add_argument("-r", "--reps", type=int, default=5)
+    p.add_argument("--graph", action="store_true",
+                   help="time every variant replayed from a CUDA graph (no host cost; AsyncTP's ops left out)")
     p.add_argument("--json")
     p.add_argument("--csv")
     p.add_argument("--plot")
@@ -58,7 +60,8 @@ def main() -> int:
             if M % comm.size:
                 raise C.InvalidArgumentError("--shapes", f"{M}x{K}x{N}", f"M={M} is not divisible by {comm.size} ranks",
                                              f"use an M that is a multiple of {comm.size}")
-            rs = measure_shape(comm, op, M, K, N, dtype, device, chunk_counts=chunks, iters=args.iters, reps=args.reps)
+            rs = measure_shape(comm, op, M, K, N, dtype, device, chunk_counts=chunks, iters=args.iters, reps=args.reps,
+                               graph=args.graph and cuda)
             records += rs
             if lead:
                 print(format_overlap_table(rs), flush=True)
@@ -68,6 +71,7 @@ def main() -> int:
                 "device": torch.cuda.get_device_name() if cuda else f"cpu:{os.cpu_count()}"}
         if cuda:
             meta["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+            meta["mode"] = "graph (AsyncTP left out)" if args.graph else "eager"
         if args.json:
             write_json(records, args.json, meta)  # type: ignore[arg-type]
         if args.csv:

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The project's GPU checks and benchmarks on the GPUs of one node, every output in OUTDIR:
+#
+#   launch/gpu_suite.sh OUTDIR [STEP ...]     (NPROC=n: ranks; default every GPU)
+#
+# Steps (default: all, in this order): peer_check overlap_check faults overlap_tune overlap
+# overlap_graph tp_mlp moe peer_bench. Each runs under a time limit and writes STEP.log (and
+# its JSON/plots); a failing step does not stop the others. NVLink multicast stays off in every
+# process (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1).
+set -u
+OUT=${1:?usage: launch/gpu_suite.sh OUTDIR [STEP ...]}
+shift
+STEPS=${*:-peer_check overlap_check faults overlap_tune overlap overlap_graph tp_mlp moe peer_bench}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+N=${NPROC:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
+R="python3 -m torch.distributed.run --standalone --nproc-per-node $N"
+# the tensor-parallel MLP's GEMMs (Llama-3-8B-like, TP=2): all-gather + GEMM and GEMM + reduce-scatter
+MLP_AG="2048x4096x7168,4096x4096x7168,8192x4096x7168,16384x4096x7168"
+MLP_RS="2048x7168x4096,4096x7168x4096,8192x7168x4096,16384x7168x4096"
+TUNED="$OUT/overlap_tuned.json"
+# the overlap steps: peer buffers large enough for the copy-engine strategy to keep its chunk
+# counts at these shapes (the checks and the collectives benchmark keep the default)
+BIG=${OVERLAP_PEER_BYTES:-1073741824}
+
+run() {  # run NAME LIMIT_S COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name: $*"
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc in $((SECONDS - t0)) s"
+  grep -v "Warning\|warn(\|^\*\*\*\|OMP_NUM_THREADS" "$OUT/$name.log" | tail -n 40
+}
+
+for step in $STEPS; do
+  case $step in
+    peer_check) run peer_check 300 $R tests/gpu_peer_check.py ;;
+    overlap_check) run overlap_check 300 $R tests/gpu_overlap_check.py ;;
+    faults) run faults 300 python3 launch/faults/run_all.py --gpu --timeout 10 --json "$OUT/faults_gpu.json" ;;
+    overlap_tune)
+      rm -f "$TUNED"
+      COMMOPS_PEER_BYTES=$BIG run overlap_tune 240 $R launch/bench_overlap.py --ops all -n 10 -r 5 --chunks 2,4 --tune "$TUNED"
+      COMMOPS_PEER_BYTES=$BIG run overlap_tune_mlp_ag 150 $R launch/bench_overlap.py --ops all_gather_gemm --shapes "$MLP_AG" -n 5 -r 5 \
+        --chunks 2,4 --tune "$TUNED"
+      COMMOPS_PEER_BYTES=$BIG run overlap_tune_mlp_rs 150 $R launch/bench_overlap.py --ops gemm_reduce_scatter --shapes "$MLP_RS" -n 5 -r 5 \
+        --chunks 2,4 --tune "$TUNED" ;;
+    overlap) COMMOPS_PEER_BYTES=$BIG COMMOPS_OVERLAP_TUNED=$TUNED run overlap 240 $R launch/bench_overlap.py --ops all -n 10 -r 5 --chunks 2,4 \
+        --json "$OUT/overlap.json" --plot "$OUT/overlap.png" ;;
+    overlap_graph) COMMOPS_PEER_BYTES=$BIG run overlap_graph 240 $R launch/bench_overlap.py --ops all -n 10 -r 5 --chunks 2,4 --graph \
+        --json "$OUT/overlap_graph.json" --plot "$OUT/overlap_graph.png" ;;
+    tp_mlp) COMMOPS_PEER_BYTES=$BIG COMMOPS_OVERLAP_TUNED=$TUNED run tp_mlp 240 $R launch/bench_tp_mlp.py \
+        --variants sequential,chunked/2,copy_engine/2,copy_engine/4,auto --json "$OUT/tp_mlp.json" --plot "$OUT/tp_mlp.png" ;;
+    moe) run moe 150 $R launch/bench_moe.py -n 10 -r 5 --json "$OUT/moe.json" --plot "$OUT/moe.png" ;;
+    peer_bench) run peer_bench 300 $R launch/bench_collectives.py --op all_reduce,reduce_scatter,all_gather -d bf16 \
+        -b 8 -e 1G -f 4 -a native,one_shot,two_shot,copy_engine,auto,symm_mem_two_shot -G both -n 20 -r 5 -w 5 \
+        --json "$OUT/peer.json" --plot-vs-native "$OUT/peer.png" ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+done
