@@ -48,7 +48,8 @@ class MoERecord:
     pipelined_us: float
     chunks: int
     hidden_pct: float
-    wrong: int              # pipelined output elements off the sequential one (float32 check)
+    wrong: int              # output elements of the pipelined and the pieced forward off the plain one (float32)
+    pieces: int = 1         # the dispatcher's exchange_pieces
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -56,14 +57,15 @@ class MoERecord:
 
 def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ffn_hidden: int, experts: int,
                    top_k: int, dtype: torch.dtype, device: torch.device, *, chunk_counts: tuple[int, ...] = (2, 4),
-                   iters: int = 5, reps: int = 3, seed: int = 0) -> list[MoERecord]:
-    """One record per chunk count (the sequential figures repeat in each)."""
+                   iters: int = 5, reps: int = 3, seed: int = 0, pieces: int = 1) -> list[MoERecord]:
+    """One record per chunk count (the sequential figures repeat in each); the dispatcher moves its
+    rows in ``pieces`` (``MoEDispatcher(exchange_pieces=...)``), checked against one piece."""
     g = torch.Generator(device=device)
     g.manual_seed(seed * 7919 + comm.rank)
     x = torch.randn(tokens, hidden, generator=g, device=device).to(dtype)
     idx = torch.rand(tokens, experts, generator=g, device=device).topk(top_k, dim=-1).indices
     w = torch.rand(tokens, top_k, generator=g, device=device).to(dtype)
-    disp = MoEDispatcher(experts, hidden, comm.group, dtype=dtype, device=device)
+    disp = MoEDispatcher(experts, hidden, comm.group, dtype=dtype, device=device, exchange_pieces=pieces)
     mlp = GroupedSwiGLU(disp.local_experts, hidden, ffn_hidden, dtype=dtype, device=device)
     with torch.no_grad():
         recv, handle = disp.dispatch(x, idx, w)
@@ -82,26 +84,33 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
         # shapes and so the rounding of a bf16 run, by more than any fixed tolerance of the result.
         mlp32 = GroupedSwiGLU(disp.local_experts, hidden, ffn_hidden, dtype=torch.float32, device=device)
         mlp32.load_state_dict({n: t.float() for n, t in mlp.state_dict().items()})
-        disp32 = MoEDispatcher(experts, hidden, comm.group, dtype=torch.float32, device=device)
-        ref = disp32.forward(x.float(), idx, w.float(), mlp32)
+        disp32 = MoEDispatcher(experts, hidden, comm.group, dtype=torch.float32, device=device, exchange_pieces=pieces)
+        one_piece = MoEDispatcher(experts, hidden, comm.group, dtype=torch.float32, device=device)
+        ref = one_piece.forward(x.float(), idx, w.float(), mlp32)
+
+        def off(got: torch.Tensor) -> int:
+            return int(((got - ref).abs() > 1e-4 * (ref.abs() + ref.abs().mean() + 1e-12)).sum())
+
+        wrong_seq = off(disp32.forward(x.float(), idx, w.float(), mlp32))
         records = []
         for k in chunk_counts:
             got = disp32.forward_pipelined(x.float(), idx, w.float(), mlp32, chunks=k)
-            wrong = int(((got - ref).abs() > 1e-4 * (ref.abs() + ref.abs().mean() + 1e-12)).sum())
+            wrong = off(got) + wrong_seq
             t_pipe = _time(functools.partial(disp.forward_pipelined, x, idx, w, mlp, chunks=k), comm, device, iters, reps)
             comm_us = t_dispatch + t_combine
             records.append(MoERecord(
                 name, tokens, hidden, ffn_hidden, experts, top_k, comm.size, str(dtype).removeprefix("torch."),
                 str(device), sent_bytes, t_dispatch, sent_bytes / t_dispatch / 1e3, t_combine,
                 sent_bytes / t_combine / 1e3, t_a2a, sent_bytes / t_a2a / 1e3, t_experts, t_seq, t_pipe, k,
-                100 * (t_seq - t_pipe) / comm_us if comm_us else 0.0, wrong))
+                100 * (t_seq - t_pipe) / comm_us if comm_us else 0.0, wrong, pieces))
     return records
 
 
 def format_moe_table(records: list[MoERecord]) -> str:
     lines = []
     for r in records:
-        lines.append(f"{r.config:<14} tokens {r.tokens:>6} h {r.hidden:>5} E {r.experts:>4} k {r.top_k} | dispatch "
+        lines.append(f"{r.config:<14} tokens {r.tokens:>6} h {r.hidden:>5} E {r.experts:>4} k {r.top_k} "
+                     f"pieces {r.pieces} | dispatch "
                      f"{r.dispatch_us:9.1f} us {r.dispatch_GBps:7.2f} GB/s | combine {r.combine_us:9.1f} us "
                      f"{r.combine_GBps:7.2f} GB/s | all_to_all {r.a2a_us:9.1f} us {r.a2a_GBps:7.2f} GB/s | experts "
                      f"{r.experts_us:9.1f} us | sequential {r.sequential_us:9.1f} us | pipelined/{r.chunks} "
@@ -110,28 +119,32 @@ def format_moe_table(records: list[MoERecord]) -> str:
 
 
 def plot_moe(records: list[MoERecord], path: str, title: str = "") -> None:
-    """PNG: per configuration, dispatch and combine against the backend's all-to-all (GB/s), and
-    the sequential and pipelined layer times (one bar per chunk count)."""
+    """PNG: per configuration (and exchange_pieces), dispatch and combine against the backend's
+    all-to-all (GB/s), and the sequential and pipelined layer times (one bar per chunk count)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    configs = list(dict.fromkeys(r.config for r in records))
+    def label(r: MoERecord) -> str:
+        return f"{r.config} x{r.pieces}" if r.pieces > 1 else r.config
+
+    configs = list(dict.fromkeys(label(r) for r in records))  # a configuration per exchange_pieces
     fig, (ax_bw, ax_t) = plt.subplots(1, 2, figsize=(13, 4.5))
-    first = [next(r for r in records if r.config == c) for c in configs]
+    first = [next(r for r in records if label(r) == c) for c in configs]
     xs = range(len(configs))
     for i, (name, key) in enumerate((("dispatch", "dispatch_GBps"), ("combine", "combine_GBps"),
                                      ("all_to_all_single", "a2a_GBps"))):
         ax_bw.bar([x + i * 0.27 for x in xs], [getattr(r, key) for r in first], 0.27, label=name)
-    ax_bw.set_xticks([x + 0.27 for x in xs], configs)
+    ax_bw.set_xticks([x + 0.27 for x in xs], configs, fontsize=8)
     ax_bw.set_ylabel("GB/s sent per rank")
     ax_bw.legend(fontsize=8)
+
     def sequential(c: str) -> float:
-        return next(r for r in records if r.config == c).sequential_us
+        return next(r for r in records if label(r) == c).sequential_us
 
     def pipelined(k: int, c: str) -> float:
-        return next(r.pipelined_us for r in records if r.config == c and r.chunks == k)
+        return next(r.pipelined_us for r in records if label(r) == c and r.chunks == k)
 
     bars: list[tuple[str, Callable[[str], float]]] = [("sequential", sequential)]
     for k in dict.fromkeys(r.chunks for r in records):
@@ -139,7 +152,7 @@ def plot_moe(records: list[MoERecord], path: str, title: str = "") -> None:
     width = 0.8 / len(bars)
     for i, (name, value) in enumerate(bars):
         ax_t.bar([x + i * width for x in xs], [value(c) for c in configs], width, label=name)
-    ax_t.set_xticks([x + 0.4 - width / 2 for x in xs], configs)
+    ax_t.set_xticks([x + 0.4 - width / 2 for x in xs], configs, fontsize=8)
     ax_t.set_ylabel("layer forward (us)")
     ax_t.legend(fontsize=8)
     fig.suptitle(title)

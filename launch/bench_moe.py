@@ -37,6 +37,7 @@ def main() -> int:
                    help="a configuration (repeatable); default: the built-in ones")
     p.add_argument("-d", "--dtype", default=None, choices=sorted(DTYPES))
     p.add_argument("--chunks", default="2,4")
+    p.add_argument("--pieces", default="1,4", help="exchange_pieces of the dispatcher, comma-separated")
     p.add_argument("-n", "--iters", type=int, default=5)
     p.add_argument("-r", "--reps", type=int, default=3)
     p.add_argument("--json")
@@ -56,11 +57,12 @@ def main() -> int:
     chunks = tuple(int(x) for x in args.chunks.split(","))
     records = []
     for name, tokens, hidden, ffn, experts, k in configs:
-        rs = measure_config(comm, name, tokens, hidden, ffn, experts, k, dtype, device, chunk_counts=chunks,
-                            iters=args.iters, reps=args.reps)
-        records += rs
-        if comm.rank == 0:
-            print(format_moe_table(rs), flush=True)
+        for pieces in (int(x) for x in args.pieces.split(",")):
+            rs = measure_config(comm, name, tokens, hidden, ffn, experts, k, dtype, device, chunk_counts=chunks,
+                                iters=args.iters, reps=args.reps, pieces=pieces)
+            records += rs
+            if comm.rank == 0:
+                print(format_moe_table(rs), flush=True)
     if comm.rank == 0:
         meta = {"command": " ".join(["launch/bench_moe.py", *sys.argv[1:]]), "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
                 "world": comm.size, "backend": comm.backend, "torch": torch.__version__,

@@ -20,6 +20,12 @@ With ``capacity_factor`` set, each expert takes at most ``ceil(capacity_factor *
 E)`` pairs from each rank, the first ones in token order; the rest are dropped (they add nothing
 to the output) and counted in the handle.
 
+With ``exchange_pieces`` > 1 the row exchange itself is pipelined: piece c carries part c of
+every rank's rows for every other rank (cut the same way on both sides from the counts), all
+pieces' gathers and asynchronous transfers are issued first, then each arrival is put in place
+(``index_copy_`` into ``recv_x``; for combine a weighted ``index_add_``) while later pieces are
+in flight: the two extra passes over the rows overlap the transfer instead of adding to it.
+
 ``forward_pipelined`` splits the tokens into chunks. Without autograd it issues the exchanges
 asynchronously (chunk i+1's dispatch and chunk i-1's combine travel while the experts compute
 chunk i); with autograd the chunks run one after another through the differentiable halves.
@@ -94,10 +100,86 @@ def _return(handle: DispatchHandle, rows: torch.Tensor, group: Any) -> torch.Ten
     return _exchange_rows(by_source, handle.recv_counts, handle.send_counts, group)
 
 
+@dataclass
+class _Pieces:
+    """A handle's row exchange cut into pieces: piece c carries part c of every rank's rows for
+    every other rank (the same cut on both sides, from the counts both know)."""
+
+    tokens: list[torch.Tensor]     # x's rows each piece sends (its token per sent pair)
+    pairs: list[torch.Tensor]      # the pairs' flat indices into topk_idx (for the weights)
+    dest: list[torch.Tensor]       # where each received row goes in recv_x
+    send: list[list[int]]          # rows to each rank
+    recv: list[list[int]]          # rows from each rank
+
+
+def _cut(n: int, pieces: int, c: int) -> tuple[int, int]:
+    return n * c // pieces, n * (c + 1) // pieces
+
+
+def _plan_pieces(pieces: int, order: np.ndarray, k: int, send: list[int], recv: list[int],
+                 regroup: np.ndarray) -> tuple[list[np.ndarray], list[list[int]], list[list[int]]]:
+    """Per piece: the send-order positions it sends (then its tokens and pairs follow), the
+    recv_x positions of what it receives, and both split lists."""
+    s_start = np.concatenate([[0], np.cumsum(send)]).astype(np.int64)
+    r_start = np.concatenate([[0], np.cumsum(recv)]).astype(np.int64)
+    inverse = np.empty_like(regroup)
+    inverse[regroup] = np.arange(regroup.size)  # by-source row -> its place in recv_x
+    arrays: list[np.ndarray] = []
+    sends, recvs = [], []
+    for c in range(pieces):
+        s_ranges = [_cut(n, pieces, c) for n in send]
+        r_ranges = [_cut(n, pieces, c) for n in recv]
+        pos = np.concatenate([np.arange(s_start[q] + lo, s_start[q] + hi) for q, (lo, hi) in enumerate(s_ranges)])
+        got = np.concatenate([np.arange(r_start[q] + lo, r_start[q] + hi) for q, (lo, hi) in enumerate(r_ranges)])
+        pairs = order[pos]
+        arrays += [pairs // k, pairs, inverse[got]]
+        sends.append([hi - lo for lo, hi in s_ranges])
+        recvs.append([hi - lo for lo, hi in r_ranges])
+    return arrays, sends, recvs
+
+
+def _route_pieces(p: _Pieces, x: torch.Tensor, total: int, group: Any) -> torch.Tensor:
+    """``_route`` in pieces: every piece's gather and transfer are issued first (the transfers
+    run asynchronously, each after its gather), then each arrival is put in place while later
+    pieces travel."""
+    recv_x = x.new_empty((total, *x.shape[1:]))
+    flying = []
+    for c in range(len(p.send)):
+        rows = x.index_select(0, p.tokens[c])
+        buf = x.new_empty((sum(p.recv[c]), *x.shape[1:]))
+        flying.append((buf, rows, C.all_to_all_single(buf, rows, p.recv[c], p.send[c], group=group, async_op=True)))
+    for c, (buf, _, work) in enumerate(flying):
+        if work is not None:
+            work.wait()
+        recv_x.index_copy_(0, p.dest[c], buf)
+    return recv_x
+
+
+def _combine_pieces(p: _Pieces, rows: torch.Tensor, weights: torch.Tensor, num_tokens: int, group: Any) -> torch.Tensor:
+    """``out[t] = sum of weight x returned row`` over t's pairs, the return in pieces like
+    ``_route_pieces`` (backwards)."""
+    out = rows.new_zeros((num_tokens, *rows.shape[1:]))
+    flat_w = weights.reshape(-1)
+    flying = []
+    for c in range(len(p.send)):
+        part = rows.index_select(0, p.dest[c])
+        buf = rows.new_empty((sum(p.send[c]), *rows.shape[1:]))
+        flying.append((buf, part, C.all_to_all_single(buf, part, p.send[c], p.recv[c], group=group, async_op=True)))
+    for c, (buf, _, work) in enumerate(flying):
+        if work is not None:
+            work.wait()
+        w = flat_w.index_select(0, p.pairs[c]).to(buf.dtype)
+        out.index_add_(0, p.tokens[c], buf * w.unsqueeze(-1))
+    return out
+
+
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, handle: DispatchHandle, group: Any) -> torch.Tensor:
         ctx.handle, ctx.group, ctx.shape = handle, group, x.shape
+        pieces = handle.extra.get("pieces")
+        if pieces is not None:
+            return _route_pieces(pieces, x, sum(handle.recv_counts), group)
         return _route(handle, x, group)
 
     @staticmethod
@@ -111,12 +193,17 @@ class _Dispatch(torch.autograd.Function):
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, rows: torch.Tensor, weights: torch.Tensor, handle: DispatchHandle, group: Any) -> torch.Tensor:
+        pieces = handle.extra.get("pieces")
+        ctx.handle, ctx.group, ctx.wshape, ctx.wdtype = handle, group, weights.shape, weights.dtype
+        if pieces is not None and not ctx.needs_input_grad[1]:
+            # (the weights' gradient needs every returned row in send order: the one-piece path)
+            ctx.save_for_backward(None, weights.reshape(-1).index_select(0, handle.order).to(rows.dtype))
+            return _combine_pieces(pieces, rows.contiguous(), weights, handle.num_tokens, group)
         back = _return(handle, rows.contiguous(), group)
         w = weights.reshape(-1).index_select(0, handle.order).to(back.dtype)
         out = back.new_zeros((handle.num_tokens, *back.shape[1:]))
         out.index_add_(0, handle.token_of, back * w.unsqueeze(-1))
         ctx.save_for_backward(back, w)
-        ctx.handle, ctx.group, ctx.wshape, ctx.wdtype = handle, group, weights.shape, weights.dtype
         return out
 
     @staticmethod
@@ -147,13 +234,16 @@ class MoEDispatcher:
         dtype, device: of the tokens (checked on every call).
         capacity_factor: ``None`` (dropless) or the factor of each expert's capacity per rank,
             ``ceil(capacity_factor * tokens * k / E)`` pairs.
+        exchange_pieces: dispatch and combine move their rows in this many pieces, each piece's
+            gather (resp. weighted sum) overlapping other pieces' transfers; combine uses one
+            piece when the router weights need a gradient. The same on every rank.
 
     Every rank calls ``dispatch`` and ``combine`` the same number of times, in the same order
     (they communicate); token counts may differ between ranks, and may be zero.
     """
 
     def __init__(self, num_experts: int, hidden: int, group: Any = None, *, dtype: torch.dtype | None = None,
-                 device: Any = None, capacity_factor: float | None = None) -> None:
+                 device: Any = None, capacity_factor: float | None = None, exchange_pieces: int = 1) -> None:
         comm = C.get_communicator(group)
         if not isinstance(num_experts, int) or num_experts < 1 or num_experts % comm.size:
             raise InvalidArgumentError("num_experts", num_experts, f"is not a positive multiple of the group's {comm.size} ranks",
@@ -167,6 +257,9 @@ class MoEDispatcher:
         self.dtype = dtype
         self.device = torch.device(device) if device is not None else None
         self.capacity_factor = capacity_factor
+        if not isinstance(exchange_pieces, int) or isinstance(exchange_pieces, bool) or exchange_pieces < 1:
+            raise InvalidArgumentError("exchange_pieces", exchange_pieces, "is not a positive int", "pass 1 (or e.g. 4)")
+        self.exchange_pieces = exchange_pieces
         self.last_chunks: tuple[int, str] | None = None
 
     # -- routing ---------------------------------------------------------------------------------
@@ -241,24 +334,39 @@ class MoEDispatcher:
         got = got_t.numpy().reshape(w, n, e_loc)
         local_ids = np.tile(np.arange(e_loc, dtype=small), w)
         pieces, layout = [], []
+        n_pieces = self.exchange_pieces
         for c, (order, _, dropped, tokens) in enumerate(local):
             matrix = np.ascontiguousarray(got[:, c, :])
             # Received rows are [source 0: expert 0.., source 1: ...]; recv_x wants [expert 0: source 0.., ...]:
             # a stable sort of the received rows by their local expert.
             regroup = np.argsort(np.repeat(local_ids, matrix.reshape(-1)), kind="stable")
+            send, recv = counts[c].sum(1).tolist(), matrix.sum(1).tolist()
             pieces += [order, order // k, regroup]
-            layout.append((matrix, dropped, tokens, counts[c].sum(1).tolist(), matrix.sum(1).tolist()))
+            split_lists = None
+            if n_pieces > 1:
+                arrays, sends, recvs = _plan_pieces(n_pieces, order, k, send, recv, regroup)
+                pieces += arrays
+                split_lists = (sends, recvs, [a.size for a in arrays])
+            layout.append((matrix, dropped, tokens, send, recv, split_lists))
         flat_all = torch.from_numpy(np.concatenate(pieces).astype(np.int64)) if pieces else torch.empty(0, dtype=torch.int64)
         on_dev = flat_all.to(dev)  # one copy to the device for every index of every range
         handles, at = [], 0
-        for c, (matrix, dropped, tokens, send, recv) in enumerate(layout):
+        for c, (matrix, dropped, tokens, send, recv, split_lists) in enumerate(layout):
             m_pairs, m_recv = local[c][0].size, sum(recv)
             order_t = on_dev[at:at + m_pairs]
             token_t = on_dev[at + m_pairs:at + 2 * m_pairs]
             regroup_t = on_dev[at + 2 * m_pairs:at + 2 * m_pairs + m_recv]
             at += 2 * m_pairs + m_recv
-            handles.append(DispatchHandle(matrix.sum(0).tolist(), send, recv, torch.from_numpy(matrix), order_t,
-                                          token_t, regroup_t, tokens, k, dropped))
+            h = DispatchHandle(matrix.sum(0).tolist(), send, recv, torch.from_numpy(matrix), order_t, token_t,
+                               regroup_t, tokens, k, dropped)
+            if split_lists is not None:
+                sends, recvs, sizes = split_lists
+                views = []
+                for size in sizes:
+                    views.append(on_dev[at:at + size])
+                    at += size
+                h.extra["pieces"] = _Pieces(views[0::3], views[1::3], views[2::3], sends, recvs)
+            handles.append(h)
         return handles
 
     # -- the two halves --------------------------------------------------------------------------

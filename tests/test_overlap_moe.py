@@ -55,16 +55,16 @@ def _kept_mask(idx: torch.Tensor, experts: int, cap: int) -> torch.Tensor:
 
 
 def _case(rank: int, world: int, case: str, e_per_rank: int, k: int, tokens: list[int], seed: int,
-          capacity: float | None, chunks: int | str) -> dict[str, float]:
+          capacity: float | None, chunks: int | str, pieces: int = 1, weights_grad: bool = True) -> dict[str, float]:
     experts = e_per_rank * world
     x, idx, w = _routing(rank, tokens[rank], experts, k, case, seed)
-    disp = MoEDispatcher(experts, H, dtype=torch.float64, capacity_factor=capacity)
+    disp = MoEDispatcher(experts, H, dtype=torch.float64, capacity_factor=capacity, exchange_pieces=pieces)
 
     def local(rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
         outs = [_expert(disp.first_expert + e, r) for e, r in enumerate(rows.split(per_expert))]
         return torch.cat(outs) if outs else rows
 
-    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_(weights_grad)
     if chunks == 1:
         recv, handle = disp.dispatch(xs, idx, ws)
         assert recv.shape[0] == sum(handle.tokens_per_expert) and len(handle.tokens_per_expert) == e_per_rank
@@ -76,7 +76,7 @@ def _case(rank: int, world: int, case: str, e_per_rank: int, k: int, tokens: lis
     G = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 7 * rank), dtype=torch.float64)
     (out * G).sum().backward()
 
-    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_(weights_grad)
     want_dropped = 0
     wk = wr
     if capacity is not None:
@@ -88,7 +88,7 @@ def _case(rank: int, world: int, case: str, e_per_rank: int, k: int, tokens: lis
         (ref * G).sum().backward()
     err = max((out - ref).abs().max().item() if out.numel() else 0.0,
               (xs.grad - xr.grad).abs().max().item() if x.numel() else 0.0,
-              (ws.grad - wr.grad).abs().max().item() if w.numel() else 0.0)
+              (ws.grad - wr.grad).abs().max().item() if w.numel() and weights_grad else 0.0)
     return {"err": err, "dropped": float(dropped), "want_dropped": float(want_dropped if chunks == 1 else 0)}
 
 
@@ -114,6 +114,28 @@ def test_dispatch_combine_match_the_single_process_moe(worlds, world_size: int) 
             assert res["dropped"] == res["want_dropped"], (case, capacity, res)
         if capacity is not None:
             assert sum(r["dropped"] for r in w.run(_case, case, e_per_rank, k, tokens, seed, capacity, chunks)) > 0
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_exchange_in_pieces_matches_the_single_process_moe(worlds, world_size: int) -> None:  # noqa: ANN001
+    """``exchange_pieces``: dispatch (and combine, where the weights need no gradient) move the
+    rows in pieces; more pieces than rows leaves some empty."""
+    w = worlds(world_size)
+    uneven = [5 + 3 * r for r in range(world_size)]
+    zero_on_one = [7] * world_size
+    zero_on_one[1] = 0
+    cases = [
+        ("random", 2, 2, uneven, None, 1, 3, False),
+        ("random", 2, 2, uneven, None, 1, 3, True),      # combine in one piece (the weights' gradient)
+        ("one_expert", 2, 2, uneven, None, 1, 7, False),
+        ("random", 2, 2, zero_on_one, None, 1, 4, False),
+        ("random", 2, 2, uneven, 0.5, 1, 2, False),       # capacity drops
+        ("random", 2, 2, uneven, None, 3, 2, False),      # chunked forward, each chunk in pieces
+    ]
+    for seed, (case, e_per_rank, k, tokens, capacity, chunks, pieces, wgrad) in enumerate(cases):
+        for res in w.run(_case, case, e_per_rank, k, tokens, 100 + seed, capacity, chunks, pieces, wgrad):
+            assert res["err"] < 1e-12, (case, tokens, capacity, chunks, pieces, wgrad, res)
+            assert res["dropped"] == res["want_dropped"], (case, capacity, res)
 
 
 def _errors(rank: int, world: int) -> list[str]:
