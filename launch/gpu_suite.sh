@@ -4,13 +4,13 @@
 #   launch/gpu_suite.sh OUTDIR [STEP ...]     (NPROC=n: ranks; default every GPU)
 #
 # Steps (default: all, in this order): peer_check overlap_check faults overlap_tune overlap
-# overlap_graph tp_mlp moe peer_bench. Each runs under a time limit and writes STEP.log (and
+# overlap_graph tp_mlp moe peer_bench peer_big. Each runs under a time limit and writes STEP.log (and
 # its JSON/plots); a failing step does not stop the others. NVLink multicast stays off in every
 # process (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1).
 set -u
 OUT=${1:?usage: launch/gpu_suite.sh OUTDIR [STEP ...]}
 shift
-STEPS=${*:-peer_check overlap_check faults overlap_tune overlap overlap_graph tp_mlp moe peer_bench}
+STEPS=${*:-peer_check overlap_check faults overlap_tune overlap overlap_graph tp_mlp moe peer_bench peer_big}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -58,6 +58,8 @@ for step in $STEPS; do
     peer_bench) run peer_bench 300 $R launch/bench_collectives.py --op all_reduce,reduce_scatter,all_gather -d bf16 \
         -b 8 -e 1G -f 4 -a native,one_shot,two_shot,copy_engine,auto,symm_mem_two_shot -G both -n 20 -r 5 -w 5 \
         --json "$OUT/peer.json" --plot-vs-native "$OUT/peer.png" ;;
+    peer_big) COMMOPS_PEER_BYTES=$BIG run peer_big 240 $R launch/bench_collectives.py --op all_reduce -d bf16 \
+        -b 64M -e 1G -f 2 -a native,two_shot,copy_engine -G both -n 10 -r 5 -w 3 --json "$OUT/peer_big.json" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

@@ -180,6 +180,7 @@ def main() -> int:
                 for algo in ("one_shot", "two_shot"):
                     row[f"{algo}_{bb >> 10}K:{mb}_{tag}_us"] = us(lambda: pm.all_reduce(x, algo))
             if nbytes >= (8 << 20):
+                pm.ce_max_chunks = 1 << 30  # exactly cb per chunk
                 for cb in ce_chunks:
                     pm.ce_chunk_bytes = cb
                     try:

@@ -173,7 +173,11 @@ class PeerMemory:
         self._flag_pointers = tuple(flags[:self.world])
         self._calls = torch.zeros(3, dtype=torch.int32, device=self.device)
         self._copy_streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))  # push, pull
+        # copy-engine chunks: at least ce_chunk_bytes, and large enough that a call has at most
+        # ce_max_chunks of them while two ring slots still fit: each chunk costs the host about
+        # ten driver calls, which at 16 MiB chunks took longer than the GPU took to move them
         self.ce_chunk_bytes = 16 << 20
+        self.ce_max_chunks = 16
         self._err_dev = torch.zeros(4, dtype=torch.int32, device=self.device)
         self._err = torch.zeros(4, dtype=torch.int32).pin_memory()  # mapped: the kernel writes it
         self._err_np = self._err.numpy()
@@ -278,7 +282,10 @@ class PeerMemory:
         w, r, es = self.world, self.rank, t.element_size()
         pack = PACK_BYTES // es
         n = t.numel()
-        chunk = max(w * pack, self.ce_chunk_bytes // es // (w * pack) * (w * pack))
+        want = max(self.ce_chunk_bytes, -(-n * es // self.ce_max_chunks))
+        fits = self.slot_bytes * w // (2 * (w + 1))  # the largest chunk with two ring slots
+        chunk_bytes = max(self.ce_chunk_bytes, min(want, fits))
+        chunk = max(w * pack, chunk_bytes // es // (w * pack) * (w * pack))
         s_max = chunk // w
         ring = min(CE_RING, self.slot_bytes // es // ((w + 1) * s_max))
         if ring < 2:
