@@ -174,8 +174,9 @@ class PeerMemory:
         self._calls = torch.zeros(3, dtype=torch.int32, device=self.device)
         self._copy_streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))  # push, pull
         # copy-engine chunks: at least ce_chunk_bytes, and large enough that a call has at most
-        # ce_max_chunks of them while two ring slots still fit: each chunk costs the host about
-        # ten driver calls, which at 16 MiB chunks took longer than the GPU took to move them
+        # ce_max_chunks of them while two ring slots still fit. Each chunk costs the host about
+        # ten driver calls; on the 2xH200 machine's CPUs that may exceed the ~42 us the links
+        # need for a 16 MiB chunk (a hypothesis from the eager figures, not yet measured)
         self.ce_chunk_bytes = 16 << 20
         self.ce_max_chunks = 16
         self._err_dev = torch.zeros(4, dtype=torch.int32, device=self.device)
