@@ -31,7 +31,6 @@ from typing import Any
 import torch
 
 from collectives.errors import UnsupportedError
-from collectives.peer import _launch
 from collectives.peer.memory import CE_PULLED, CE_PUSHED, CE_RING, DTYPES, PeerMemory
 
 __all__ = ["all_gather_gemm", "gemm_reduce_scatter", "gemm_all_reduce", "unavailable"]
@@ -238,8 +237,8 @@ def gemm_all_reduce(pm: PeerMemory, rows: torch.Tensor, b: torch.Tensor, chunks:
         for q in peers:
             lo, hi = splits[q][j]
             if hi > lo:
-                src = pm.slot_pointers[r] + half + ((s - ag0) * w + q) * region
-                _launch.copy_async(out[blocks[q][0] + lo].data_ptr(), src, (hi - lo) * n * es, st.ls)
+                pm.ce_take(st.ls, half + ((s - ag0) * w + q) * region, out[blocks[q][0] + lo].data_ptr(),
+                           (hi - lo) * n * es)
             pm.ce_signal(st.ls, q, s, CE_PULLED, u + 1)
     st.join(st.push, st.pull)
     del staging

@@ -115,6 +115,10 @@ class _FakePeerMemory:
         assert 0 <= offset and offset + nbytes <= self.slot_bytes, (offset, nbytes)
         _on(stream, lambda: ctypes.memmove(self.slot_pointers[peer] + offset, src, nbytes))
 
+    def ce_take(self, stream: Any, offset: int, dst: int, nbytes: int) -> None:
+        assert 0 <= offset and offset + nbytes <= self.slot_bytes, (offset, nbytes)
+        _on(stream, lambda: ctypes.memmove(dst, self.slot_pointers[self.rank] + offset, nbytes))
+
     def slot_view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         es = torch.empty((), dtype=dtype).element_size()
         n = 1
@@ -140,8 +144,6 @@ class _Streams:
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(CE, "_Streams", _Streams)
-    monkeypatch.setattr(CE._launch, "copy_async",
-                        lambda dst, src, n, stream: _on(stream, lambda: ctypes.memmove(dst, src, n)))
 
 
 def _run(world: int, slot_bytes: int, fn: Any) -> list[Any]:

@@ -357,7 +357,8 @@ class PeerMemory:
     # -- copy-engine channels (for operators that overlap the copies with their own compute) -----
     # An operator brackets its use with ce_open() / ce_close() on the current stream (barriers:
     # every rank is inside, resp. has issued every signal to its peers), moves data with
-    # ce_push() and orders itself with ce_signal() / ce_wait() on the copy-engine flags: ring
+    # ce_push() (into a peer's slots) and ce_take() (out of its own), reads its own slots through
+    # slot_view(), and orders itself with ce_signal() / ce_wait() on the copy-engine flags: ring
     # slots 0..CE_RING-1, stages CE_PUSHED, CE_REDUCED, CE_PULLED, each flag one per source rank.
     # Values are use counts the host knows (see kernels.cu, "copy-engine path"); ce_close()
     # resets this rank's flags for the next user.
@@ -385,6 +386,14 @@ class PeerMemory:
             raise UnsupportedError("offset", offset, f"with {nbytes} B runs outside the {self.slot_bytes} B slot buffer",
                                    "plan pieces that fit COMMOPS_PEER_BYTES")
         _launch.copy_async(self.slot_pointers[peer] + offset, src, nbytes, stream)
+
+    def ce_take(self, stream: int, offset: int, dst: int, nbytes: int) -> None:
+        """On ``stream``: copy ``nbytes`` from ``offset`` bytes into this rank's own slot buffer to
+        the device address ``dst``, by a copy engine."""
+        if offset < 0 or offset + nbytes > self.slot_bytes:
+            raise UnsupportedError("offset", offset, f"with {nbytes} B runs outside the {self.slot_bytes} B slot buffer",
+                                   "plan pieces that fit COMMOPS_PEER_BYTES")
+        _launch.copy_async(dst, self.slot_pointers[self.rank] + offset, nbytes, stream)
 
     def slot_view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A tensor over this rank's own slot buffer, ``offset`` bytes in (what peers pushed there)."""
