@@ -77,6 +77,34 @@ def main() -> int:
             close(f"all_gather_gemm copy_engine/2 call {i}", ops.all_gather_gemm(a2, b, strategy="copy_engine", chunks=2),
                   ops.reference_all_gather_gemm(a2, b))
 
+    if dev.type == "cuda":
+        # under a CUDA graph: each strategy captured once on static inputs, replayed on fresh data
+        a_st = torch.empty(6 * w + 3, 64, device=dev)
+        b_st = torch.empty(64, 40, device=dev)
+        for strategy, chunks in (("sequential", 1), ("chunked", 2), ("copy_engine", 3)):
+            for op, ref in ((ops.gemm_all_reduce, ops.reference_gemm_all_reduce),
+                            (ops.all_gather_gemm, ops.reference_all_gather_gemm)):
+                name = f"{op.__name__} {strategy}/{chunks} in a CUDA graph"
+                try:
+                    side = torch.cuda.Stream()
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        op(a_st, b_st, strategy=strategy, chunks=chunks)  # warm up outside the capture
+                    torch.cuda.current_stream().wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        out_st = op(a_st, b_st, strategy=strategy, chunks=chunks)
+                except Exception as exc:  # noqa: BLE001 - reported as a failure, with what raised
+                    fails.append(f"rank {r} {name}: capture raised {type(exc).__name__}: {str(exc)[:300]}")
+                    continue
+                for i in range(3):
+                    g.manual_seed(9000 + 10 * i + r)
+                    a_st.copy_(torch.randn(a_st.shape, generator=g, device=dev) / 8)
+                    b_st.copy_(torch.randn(b_st.shape, generator=g, device=dev))
+                    graph.replay()
+                    close(f"{name} replay {i}", out_st, ref(a_st, b_st))
+                del graph
+
     # tensor-parallel MLP against the unsharded module
     H, S, B = 16 * w, 8 * w, 2
     for sp in (False, True):
