@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import collectives as C
 from overlap.moe import MoEDispatcher, reference_moe
@@ -263,3 +264,32 @@ def _pipelined_no_grad(rank: int, world: int, chunks: int) -> float:
 def test_overlapped_pipeline_without_autograd_matches(worlds, world_size: int) -> None:  # noqa: ANN001
     for chunks in (2, 4):
         assert max(worlds(world_size).run(_pipelined_no_grad, chunks)) < 1e-12
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_grouped_experts_match_one_gemm_per_expert_in_float64(dtype: torch.dtype, tol: float) -> None:
+    from overlap.moe import GroupedSwiGLU, _grouped_mm_works
+
+    if not _grouped_mm_works(torch.device("cpu"), dtype):
+        pytest.skip(f"torch {torch.__version__} has no CPU grouped GEMM for {dtype}")
+    torch.manual_seed(3)
+    m = GroupedSwiGLU(4, 16, 24, dtype=dtype)
+    tokens = [5, 0, 9, 2]  # an expert without rows
+    x = torch.randn(sum(tokens), 16, dtype=dtype, requires_grad=True)
+    assert m._grouped(x)
+    g = torch.randn(sum(tokens), 16, dtype=dtype)
+    (m(x, tokens) * g).sum().backward()
+    y = m(x.detach(), tokens)
+
+    x64 = x.detach().double().requires_grad_()
+    ws = [p.detach().double().requires_grad_() for p in (m.w1, m.w3, m.w2)]
+    outs = [(F.silu(r @ ws[0][e]) * (r @ ws[1][e])) @ ws[2][e] for e, r in enumerate(x64.split(tokens))]
+    ref = torch.cat(outs)
+    (ref * g.double()).sum().backward()
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.detach().double() - b.detach()).abs().max() / b.detach().abs().max())
+
+    assert rel(y, ref) < tol and rel(x.grad, x64.grad) < tol
+    for p, q in zip((m.w1, m.w3, m.w2), ws):
+        assert rel(p.grad, q.grad) < tol
