@@ -507,7 +507,7 @@ def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
     once on a tiny case; where it does not, the experts run one GEMM each, and a warning says so
     once)."""
     if device.type == "cuda" and dtype != torch.bfloat16:
-        return False  # CUDA's grouped GEMM may round fp32 inputs to TF32: one GEMM per expert keeps fp32
+        return False  # bf16 is what the grouped kernel is for; fp32 keeps the exact per-expert GEMMs (not checked on GPUs)
     key = (device.type, dtype)
     ok = _GROUPED_OK.get(key)
     if ok is None:
