@@ -50,6 +50,7 @@ class MoERecord:
     hidden_pct: float
     wrong: int              # output elements of the pipelined and the pieced forward off the plain one (float32)
     pieces: int = 1         # the dispatcher's exchange_pieces
+    transport: str = "nccl"  # the dispatcher's transport
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -57,15 +58,18 @@ class MoERecord:
 
 def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ffn_hidden: int, experts: int,
                    top_k: int, dtype: torch.dtype, device: torch.device, *, chunk_counts: tuple[int, ...] = (2, 4),
-                   iters: int = 5, reps: int = 3, seed: int = 0, pieces: int = 1) -> list[MoERecord]:
+                   iters: int = 5, reps: int = 3, seed: int = 0, pieces: int = 1,
+                   transport: str = "nccl") -> list[MoERecord]:
     """One record per chunk count (the sequential figures repeat in each); the dispatcher moves its
-    rows in ``pieces`` (``MoEDispatcher(exchange_pieces=...)``), checked against one piece."""
+    rows in ``pieces`` (``MoEDispatcher(exchange_pieces=...)``) over ``transport``, checked
+    against one piece over NCCL (or Gloo)."""
     g = torch.Generator(device=device)
     g.manual_seed(seed * 7919 + comm.rank)
     x = torch.randn(tokens, hidden, generator=g, device=device).to(dtype)
     idx = torch.rand(tokens, experts, generator=g, device=device).topk(top_k, dim=-1).indices
     w = torch.rand(tokens, top_k, generator=g, device=device).to(dtype)
-    disp = MoEDispatcher(experts, hidden, comm.group, dtype=dtype, device=device, exchange_pieces=pieces)
+    disp = MoEDispatcher(experts, hidden, comm.group, dtype=dtype, device=device, exchange_pieces=pieces,
+                         transport=transport)
     mlp = GroupedSwiGLU(disp.local_experts, hidden, ffn_hidden, dtype=dtype, device=device)
     with torch.no_grad():
         recv, handle = disp.dispatch(x, idx, w)
@@ -84,7 +88,8 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
         # shapes and so the rounding of a bf16 run, by more than any fixed tolerance of the result.
         mlp32 = GroupedSwiGLU(disp.local_experts, hidden, ffn_hidden, dtype=torch.float32, device=device)
         mlp32.load_state_dict({n: t.float() for n, t in mlp.state_dict().items()})
-        disp32 = MoEDispatcher(experts, hidden, comm.group, dtype=torch.float32, device=device, exchange_pieces=pieces)
+        disp32 = MoEDispatcher(experts, hidden, comm.group, dtype=torch.float32, device=device, exchange_pieces=pieces,
+                               transport=transport)
         one_piece = MoEDispatcher(experts, hidden, comm.group, dtype=torch.float32, device=device)
         ref = one_piece.forward(x.float(), idx, w.float(), mlp32)
 
@@ -102,7 +107,7 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
                 name, tokens, hidden, ffn_hidden, experts, top_k, comm.size, str(dtype).removeprefix("torch."),
                 str(device), sent_bytes, t_dispatch, sent_bytes / t_dispatch / 1e3, t_combine,
                 sent_bytes / t_combine / 1e3, t_a2a, sent_bytes / t_a2a / 1e3, t_experts, t_seq, t_pipe, k,
-                100 * (t_seq - t_pipe) / comm_us if comm_us else 0.0, wrong, pieces))
+                100 * (t_seq - t_pipe) / comm_us if comm_us else 0.0, wrong, pieces, transport))
     return records
 
 
@@ -110,7 +115,7 @@ def format_moe_table(records: list[MoERecord]) -> str:
     lines = []
     for r in records:
         lines.append(f"{r.config:<14} tokens {r.tokens:>6} h {r.hidden:>5} E {r.experts:>4} k {r.top_k} "
-                     f"pieces {r.pieces} | dispatch "
+                     f"{r.transport} pieces {r.pieces} | dispatch "
                      f"{r.dispatch_us:9.1f} us {r.dispatch_GBps:7.2f} GB/s | combine {r.combine_us:9.1f} us "
                      f"{r.combine_GBps:7.2f} GB/s | all_to_all {r.a2a_us:9.1f} us {r.a2a_GBps:7.2f} GB/s | experts "
                      f"{r.experts_us:9.1f} us | sequential {r.sequential_us:9.1f} us | pipelined/{r.chunks} "
@@ -127,7 +132,7 @@ def plot_moe(records: list[MoERecord], path: str, title: str = "") -> None:
     import matplotlib.pyplot as plt
 
     def label(r: MoERecord) -> str:
-        return f"{r.config} x{r.pieces}" if r.pieces > 1 else r.config
+        return r.config + ("" if r.transport == "nccl" else " ce") + (f" x{r.pieces}" if r.pieces > 1 else "")
 
     configs = list(dict.fromkeys(label(r) for r in records))  # a configuration per exchange_pieces
     fig, (ax_bw, ax_t) = plt.subplots(1, 2, figsize=(13, 4.5))

@@ -38,6 +38,8 @@ def main() -> int:
     p.add_argument("-d", "--dtype", default=None, choices=sorted(DTYPES))
     p.add_argument("--chunks", default="2,4")
     p.add_argument("--pieces", default="1,4", help="exchange_pieces of the dispatcher, comma-separated")
+    p.add_argument("--transport", default=None,
+                   help="comma-separated: nccl, copy_engine (default: both on the GPUs of one node, else nccl)")
     p.add_argument("-n", "--iters", type=int, default=5)
     p.add_argument("-r", "--reps", type=int, default=3)
     p.add_argument("--json")
@@ -56,13 +58,20 @@ def main() -> int:
             configs.append((name, *map(int, nums)))  # type: ignore[arg-type]
     chunks = tuple(int(x) for x in args.chunks.split(","))
     records = []
+    transports = args.transport.split(",") if args.transport else ["nccl"]
+    if not args.transport and cuda:
+        from overlap import _copy_engine
+
+        if not _copy_engine.unavailable(comm, device, dtype):
+            transports.append("copy_engine")
     for name, tokens, hidden, ffn, experts, k in configs:
-        for pieces in (int(x) for x in args.pieces.split(",")):
-            rs = measure_config(comm, name, tokens, hidden, ffn, experts, k, dtype, device, chunk_counts=chunks,
-                                iters=args.iters, reps=args.reps, pieces=pieces)
-            records += rs
-            if comm.rank == 0:
-                print(format_moe_table(rs), flush=True)
+        for transport in transports:
+            for pieces in (int(x) for x in args.pieces.split(",")):
+                rs = measure_config(comm, name, tokens, hidden, ffn, experts, k, dtype, device, chunk_counts=chunks,
+                                    iters=args.iters, reps=args.reps, pieces=pieces, transport=transport)
+                records += rs
+                if comm.rank == 0:
+                    print(format_moe_table(rs), flush=True)
     if comm.rank == 0:
         meta = {"command": " ".join(["launch/bench_moe.py", *sys.argv[1:]]), "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
                 "world": comm.size, "backend": comm.backend, "torch": torch.__version__,

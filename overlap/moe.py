@@ -26,6 +26,9 @@ pieces' gathers and asynchronous transfers are issued first, then each arrival i
 (``index_copy_`` into ``recv_x``; for combine a weighted ``index_add_``) while later pieces are
 in flight: the two extra passes over the rows overlap the transfer instead of adding to it.
 
+With ``transport="copy_engine"`` (the GPUs of one node) the pieces are pushed by copy engines
+into the destinations' peer buffers and put in place from there (``_moe_copy_engine.py``).
+
 ``forward_pipelined`` splits the tokens into chunks. Without autograd it issues the exchanges
 asynchronously (chunk i+1's dispatch and chunk i-1's combine travel while the experts compute
 chunk i); with autograd the chunks run one after another through the differentiable halves.
@@ -45,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import collectives as C
-from collectives.errors import InvalidArgumentError
+from collectives.errors import InvalidArgumentError, UnsupportedError
 
 __all__ = ["MoEDispatcher", "DispatchHandle", "GroupedSwiGLU", "reference_moe"]
 
@@ -177,6 +180,14 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, handle: DispatchHandle, group: Any) -> torch.Tensor:
         ctx.handle, ctx.group, ctx.shape = handle, group, x.shape
+        plan = handle.extra.get("ce")
+        if plan is not None:
+            from collectives.peer import peer_memory
+
+            from . import _moe_copy_engine
+
+            return _moe_copy_engine.dispatch(peer_memory(C.get_communicator(group)), plan, x.contiguous(),
+                                             sum(handle.recv_counts))
         pieces = handle.extra.get("pieces")
         if pieces is not None:
             return _route_pieces(pieces, x, sum(handle.recv_counts), group)
@@ -194,7 +205,16 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, rows: torch.Tensor, weights: torch.Tensor, handle: DispatchHandle, group: Any) -> torch.Tensor:
         pieces = handle.extra.get("pieces")
+        plan = handle.extra.get("ce")
         ctx.handle, ctx.group, ctx.wshape, ctx.wdtype = handle, group, weights.shape, weights.dtype
+        if plan is not None and not ctx.needs_input_grad[1]:
+            from collectives.peer import peer_memory
+
+            from . import _moe_copy_engine
+
+            ctx.save_for_backward(None, weights.reshape(-1).index_select(0, handle.order).to(rows.dtype))
+            return _moe_copy_engine.combine(peer_memory(C.get_communicator(group)), plan, rows.contiguous(), weights,
+                                            handle.num_tokens)
         if pieces is not None and not ctx.needs_input_grad[1]:
             # (the weights' gradient needs every returned row in send order: the one-piece path)
             ctx.save_for_backward(None, weights.reshape(-1).index_select(0, handle.order).to(rows.dtype))
@@ -237,13 +257,17 @@ class MoEDispatcher:
         exchange_pieces: dispatch and combine move their rows in this many pieces, each piece's
             gather (resp. weighted sum) overlapping other pieces' transfers; combine uses one
             piece when the router weights need a gradient. The same on every rank.
+        transport: "nccl" (``all_to_all_single``) or "copy_engine" (the GPUs of one node: rows
+            pushed by copy engines into the peers' buffers, ``overlap/_moe_copy_engine.py``; its
+            backward passes and a combine whose weights need a gradient use NCCL).
 
     Every rank calls ``dispatch`` and ``combine`` the same number of times, in the same order
     (they communicate); token counts may differ between ranks, and may be zero.
     """
 
     def __init__(self, num_experts: int, hidden: int, group: Any = None, *, dtype: torch.dtype | None = None,
-                 device: Any = None, capacity_factor: float | None = None, exchange_pieces: int = 1) -> None:
+                 device: Any = None, capacity_factor: float | None = None, exchange_pieces: int = 1,
+                 transport: str = "nccl") -> None:
         comm = C.get_communicator(group)
         if not isinstance(num_experts, int) or num_experts < 1 or num_experts % comm.size:
             raise InvalidArgumentError("num_experts", num_experts, f"is not a positive multiple of the group's {comm.size} ranks",
@@ -260,6 +284,10 @@ class MoEDispatcher:
         if not isinstance(exchange_pieces, int) or isinstance(exchange_pieces, bool) or exchange_pieces < 1:
             raise InvalidArgumentError("exchange_pieces", exchange_pieces, "is not a positive int", "pass 1 (or e.g. 4)")
         self.exchange_pieces = exchange_pieces
+        if transport not in ("nccl", "copy_engine"):
+            raise InvalidArgumentError("transport", transport, "is not 'nccl' or 'copy_engine'", "pass 'nccl'")
+        self.transport = transport
+        self._row_bytes = 0
         self.last_chunks: tuple[int, str] | None = None
 
     # -- routing ---------------------------------------------------------------------------------
@@ -276,6 +304,15 @@ class MoEDispatcher:
         if topk_weights is not None and topk_weights.shape != topk_idx.shape:
             raise InvalidArgumentError("topk_weights", topk_weights, f"has shape {tuple(topk_weights.shape)}, topk_idx "
                                        f"{tuple(topk_idx.shape)}", "pass one weight per (token, expert) pair")
+
+    def _check_transport(self, x: torch.Tensor) -> None:
+        if self.transport == "copy_engine":
+            from . import _copy_engine
+
+            why = _copy_engine.unavailable(self.comm, x.device, x.dtype)
+            if why:
+                raise UnsupportedError("transport", self.transport, f"cannot run here: {why}", "use transport='nccl'")
+            self._row_bytes = x.shape[1] * x.element_size()
 
     def route(self, topk_idx: torch.Tensor) -> DispatchHandle:
         """The handle for routing ``topk_idx`` (exchanges the per-expert counts: collective)."""
@@ -321,17 +358,26 @@ class MoEDispatcher:
             local.append((order, per_expert, dropped, hi - lo))
         n = len(bounds)
         counts = np.stack([c for _, c, _, _ in local]).reshape(n, w, e_loc)
-        # [n, W, E/W] -> [W, n, E/W]: what each rank receives, for each range, for each local expert
-        send_buf = torch.from_numpy(np.ascontiguousarray(counts.transpose(1, 0, 2)).reshape(-1))
-        if dev.type == "cpu" or not self.comm.backend_for(dev.type):
-            got_t = torch.empty_like(send_buf)
-            C.all_to_all_single(got_t, send_buf, group=self.group)
+        every: np.ndarray | None = None
+        if self.transport == "copy_engine":
+            # every rank's counts: the copy-engine plan sizes its slots from all of them
+            mine = torch.from_numpy(np.ascontiguousarray(counts).reshape(-1))
+            all_dev = torch.empty(w * mine.numel(), dtype=mine.dtype, device=dev)
+            C.all_gather_single(all_dev, mine.to(dev), group=self.group)
+            every = all_dev.cpu().numpy().reshape(w, n, w, e_loc)  # [source, range, destination, expert]
+            got = np.ascontiguousarray(every[:, :, self.comm.rank, :])
         else:
-            # GPU tokens: the counts travel over the GPU's backend, like the rows
-            got_dev = torch.empty_like(send_buf, device=dev)
-            C.all_to_all_single(got_dev, send_buf.to(dev), group=self.group)
-            got_t = got_dev.cpu()
-        got = got_t.numpy().reshape(w, n, e_loc)
+            # [n, W, E/W] -> [W, n, E/W]: what each rank receives, for each range, for each local expert
+            send_buf = torch.from_numpy(np.ascontiguousarray(counts.transpose(1, 0, 2)).reshape(-1))
+            if dev.type == "cpu" or not self.comm.backend_for(dev.type):
+                got_t = torch.empty_like(send_buf)
+                C.all_to_all_single(got_t, send_buf, group=self.group)
+            else:
+                # GPU tokens: the counts travel over the GPU's backend, like the rows
+                got_dev = torch.empty_like(send_buf, device=dev)
+                C.all_to_all_single(got_dev, send_buf.to(dev), group=self.group)
+                got_t = got_dev.cpu()
+            got = got_t.numpy().reshape(w, n, e_loc)
         local_ids = np.tile(np.arange(e_loc, dtype=small), w)
         pieces, layout = [], []
         n_pieces = self.exchange_pieces
@@ -342,11 +388,21 @@ class MoEDispatcher:
             regroup = np.argsort(np.repeat(local_ids, matrix.reshape(-1)), kind="stable")
             send, recv = counts[c].sum(1).tolist(), matrix.sum(1).tolist()
             pieces += [order, order // k, regroup]
-            split_lists = None
-            if n_pieces > 1:
+            split_lists: Any = None
+            if every is not None:
+                from collectives.peer import peer_memory
+
+                from . import _moe_copy_engine
+
+                scalars, arrays = _moe_copy_engine.plan(self.comm.rank, w, n_pieces, order, k, send, recv, regroup,
+                                                        every[:, c].sum(-1), self._row_bytes,
+                                                        peer_memory(self.comm).slot_bytes)
+                pieces += arrays
+                split_lists = ("ce", scalars, [a.size for a in arrays])
+            elif n_pieces > 1:
                 arrays, sends, recvs = _plan_pieces(n_pieces, order, k, send, recv, regroup)
                 pieces += arrays
-                split_lists = (sends, recvs, [a.size for a in arrays])
+                split_lists = ("pieces", (sends, recvs), [a.size for a in arrays])
             layout.append((matrix, dropped, tokens, send, recv, split_lists))
         flat_all = torch.from_numpy(np.concatenate(pieces).astype(np.int64)) if pieces else torch.empty(0, dtype=torch.int64)
         on_dev = flat_all.to(dev)  # one copy to the device for every index of every range
@@ -360,12 +416,17 @@ class MoEDispatcher:
             h = DispatchHandle(matrix.sum(0).tolist(), send, recv, torch.from_numpy(matrix), order_t, token_t,
                                regroup_t, tokens, k, dropped)
             if split_lists is not None:
-                sends, recvs, sizes = split_lists
+                kind, info, sizes = split_lists
                 views = []
                 for size in sizes:
                     views.append(on_dev[at:at + size])
                     at += size
-                h.extra["pieces"] = _Pieces(views[0::3], views[1::3], views[2::3], sends, recvs)
+                if kind == "ce":
+                    from . import _moe_copy_engine
+
+                    h.extra["ce"] = _moe_copy_engine.build(info, views)
+                else:
+                    h.extra["pieces"] = _Pieces(views[0::3], views[1::3], views[2::3], *info)
             handles.append(h)
         return handles
 
@@ -378,6 +439,7 @@ class MoEDispatcher:
         ``topk_weights`` is only checked here; ``combine`` takes it.
         """
         self._check(x, topk_idx, topk_weights)
+        self._check_transport(x)
         handle = self.route(topk_idx)
         return _Dispatch.apply(x, handle, self.group), handle
 
@@ -420,6 +482,7 @@ class MoEDispatcher:
         if n == 1:
             return self.forward(x, topk_idx, topk_weights, experts)
         self._check(x, topk_idx, topk_weights)
+        self._check_transport(x)
         bounds = [(x.shape[0] * i // n, x.shape[0] * (i + 1) // n) for i in range(n)]
         handles = self.route_chunks(topk_idx, bounds)  # every chunk's counts in one small exchange
         if not torch.is_grad_enabled():

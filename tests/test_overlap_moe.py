@@ -155,6 +155,13 @@ def _errors(rank: int, world: int) -> list[str]:
             out.append("no error")
         except C.InvalidArgumentError as exc:
             out.append(str(exc))
+    for make in (lambda: MoEDispatcher(2 * world, H, transport="nvshmem"),
+                 lambda: MoEDispatcher(2 * world, H, transport="copy_engine").dispatch(x, torch.tensor([[0, 1]] * 3))):
+        try:
+            make()
+            out.append("no error")
+        except C.InvalidArgumentError as exc:
+            out.append(str(exc))
     return out
 
 
@@ -163,6 +170,7 @@ def test_bad_routing_is_refused_before_anything_is_sent(worlds) -> None:  # noqa
         assert all("Fix:" in m for m in msgs), msgs
         assert "num_experts" in msgs[0] and "capacity_factor" in msgs[1]
         assert "same expert twice" in msgs[2] and "outside" in msgs[3] and "integer" in msgs[4]
+        assert "transport" in msgs[5] and "copy_engine" in msgs[6] and "GPUs of one node" in msgs[6]
 
 
 def _layer_case(rank: int, world: int, tokens: list[int], capacity: float | None) -> float:

@@ -1,0 +1,171 @@
+"""A stand-in for ``PeerMemory`` on CPU threads, for the copy-engine bookkeeping tests.
+
+Every rank is a thread: copies are ``memmove`` into shared CPU buffers, flags live under a
+condition variable, the compute stream runs on the rank's thread and each copy stream is a
+worker thread that runs what is queued on it in order (so a wait on a copy stream holds that
+stream only, as on a GPU). ``use_fake_streams`` puts the matching stream helper into
+``overlap._copy_engine``; ``run_ranks`` runs one function per rank.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import queue
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from overlap import _copy_engine as CE
+
+TIMEOUT_S = 20.0
+
+
+class _Hub:
+    """What the ranks share: slot buffers, flags, barriers."""
+
+    def __init__(self, world: int, slot_bytes: int) -> None:
+        self.world = world
+        self.slots = [torch.zeros(slot_bytes, dtype=torch.uint8) for _ in range(world)]
+        self.flags: dict[tuple[int, int, int, int], int] = {}  # (owner, slot, stage, source) -> value
+        self.cv = threading.Condition()
+        self.barrier = threading.Barrier(world, timeout=TIMEOUT_S)
+
+
+class _Stream(threading.Thread):
+    """A copy stream: runs queued work in order; ``drain`` waits for all of it."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name=name, daemon=True)
+        self.work: queue.Queue[Any] = queue.Queue()
+        self.errors: list[BaseException] = []
+        self.start()
+
+    def run(self) -> None:
+        while True:
+            fn = self.work.get()
+            try:
+                if fn is None:
+                    return
+                if not self.errors:
+                    fn()
+            except BaseException as exc:  # noqa: BLE001 - reported by drain
+                self.errors.append(exc)
+            finally:
+                self.work.task_done()
+
+    def drain(self) -> None:
+        self.work.join()
+        if self.errors:
+            raise self.errors[0]
+
+
+MAIN = "main"
+
+
+def _on(stream: Any, fn: Any) -> None:
+    if stream == MAIN:
+        fn()
+    else:
+        stream.work.put(fn)
+
+
+class _FakePeerMemory:
+    def __init__(self, hub: _Hub, rank: int) -> None:
+        self.hub, self.rank, self.world = hub, rank, hub.world
+        self.slot_bytes = hub.slots[0].numel()
+        self.device = torch.device("cpu")
+        self.copy_streams = (_Stream(f"push{rank}"), _Stream(f"pull{rank}"))
+        self.slot_pointers = tuple(t.data_ptr() for t in hub.slots)
+
+    def ce_open(self) -> None:
+        self.hub.barrier.wait()
+
+    def ce_close(self) -> None:
+        self.hub.barrier.wait()
+        with self.hub.cv:
+            for key in [k for k in self.hub.flags if k[0] == self.rank]:
+                del self.hub.flags[key]
+
+    def ce_wait(self, stream: Any, slot: int, stage: int, value: int) -> None:
+        def ready() -> bool:
+            return all(self.hub.flags.get((self.rank, slot, stage, q), 0) >= value
+                       for q in range(self.world) if q != self.rank)
+
+        def wait() -> None:
+            with self.hub.cv:
+                if not self.hub.cv.wait_for(ready, timeout=TIMEOUT_S):
+                    raise TimeoutError(f"rank {self.rank} waited for slot {slot} stage {stage} >= {value}: "
+                                       f"{self.hub.flags}")
+
+        _on(stream, wait)
+
+    def ce_signal(self, stream: Any, peer: int, slot: int, stage: int, value: int) -> None:
+        def signal() -> None:
+            with self.hub.cv:
+                self.hub.flags[(peer, slot, stage, self.rank)] = value
+                self.hub.cv.notify_all()
+
+        _on(stream, signal)
+
+    def ce_push(self, stream: Any, peer: int, offset: int, src: int, nbytes: int) -> None:
+        assert 0 <= offset and offset + nbytes <= self.slot_bytes, (offset, nbytes)
+        _on(stream, lambda: ctypes.memmove(self.slot_pointers[peer] + offset, src, nbytes))
+
+    def ce_take(self, stream: Any, offset: int, dst: int, nbytes: int) -> None:
+        assert 0 <= offset and offset + nbytes <= self.slot_bytes, (offset, nbytes)
+        _on(stream, lambda: ctypes.memmove(dst, self.slot_pointers[self.rank] + offset, nbytes))
+
+    def slot_view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        es = torch.empty((), dtype=dtype).element_size()
+        n = 1
+        for d in shape:
+            n *= d
+        assert offset % es == 0 and offset + n * es <= self.slot_bytes, (offset, shape)
+        return self.hub.slots[self.rank][offset:offset + n * es].view(dtype).view(shape)
+
+
+class _Streams:
+    def __init__(self, pm: Any) -> None:
+        self.push, self.pull = pm.copy_streams
+        self.main, self.ms, self.ps, self.ls = MAIN, MAIN, self.push, self.pull
+
+    def after_main(self, side: Any) -> None:
+        pass  # the compute stream's work is done when the rank's thread gets here
+
+    def join(self, *sides: Any) -> None:
+        for side in sides:
+            side.drain()
+
+
+def use_fake_streams(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Put the stand-in's stream helper into ``overlap._copy_engine`` (for a test's duration)."""
+    monkeypatch.setattr(CE, "_Streams", _Streams)
+
+
+def run_ranks(world: int, slot_bytes: int, fn: Any) -> list[Any]:
+    hub = _Hub(world, slot_bytes)
+    results: list[Any] = [None] * world
+    errors: list[BaseException] = []
+
+    def body(rank: int) -> None:
+        pm = _FakePeerMemory(hub, rank)
+        try:
+            results[rank] = fn(pm, rank)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+            hub.barrier.abort()
+        finally:
+            for st in pm.copy_streams:
+                st.work.put(None)
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT_S * 3)
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return results
