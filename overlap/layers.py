@@ -263,7 +263,7 @@ class MoELayer(nn.Module):
         group: the expert-parallel group (default: world).
         capacity_factor: ``None`` (dropless) or each expert's capacity factor.
         chunks: the pipeline's chunks (``MoEDispatcher.forward_pipelined``).
-        exchange_pieces: pieces of each row exchange (``MoEDispatcher``).
+        exchange_pieces, transport: how the rows travel (``MoEDispatcher``).
 
     ``forward(x)`` takes this rank's tokens ``[..., hidden]`` (any count, zero included) and
     returns the same shape; every rank calls it together.
@@ -271,7 +271,7 @@ class MoELayer(nn.Module):
 
     def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int, group: Any = None, *,
                  dtype: torch.dtype | None = None, device: Any = None, capacity_factor: float | None = None,
-                 chunks: int | str = "auto", exchange_pieces: int = 1) -> None:
+                 chunks: int | str = "auto", exchange_pieces: int = 1, transport: str = "nccl") -> None:
         super().__init__()
         from .moe import GroupedSwiGLU, MoEDispatcher
 
@@ -279,7 +279,8 @@ class MoELayer(nn.Module):
             raise InvalidArgumentError("top_k", top_k, f"is not in 1..num_experts ({num_experts})", "pick fewer experts per token")
         self.group, self.top_k, self.chunks = group, top_k, chunks
         self.dispatcher = MoEDispatcher(num_experts, hidden, group, dtype=dtype, device=device,
-                                        capacity_factor=capacity_factor, exchange_pieces=exchange_pieces)
+                                        capacity_factor=capacity_factor, exchange_pieces=exchange_pieces,
+                                        transport=transport)
         self.router = nn.Linear(hidden, num_experts, bias=False, dtype=dtype, device=device)
         if dist.get_world_size(group) > 1:
             C.broadcast(self.router.weight.data, group=group, group_src=0)

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import collectives as C  # noqa: E402
 from overlap import ops  # noqa: E402
 from overlap.layers import ColumnParallelLinear, MoELayer, RowParallelLinear  # noqa: E402
-from overlap.moe import GroupedSwiGLU, reference_moe  # noqa: E402
+from overlap.moe import GroupedSwiGLU, MoEDispatcher, reference_moe  # noqa: E402
 
 TOL = 2e-4  # float32, sums of a few hundred terms of size ~1
 
@@ -135,41 +135,74 @@ def main() -> int:
     torch.manual_seed(11)
     router = torch.nn.Linear(H, E, bias=False).to(dev)
     full = GroupedSwiGLU(E, H, FF, device=dev)
-    layer = MoELayer(H, FF, E, k, device=dev)
-    lo = r * (E // w)
-    with torch.no_grad():
-        layer.router.weight.copy_(router.weight)
+    def moe_layer_check(transport: str, pieces: int) -> None:
+        full.zero_grad(set_to_none=True)  # the reference's gradients, fresh for each layer
+        router.zero_grad(set_to_none=True)
+        layer = MoELayer(H, FF, E, k, device=dev, transport=transport, exchange_pieces=pieces)
+        lo = r * (E // w)
+        with torch.no_grad():
+            layer.router.weight.copy_(router.weight)
+            for name in ("w1", "w2", "w3"):
+                getattr(layer.experts, name).copy_(getattr(full, name)[lo:lo + E // w])
+        tokens = [16 + 5 * q for q in range(w)]
+
+        def data(q: int) -> tuple[torch.Tensor, torch.Tensor]:
+            gq = torch.Generator(device=dev).manual_seed(500 + q)
+            return torch.randn(tokens[q], H, generator=gq, device=dev), torch.randn(tokens[q], H, generator=gq, device=dev)
+
+        x, gout = data(r)
+        xs = x.clone().requires_grad_()
+        out = layer(xs)
+        (out * gout).sum().backward()
+
+        def expert(e: int, rows_: torch.Tensor) -> torch.Tensor:
+            return (F.silu(rows_ @ full.w1[e]) * (rows_ @ full.w3[e])) @ full.w2[e]
+
+        total = torch.zeros((), device=dev)
+        for q in range(w):
+            xq, gq = data(q)
+            xq = xq.clone().requires_grad_(q == r)
+            probs = torch.softmax(router(xq), dim=-1)
+            wq, idx = probs.topk(k, dim=-1)
+            ref = reference_moe(xq, idx, wq / wq.sum(-1, keepdim=True), expert)
+            if q == r:
+                close(f"moe {transport}/{pieces} output", out, ref.detach())
+                mine = xq
+            total = total + (ref * gq).sum()
+        total.backward()
+        close(f"moe {transport}/{pieces} input grad", xs.grad, mine.grad)
         for name in ("w1", "w2", "w3"):
-            getattr(layer.experts, name).copy_(getattr(full, name)[lo:lo + E // w])
-    tokens = [16 + 5 * q for q in range(w)]
+            close(f"moe {transport}/{pieces} {name} grad", getattr(layer.experts, name).grad, getattr(full, name).grad[lo:lo + E // w])
 
-    def data(q: int) -> tuple[torch.Tensor, torch.Tensor]:
-        gq = torch.Generator(device=dev).manual_seed(500 + q)
-        return torch.randn(tokens[q], H, generator=gq, device=dev), torch.randn(tokens[q], H, generator=gq, device=dev)
 
-    x, gout = data(r)
-    xs = x.clone().requires_grad_()
-    out = layer(xs)
-    (out * gout).sum().backward()
-
-    def expert(e: int, rows_: torch.Tensor) -> torch.Tensor:
-        return (F.silu(rows_ @ full.w1[e]) * (rows_ @ full.w3[e])) @ full.w2[e]
-
-    total = torch.zeros((), device=dev)
-    for q in range(w):
-        xq, gq = data(q)
-        xq = xq.clone().requires_grad_(q == r)
-        probs = torch.softmax(router(xq), dim=-1)
-        wq, idx = probs.topk(k, dim=-1)
-        ref = reference_moe(xq, idx, wq / wq.sum(-1, keepdim=True), expert)
-        if q == r:
-            close("moe output", out, ref.detach())
-            mine = xq
-        total = total + (ref * gq).sum()
-    total.backward()
-    close("moe input grad", xs.grad, mine.grad)
-    for name in ("w1", "w2", "w3"):
-        close(f"moe {name} grad", getattr(layer.experts, name).grad, getattr(full, name).grad[lo:lo + E // w])
+    moe_layer_check("nccl", 1)
+    moe_layer_check("nccl", 3)
+    if dev.type == "cuda":
+        moe_layer_check("copy_engine", 1)
+        moe_layer_check("copy_engine", 3)
+        # dispatch and combine alone, every transport against one NCCL piece, back to back with
+        # fresh routing, in bf16 (the grouped GEMM's dtype) and fp32: dispatch moves rows exactly
+        Ed, kd = 8 * w, 3
+        for dtype in (torch.float32, torch.bfloat16):
+            plain = MoEDispatcher(Ed, H, dtype=dtype, device=dev)
+            others = {(t, n): MoEDispatcher(Ed, H, dtype=dtype, device=dev, transport=t, exchange_pieces=n)
+                      for t, n in (("nccl", 4), ("copy_engine", 1), ("copy_engine", 4))}
+            for call in range(10):
+                g.manual_seed(800 + 10 * call + r)
+                T = 29 + 7 * r + call
+                xd = torch.randn(T, H, generator=g, device=dev).to(dtype)
+                idx = torch.rand(T, Ed, generator=g, device=dev).topk(kd, dim=-1).indices
+                wd = torch.rand(T, kd, generator=g, device=dev).to(dtype)
+                with torch.no_grad():
+                    recv_ref, h_ref = plain.dispatch(xd, idx)
+                    out_ref = plain.combine(recv_ref * 1.5, h_ref, wd)
+                    for (t, n), d in others.items():
+                        recv, h = d.dispatch(xd, idx)
+                        checks += 1
+                        if not torch.equal(recv, recv_ref):
+                            fails.append(f"rank {r} dispatch {t}/{n} {dtype} call {call}: rows differ")
+                        close(f"combine {t}/{n} {dtype} call {call}", d.combine(recv * 1.5, h, wd), out_ref,
+                              tol=TOL if dtype == torch.float32 else 2e-2)
 
     every: list[list[str] | None] = [None] * w
     dist.all_gather_object(every, fails)
