@@ -336,6 +336,8 @@ def _all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: Any, gather_
         side.join()
         full = None if full is None else full.view(m * w, -1)
     out = out2.view(lead.shape[0] * w, *lead.shape[1:-1], n).movedim(0, d)
+    if d:  # the plain sequence's matmul returns a contiguous result: so do we
+        out = out.contiguous()
     return (out, full) if keep_gathered else out
 
 

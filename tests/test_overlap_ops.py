@@ -28,12 +28,19 @@ def _grad_out(shape: tuple[int, ...], seed: int, q: int = 0) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed * 7 + 99 + q), dtype=torch.float64)
 
 
+def _same_layout(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """What a caller can tell apart besides the values: shape, dtype and strides."""
+    assert (out.shape, out.dtype, out.stride()) == (ref.shape, ref.dtype, ref.stride()), \
+        (out.shape, out.dtype, out.stride(), ref.shape, ref.dtype, ref.stride())
+
+
 def _case_all_reduce(rank: int, world: int, strategy: str, chunks: int, shape: tuple[int, ...], seed: int) -> float:
     mine = _operands(rank, shape, seed)
     a, b = (t.float().requires_grad_() for t in mine[:2])
     bias = _operands(0, shape, seed)[2].float().requires_grad_()  # one bias, the same on every rank
     out = ops.gemm_all_reduce(a, b, bias=bias, strategy=strategy, chunks=chunks)
     ref = ops.reference_gemm_all_reduce(a.detach(), b.detach(), bias=bias.detach())
+    _same_layout(out, ref)
     G = _grad_out(tuple(out.shape), seed)  # the same on every rank: a replicated output's loss, counted once
     (out * G.float()).sum().backward()
     # float64 autograd of the unsharded computation
@@ -53,6 +60,7 @@ def _case_reduce_scatter(rank: int, world: int, strategy: str, chunks: int, shap
     a, b, _ = (t.float().requires_grad_() for t in _operands(rank, shape, seed))
     out = ops.gemm_reduce_scatter(a, b, scatter_dim=dim, strategy=strategy, chunks=chunks)
     ref = ops.reference_gemm_reduce_scatter(a.detach(), b.detach(), scatter_dim=dim)
+    _same_layout(out, ref)
     Gs = [_grad_out(tuple(out.shape), seed, q) for q in range(world)]  # each rank's slice feeds its own loss
     (out * Gs[rank].float()).sum().backward()
     every = [[t.clone().requires_grad_() for t in _operands(q, shape, seed)[:2]] for q in range(world)]
@@ -71,6 +79,7 @@ def _case_all_gather(rank: int, world: int, strategy: str, chunks: int, shape: t
     a, b, _ = (t.float().requires_grad_() for t in _operands(rank, shape, seed))
     out = ops.all_gather_gemm(a, b, gather_dim=dim, strategy=strategy, chunks=chunks)
     ref = ops.reference_all_gather_gemm(a.detach(), b.detach(), gather_dim=dim)
+    _same_layout(out, ref)
     Gs = [_grad_out(tuple(out.shape), seed, q) for q in range(world)]
     (out * Gs[rank].float()).sum().backward()
     every = [[t.clone().requires_grad_() for t in _operands(q, shape, seed)[:2]] for q in range(world)]
