@@ -4,13 +4,14 @@
 #   launch/gpu_suite.sh OUTDIR [STEP ...]     (NPROC=n: ranks; default every GPU)
 #
 # Steps (default: all, in this order): peer_check overlap_check faults overlap_tune overlap
-# overlap_graph tp_mlp moe peer_bench peer_big. Each runs under a time limit and writes STEP.log (and
-# its JSON/plots); a failing step does not stop the others. NVLink multicast stays off in every
+# overlap_graph tp_mlp moe peer_bench peer_big tune_peer (host cost per call, with a profile).
+# Each runs under a time limit and writes STEP.log (and its JSON/plots); a failing step does not
+# stop the others. NVLink multicast stays off in every
 # process (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1).
 set -u
 OUT=${1:?usage: launch/gpu_suite.sh OUTDIR [STEP ...]}
 shift
-STEPS=${*:-peer_check overlap_check faults overlap_tune overlap overlap_graph tp_mlp moe peer_bench peer_big}
+STEPS=${*:-peer_check overlap_check faults overlap_tune overlap overlap_graph tp_mlp moe peer_bench peer_big tune_peer}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -58,6 +59,7 @@ for step in $STEPS; do
     peer_bench) run peer_bench 300 $R launch/bench_collectives.py --op all_reduce,reduce_scatter,all_gather -d bf16 \
         -b 8 -e 1G -f 4 -a native,one_shot,two_shot,copy_engine,auto,symm_mem_two_shot -G both -n 20 -r 5 -w 5 \
         --json "$OUT/peer.json" --plot-vs-native "$OUT/peer.png" ;;
+    tune_peer) run tune_peer 200 $R launch/tune_peer.py -b 8 -e 256K -f 8 --json "$OUT/tune_peer.json" ;;
     peer_big) COMMOPS_PEER_BYTES=$BIG run peer_big 240 $R launch/bench_collectives.py --op all_reduce -d bf16 \
         -b 64M -e 1G -f 2 -a native,two_shot,copy_engine -G both -n 10 -r 5 -w 3 --json "$OUT/peer_big.json" ;;
     *) echo "unknown step $step"; exit 2 ;;
