@@ -192,6 +192,7 @@ class PeerMemory:
         self._index = self.device.index
         self._kernels: dict[tuple[str, torch.dtype | None, bool], _launch.Kernel] = {}
         self._slot_tensor: torch.Tensor | None = None  # slot_view's tensor over my slot buffer
+        self._views: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor] = {}  # slot_view's, kept
         torch.cuda.synchronize(self.device)
         _all_gather_ints(comm, [0])  # every rank mapped every peer before anyone pushes
 
@@ -397,6 +398,10 @@ class PeerMemory:
 
     def slot_view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A tensor over this rank's own slot buffer, ``offset`` bytes in (what peers pushed there)."""
+        key = (offset, shape, dtype)
+        view = self._views.get(key)
+        if view is not None:
+            return view
         es = torch.empty((), dtype=dtype).element_size()
         n = math.prod(shape)
         if offset % es or offset < 0 or offset + n * es > self.slot_bytes:
@@ -408,7 +413,10 @@ class PeerMemory:
             mem = cupy.cuda.UnownedMemory(self.slot_pointers[self.rank], self.slot_bytes, self, self.device.index)
             arr = cupy.ndarray((self.slot_bytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
             self._slot_tensor = torch.from_dlpack(arr)
-        return self._slot_tensor[offset:offset + n * es].view(dtype).view(shape)
+        if len(self._views) > 4096:  # a view per (offset, shape, dtype) asked for: a few per operator shape
+            self._views.clear()
+        view = self._views[key] = self._slot_tensor[offset:offset + n * es].view(dtype).view(shape)
+        return view
 
     @property
     def copy_streams(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
@@ -466,6 +474,7 @@ class PeerMemory:
                 rt.free(p)
         self._opened, self._own = [], []
         self._slot_tensor = None
+        self._views.clear()
         self._plans.clear()  # the next call re-plans, and _check refuses a closed PeerMemory
         self.closed = True
 
