@@ -26,6 +26,10 @@ class EnvVar(Generic[T]):
     def get(self) -> T:
         return _read(self)  # type: ignore[return-value]
 
+    def is_set(self) -> bool:
+        """Whether the environment sets this variable (its default is then not in use)."""
+        return self.name in os.environ
+
 
 def _parse(raw: str, default: object) -> object:
     if isinstance(default, bool):

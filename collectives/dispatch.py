@@ -157,10 +157,9 @@ def dispatch_tensors(comm: Communicator, op: str, output: torch.Tensor, input: t
     the full path checks and decides except what belongs to the tensor objects themselves, which
     the fast path checks again (a CUDA tensor, contiguous, on the current device). It applies
     only to synchronous calls of algorithms that offer a runner (``Algorithm.fast_path``), outside
-    ``call_timeout`` blocks, with no
-    trace hook, profiler or NVTX tool to inform; the call still counts in ``comm.seq``. On the
-    2xH200 machine it takes several microseconds off each small peer-memory call, which is most
-    of the host time such a call has.
+    ``call_timeout`` blocks, with no trace hook, profiler or NVTX tool to inform; the call still
+    counts in ``comm.seq``. On the 2xH200 machine it takes several microseconds off each small
+    peer-memory call, which is most of the host time such a call has.
     """
     if not async_op and not _HOOKS and not comm.debug and type(output) is torch.Tensor and output.is_cuda \
             and type(input) is torch.Tensor and limit() is None:

@@ -9,7 +9,6 @@ splits messages into pieces that fit the slots, picks the vectorised or the scal
 from __future__ import annotations
 
 import math
-import os
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -144,7 +143,7 @@ class PeerMemory:
         self.slot_bytes = size
         if timeout_s is None:
             # COMMOPS_PEER_TIMEOUT_S if set, else the group's timeout from init(timeout=...), else its default
-            given = _env.PEER_TIMEOUT_S.name in os.environ or comm.timeout_s is None
+            given = _env.PEER_TIMEOUT_S.is_set() or comm.timeout_s is None
             timeout_s = _env.PEER_TIMEOUT_S.get() if given else comm.timeout_s
         self.timeout_s = float(timeout_s)  # type: ignore[arg-type]
         self._plans: dict[tuple[str, torch.dtype, int], Any] = {}
