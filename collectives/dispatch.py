@@ -16,7 +16,8 @@ collective's path and its cost is measured against calling torch.distributed dir
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,7 +36,7 @@ from .work import EventWork, FutureWork, TorchWork, Work
 if TYPE_CHECKING:
     from .communicator import Communicator
 
-__all__ = ["Call", "dispatch", "dispatch_tensors", "add_trace_hook", "remove_trace_hook", "TraceHook"]
+__all__ = ["Call", "dispatch", "dispatch_tensors", "recorded", "add_trace_hook", "remove_trace_hook", "TraceHook"]
 
 # A trace hook is called as hook(event, call, detail) with event "start" (after validation and
 # choice, before anything is sent), "end" (the call returned; async calls may still run) or
@@ -186,6 +187,22 @@ def dispatch_tensors(comm: Communicator, op: str, output: torch.Tensor, input: t
     if key is not None and call.fast is not None:
         comm._fast[key] = call.fast
     return result
+
+
+@contextmanager
+def recorded(comm: Communicator, op: str, algorithm: str, output: torch.Tensor, input: torch.Tensor) -> Iterator[None]:
+    """Count and record, like a collective, communication that runs outside the verbs (the
+    overlap operators' copy-engine paths): a sequence number of ``comm``, a flight-recorder
+    entry, and on an exception the same dump and timeout handling as a collective's."""
+    comm.seq += 1
+    entry = RECORDER.start_fast(comm, op, algorithm, output, input, None)
+    try:
+        yield
+    except BaseException as exc:
+        RECORDER.end(entry, "failed")
+        _failed(comm, op, comm.seq, exc)
+        raise
+    RECORDER.end(entry, "enqueued")
 
 
 def dispatch(call: Call) -> Work | None:

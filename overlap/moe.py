@@ -186,8 +186,12 @@ class _Dispatch(torch.autograd.Function):
 
             from . import _moe_copy_engine
 
-            return _moe_copy_engine.dispatch(peer_memory(C.get_communicator(group)), plan, x.contiguous(),
-                                             sum(handle.recv_counts))
+            from collectives.dispatch import recorded
+
+            comm, total = C.get_communicator(group), sum(handle.recv_counts)
+            with recorded(comm, "moe_dispatch", "copy_engine", torch.empty((total, *x.shape[1:]), dtype=x.dtype,
+                                                                            device="meta"), x):
+                return _moe_copy_engine.dispatch(peer_memory(comm), plan, x.contiguous(), total)
         pieces = handle.extra.get("pieces")
         if pieces is not None:
             return _route_pieces(pieces, x, sum(handle.recv_counts), group)
@@ -212,9 +216,13 @@ class _Combine(torch.autograd.Function):
 
             from . import _moe_copy_engine
 
+            from collectives.dispatch import recorded
+
             ctx.save_for_backward(None, weights.reshape(-1).index_select(0, handle.order).to(rows.dtype))
-            return _moe_copy_engine.combine(peer_memory(C.get_communicator(group)), plan, rows.contiguous(), weights,
-                                            handle.num_tokens)
+            comm = C.get_communicator(group)
+            with recorded(comm, "moe_combine", "copy_engine", torch.empty((handle.num_tokens, *rows.shape[1:]),
+                                                                           dtype=rows.dtype, device="meta"), rows):
+                return _moe_copy_engine.combine(peer_memory(comm), plan, rows.contiguous(), weights, handle.num_tokens)
         if pieces is not None and not ctx.needs_input_grad[1]:
             # (the weights' gradient needs every returned row in send order: the one-piece path)
             ctx.save_for_backward(None, weights.reshape(-1).index_select(0, handle.order).to(rows.dtype))

@@ -188,6 +188,14 @@ def _strategy(op: str, comm: C.Communicator, strategy: str, chunks: int, a: torc
     return OverlapChoice(op, strategy, 1 if strategy == "sequential" else chunks, "requested by the caller")
 
 
+def _recorded(comm: C.Communicator, op: str, a: torch.Tensor, out_shape: tuple[int, ...]) -> Any:
+    """The copy-engine strategy communicates outside the verbs: it counts and is recorded like a
+    collective (``collectives.dispatch.recorded``), its result described by a meta tensor."""
+    from collectives.dispatch import recorded
+
+    return recorded(comm, op, "copy_engine", torch.empty(out_shape, dtype=a.dtype, device="meta"), a)
+
+
 # -- asynchronous collectives for the chunked strategy ---------------------------------------------
 class _Side:
     """Runs each collective asynchronously after the work queued so far: NCCL on its own stream
@@ -239,7 +247,8 @@ def _gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group: Any, bias: torch.T
         from collectives.peer import peer_memory
 
         a2 = a.reshape(-1, a.shape[-1]).contiguous()
-        out = _copy_engine.gemm_all_reduce(peer_memory(comm), a2, b, choice.chunks).view(*a.shape[:-1], b.shape[1])
+        with _recorded(comm, "gemm_all_reduce", a2, (a2.shape[0], b.shape[1])):
+            out = _copy_engine.gemm_all_reduce(peer_memory(comm), a2, b, choice.chunks).view(*a.shape[:-1], b.shape[1])
     else:
         a2 = a.reshape(-1, a.shape[-1])
         out2 = a2.new_empty((a2.shape[0], b.shape[1]))
@@ -274,7 +283,8 @@ def _gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: Any, scatter_d
         from . import _copy_engine
         from collectives.peer import peer_memory
 
-        out2 = _copy_engine.gemm_reduce_scatter(peer_memory(comm), rows.contiguous(), b, choice.chunks)
+        with _recorded(comm, "gemm_reduce_scatter", rows, (m // w, b.shape[1])):
+            out2 = _copy_engine.gemm_reduce_scatter(peer_memory(comm), rows.contiguous(), b, choice.chunks)
     else:
         n = b.shape[1]
         out2 = rows.new_empty((m // w, n))
@@ -313,7 +323,8 @@ def _all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: Any, gather_
         from . import _copy_engine
         from collectives.peer import peer_memory
 
-        out2, kept = _copy_engine.all_gather_gemm(peer_memory(comm), rows, b, choice.chunks, keep_gathered)
+        with _recorded(comm, "all_gather_gemm", rows, (m * w, n)):
+            out2, kept = _copy_engine.all_gather_gemm(peer_memory(comm), rows, b, choice.chunks, keep_gathered)
         full = None if kept is None else kept.view(m * w, -1)
     else:
         full = rows.new_empty((w, m, rows.shape[1])) if keep_gathered else None

@@ -174,3 +174,33 @@ def test_call_timeout_bounds_a_call_below_the_group_timeout(worlds) -> None:  # 
     for res in results[:-1]:
         assert res["raised"] == "CollectiveTimeout" and res["missing"] == [2], res
         assert 1.4 < res["seconds"] < 4.0, res
+
+
+def _outside(rank: int, world: int) -> dict[str, object]:
+    from collectives.dispatch import recorded
+
+    comm = C.get_communicator()
+    recorder.RECORDER.clear()
+    first = comm.seq
+    a = torch.ones(4, 3)
+    with recorded(comm, "gemm_all_reduce", "copy_engine", torch.empty((4, 5), device="meta"), a):
+        pass
+    raised = ""
+    try:
+        with recorded(comm, "moe_dispatch", "copy_engine", torch.empty((2, 3), device="meta"), a):
+            raise RuntimeError("peer gone")
+    except RuntimeError as exc:
+        raised = str(exc)
+    C.all_reduce(torch.ones(2))  # the verbs go on counting after them
+    mine = [(e["seq"] - first, e["op"], e["algorithm"], e["state"], e["out_shape"]) for e in recorder.RECORDER.entries()
+            if e["seq"] > first]
+    return {"entries": mine, "raised": raised, "seq": comm.seq - first}
+
+
+def test_communication_outside_the_verbs_is_counted_and_recorded(worlds) -> None:  # noqa: ANN001
+    for res in worlds(2).run(_outside):
+        assert res["raised"] == "peer gone" and res["seq"] == 3
+        ops = [(s, op, alg, state) for s, op, alg, state, _ in res["entries"]]
+        assert ops == [(1, "gemm_all_reduce", "copy_engine", "enqueued"), (2, "moe_dispatch", "copy_engine", "failed"),
+                       (3, "all_reduce", ops[2][2], "completed")], res
+        assert list(res["entries"][0][4]) == [4, 5]
