@@ -19,6 +19,7 @@ receiver holds it, one region per source, and is reused once the receiver has co
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,7 +29,7 @@ from collectives.peer.memory import CE_PULLED, CE_PUSHED, CE_RING, PeerMemory
 
 from . import _copy_engine as _ce
 
-__all__ = ["Plan", "plan", "dispatch", "combine"]
+__all__ = ["Plan", "plan", "build", "dispatch", "combine", "pipelined"]
 
 
 @dataclass
@@ -180,5 +181,120 @@ def combine(pm: PeerMemory, p: Plan, y: torch.Tensor, weights: torch.Tensor, num
             pm.ce_signal(st.ms, src, s, CE_PULLED, u + 1)
     st.join(st.push)
     del staged
+    pm.ce_close()
+    return out
+
+
+class _Channel:
+    """One copy-engine section shared by many exchanges: every piece of every exchange takes the
+    next ring slot (the same sequence on every rank), in regions of the largest plan's size."""
+
+    def __init__(self, pm: PeerMemory, plans: list[Plan]) -> None:
+        self.pm, self.next = pm, 0
+        self.region = max((p.region for p in plans), default=0)
+        self.ring = min(CE_RING, pm.slot_bytes // (pm.world * self.region)) if self.region else CE_RING
+        self.st = _ce._Streams(pm)
+        self.staged: list[torch.Tensor] = []  # read by the push stream: alive until it is joined
+
+    def issue(self, rows_of: list[torch.Tensor], segs: list[list[tuple[int, int, int]]],
+              src: torch.Tensor) -> list[tuple[int, int]]:
+        """Gather each piece's rows of ``src`` and push them (copy stream); the slots used."""
+        pm, st = self.pm, self.st
+        w, r, row = pm.world, pm.rank, src.shape[1] * src.element_size()
+        used = []
+        for idx, seg in zip(rows_of, segs):
+            s, u = self.next % self.ring, self.next // self.ring
+            self.next += 1
+            rows = src.index_select(0, idx)
+            st.after_main(st.push)
+            if u:
+                pm.ce_wait(st.ps, s, CE_PULLED, u)
+            for q, at, n in seg:
+                if n:
+                    pm.ce_push(st.ps, q, (s * w + r) * self.region, rows[at].data_ptr(), n * row)
+                pm.ce_signal(st.ps, q, s, CE_PUSHED, u + 1)
+            used.append((s, u))
+            self.staged.append(rows)
+        return used
+
+    def land(self, used: list[tuple[int, int]], segs: list[list[tuple[int, int, int]]], hidden: int,
+             dtype: torch.dtype, put: Any) -> None:
+        """For each piece c: wait (compute stream) until it has landed, ``put(c, first, rows,
+        tensor in the slot)`` for each source's segment, then free the slot for that source."""
+        pm, st = self.pm, self.st
+        for c, ((s, u), seg) in enumerate(zip(used, segs)):
+            pm.ce_wait(st.ms, s, CE_PUSHED, u + 1)
+            for src, at, n in seg:
+                if n:
+                    put(c, at, n, pm.slot_view((s * pm.world + src) * self.region, (n, hidden), dtype))
+                pm.ce_signal(st.ms, src, s, CE_PULLED, u + 1)
+
+
+def pipelined(pm: PeerMemory, plans: list[Plan], x: torch.Tensor, weights: torch.Tensor, k: int,
+              bounds: list[tuple[int, int]], totals: list[int], experts: Any,
+              tokens_per_expert: list[list[int]]) -> torch.Tensor:
+    """The MoE layer's forward in token chunks, without autograd: chunk i+1's rows travel (copy
+    engines) while the experts compute chunk i, and chunk i's results travel back while chunk
+    i+1 is computed. ``plans[i]``, ``bounds[i]``, ``totals[i]`` (rows received) and
+    ``tokens_per_expert[i]`` describe chunk i; every rank passes the same number of chunks.
+
+        compute:  gather 0, place 0 | gather 1 | experts 0 | gather y0 | place 1 | experts 1 | land y0 | ...
+        copy:                       | push 1 -------------> | push y0 ---------------------->|
+    """
+    hidden = x.shape[1]
+    out = x.new_zeros((x.shape[0], hidden))
+    ch = _Channel(pm, plans)
+    pm.ce_open()
+
+    def issue_dispatch(i: int) -> list[tuple[int, int]]:
+        lo, hi = bounds[i]
+        return ch.issue(plans[i].send_tok, plans[i].send_seg, x[lo:hi])
+
+    def land_dispatch(i: int, used: list[tuple[int, int]]) -> torch.Tensor:
+        p, (lo, hi) = plans[i], bounds[i]
+        recv = x.new_empty((totals[i], hidden))
+        if p.local_dest.numel():
+            recv.index_copy_(0, p.local_dest, x[lo:hi].index_select(0, p.local_tok))
+        ch.land(used, p.recv_seg, hidden, x.dtype,
+                lambda c, at, n, got: recv.index_copy_(0, p.recv_dest[c][at:at + n], got))
+        return recv
+
+    def issue_combine(i: int, y: torch.Tensor) -> list[tuple[int, int]]:
+        p, (lo, hi) = plans[i], bounds[i]
+        used = ch.issue(p.recv_dest, p.recv_seg, y)
+        if p.local_dest.numel():  # this rank's own pairs need no travel
+            w_chunk = weights[lo:hi].reshape(-1)
+            mine = y.index_select(0, p.local_dest) * w_chunk.index_select(0, p.local_pair).to(y.dtype).unsqueeze(-1)
+            out[lo:hi].index_add_(0, p.local_tok, mine)
+        return used
+
+    def land_combine(i: int, used: list[tuple[int, int]]) -> None:
+        p, (lo, hi) = plans[i], bounds[i]
+        w_chunk = weights[lo:hi].reshape(-1)
+
+        def put(c: int, at: int, n: int, got: torch.Tensor) -> None:
+            wts = w_chunk.index_select(0, p.send_pair[c][at:at + n]).to(got.dtype).unsqueeze(-1)
+            out[lo:hi].index_add_(0, p.send_tok[c][at:at + n], got * wts)
+
+        ch.land(used, p.send_seg, hidden, x.dtype, put)
+
+    n = len(plans)
+    recv = land_dispatch(0, issue_dispatch(0))
+    pending_d: list[tuple[int, int]] = []
+    pending_c: list[tuple[int, int]] | None = None
+    for i in range(n):
+        if i + 1 < n:
+            pending_d = issue_dispatch(i + 1)
+        y = experts(recv, tokens_per_expert[i])
+        this_c = issue_combine(i, y)
+        if pending_c is not None:
+            land_combine(i - 1, pending_c)
+        pending_c = this_c
+        if i + 1 < n:
+            recv = land_dispatch(i + 1, pending_d)
+    if pending_c is not None:
+        land_combine(n - 1, pending_c)
+    ch.st.join(ch.st.push)
+    ch.staged.clear()
     pm.ce_close()
     return out

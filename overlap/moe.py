@@ -512,8 +512,22 @@ class MoEDispatcher:
 
             exchange:  send 0 | send 1      | back 0, send 2 | back 1, send 3 | ...
             experts:          | experts 0   | experts 1      | experts 2      | ...
+
+        Over the copy-engine transport, ``_moe_copy_engine.pipelined`` runs the same schedule.
         """
         g = self.group
+        if handles and all("ce" in h.extra for h in handles):
+            from collectives.dispatch import recorded
+            from collectives.peer import peer_memory
+
+            from . import _moe_copy_engine
+
+            meta = torch.empty((x.shape[0], self.hidden), dtype=x.dtype, device="meta")
+            with recorded(self.comm, "moe_forward", "copy_engine", meta, x):
+                return _moe_copy_engine.pipelined(
+                    peer_memory(self.comm), [h.extra["ce"] for h in handles], x.contiguous(), topk_weights,
+                    handles[0].top_k, bounds, [sum(h.recv_counts) for h in handles], experts,
+                    [h.tokens_per_expert for h in handles])
 
         def send(i: int) -> tuple[torch.Tensor, Any]:
             h = handles[i]

@@ -203,6 +203,10 @@ def main() -> int:
                             fails.append(f"rank {r} dispatch {t}/{n} {dtype} call {call}: rows differ")
                         close(f"combine {t}/{n} {dtype} call {call}", d.combine(recv * 1.5, h, wd), out_ref,
                               tol=TOL if dtype == torch.float32 else 2e-2)
+                        # the pipelined forward (no autograd): chunks' exchanges beside the experts
+                        piped = d.forward_pipelined(xd, idx, wd, lambda rows, tpe: rows * 1.5, chunks=3)
+                        close(f"forward_pipelined {t}/{n} {dtype} call {call}", piped, out_ref,
+                              tol=TOL if dtype == torch.float32 else 2e-2)
 
     every: list[list[str] | None] = [None] * w
     dist.all_gather_object(every, fails)

@@ -114,3 +114,52 @@ def test_small_buffer_grows_the_pieces_and_reuses_slots(fake_streams: None, worl
 def test_a_row_larger_than_the_buffer_is_refused() -> None:
     with pytest.raises(M.UnsupportedError, match="COMMOPS_PEER_BYTES"):
         M.plan(0, 2, 1, np.arange(2), 1, [1, 1], [1, 1], np.arange(2), np.ones((2, 2), int), 1 << 20, 1 << 16)
+
+
+def _pipelined_case(world: int, e_loc: int, k: int, tokens: list[int], chunks: int, pieces: int, slot_bytes: int,
+                    seed: int) -> None:
+    routes = _routing(world, e_loc, k, tokens, seed)
+    hidden, row_bytes = 8, 64
+
+    def rank_fn(pm: Any, r: int) -> torch.Tensor:
+        idx_all, x, w = routes[r]
+        T = x.shape[0]
+        bounds = [(T * i // chunks, T * (i + 1) // chunks) for i in range(chunks)]
+        plans, totals, per_expert = [], [], []
+        for c, (lo, hi) in enumerate(bounds):
+            # chunk c of every rank: its own routing, as route_chunks plans it
+            sub = []
+            for s, (idx, xs, ws) in enumerate(routes):
+                Ts = xs.shape[0]
+                a, b = Ts * c // chunks, Ts * (c + 1) // chunks
+                sub.append((idx[a:b], xs[a:b], ws[a:b]))
+            ins = _inputs(sub, world, e_loc, k, r)
+            scalars, arrays = M.plan(r, world, pieces, ins["order"], k, ins["send"], ins["recv"], ins["regroup"],
+                                     ins["between"], row_bytes, slot_bytes)
+            plans.append(M.build(scalars, [torch.from_numpy(np.asarray(a_, dtype=np.int64)) for a_ in arrays]))
+            totals.append(sum(ins["recv"]))
+            per_expert.append(ins["per_expert"].tolist())
+
+        def experts(rows: torch.Tensor, tpe: list[int]) -> torch.Tensor:
+            scale = torch.repeat_interleave(torch.arange(e_loc, dtype=torch.float64) + 1, torch.tensor(tpe))
+            return rows * scale.unsqueeze(-1)
+
+        return M.pipelined(pm, plans, x, w, k, bounds, totals, experts, per_expert)
+
+    got = run_ranks(world, slot_bytes, rank_fn)
+    for q in range(world):
+        idx, x, w = routes[q]
+        factor = torch.from_numpy((w.numpy() * (idx % e_loc + 1)).sum(1)) if idx.size else torch.zeros(0)
+        assert torch.allclose(got[q], x * factor.unsqueeze(-1).to(x.dtype), atol=1e-12), q
+
+
+@pytest.mark.parametrize("world,tokens,chunks,pieces,slot_bytes", [
+    (2, [9, 12], 3, 1, 1 << 20),
+    (3, [7, 0, 11], 2, 2, 1 << 20),          # a rank without tokens
+    (2, [20, 17], 4, 1, 3 * 256 * 2),        # ring of few slots: reused across dispatches and combines
+    (3, [15, 13, 16], 5, 3, 4 * 256 * 3),
+    (2, [3, 2], 4, 1, 1 << 20),              # chunks without tokens
+])
+def test_pipelined_forward(fake_streams: None, world: int, tokens: list[int], chunks: int, pieces: int,
+                           slot_bytes: int) -> None:
+    _pipelined_case(world, 2, 2, tokens, chunks, pieces, slot_bytes, seed=31 * world + chunks)
