@@ -115,74 +115,47 @@ def build(scalars: dict[str, object], views: list[torch.Tensor]) -> Plan:
 
 def dispatch(pm: PeerMemory, p: Plan, x: torch.Tensor, total: int) -> torch.Tensor:
     """``recv_x [total, hidden]``: every rank's rows for this rank's experts, grouped by expert."""
-    w, r, hidden, es = pm.world, pm.rank, x.shape[1], x.element_size()
+    hidden = x.shape[1]
     recv_x = x.new_empty((total, hidden))
-    st = _ce._Streams(pm)
+    ch = _Channel(pm, [p])
     pm.ce_open()
-    staged = []
-    for c in range(p.pieces):
-        s, u = c % p.ring, c // p.ring
-        rows = x.index_select(0, p.send_tok[c])
-        st.after_main(st.push)
-        if u:
-            pm.ce_wait(st.ps, s, CE_PULLED, u)  # every peer has put away what this slot held
-        for q, at, n in p.send_seg[c]:
-            if n:
-                pm.ce_push(st.ps, q, (s * w + r) * p.region, rows[at].data_ptr(), n * hidden * es)
-            pm.ce_signal(st.ps, q, s, CE_PUSHED, u + 1)
-        staged.append(rows)
-    if p.local_dest.numel():
+    used = ch.issue(p.send_tok, p.send_seg, x)
+    if p.local_dest.numel():  # the rows this rank keeps, placed while the others travel
         recv_x.index_copy_(0, p.local_dest, x.index_select(0, p.local_tok))
-    for c in range(p.pieces):
-        s, u = c % p.ring, c // p.ring
-        pm.ce_wait(st.ms, s, CE_PUSHED, u + 1)
-        for src, at, n in p.recv_seg[c]:
-            if n:
-                got = pm.slot_view((s * w + src) * p.region, (n, hidden), x.dtype)
-                recv_x.index_copy_(0, p.recv_dest[c][at:at + n], got)
-            pm.ce_signal(st.ms, src, s, CE_PULLED, u + 1)
-    st.join(st.push)  # the staged rows are read by the push stream
-    del staged
-    pm.ce_close()
+    ch.land(used, p.recv_seg, hidden, x.dtype, lambda c, at, n, got: recv_x.index_copy_(0, p.recv_dest[c][at:at + n], got))
+    ch.close()
     return recv_x
 
 
 def combine(pm: PeerMemory, p: Plan, y: torch.Tensor, weights: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """``out [num_tokens, hidden]``: each token's returned rows (``y`` in ``recv_x``'s layout),
     weighted by ``weights`` (``[num_tokens, k]``) and summed."""
-    w, r, hidden, es = pm.world, pm.rank, y.shape[1], y.element_size()
+    hidden = y.shape[1]
     out = y.new_zeros((num_tokens, hidden))
     flat_w = weights.reshape(-1)
-    st = _ce._Streams(pm)
+    ch = _Channel(pm, [p])
     pm.ce_open()
-    staged = []
-    for c in range(p.pieces):
-        s, u = c % p.ring, c // p.ring
-        rows = y.index_select(0, p.recv_dest[c])
-        st.after_main(st.push)
-        if u:
-            pm.ce_wait(st.ps, s, CE_PULLED, u)
-        for q, at, n in p.recv_seg[c]:
-            if n:
-                pm.ce_push(st.ps, q, (s * w + r) * p.region, rows[at].data_ptr(), n * hidden * es)
-            pm.ce_signal(st.ps, q, s, CE_PUSHED, u + 1)
-        staged.append(rows)
-    if p.local_dest.numel():
-        mine = y.index_select(0, p.local_dest) * flat_w.index_select(0, p.local_pair).to(y.dtype).unsqueeze(-1)
-        out.index_add_(0, p.local_tok, mine)
-    for c in range(p.pieces):
-        s, u = c % p.ring, c // p.ring
-        pm.ce_wait(st.ms, s, CE_PUSHED, u + 1)
-        for src, at, n in p.send_seg[c]:
-            if n:
-                got = pm.slot_view((s * w + src) * p.region, (n, hidden), y.dtype)
-                wts = flat_w.index_select(0, p.send_pair[c][at:at + n]).to(y.dtype).unsqueeze(-1)
-                out.index_add_(0, p.send_tok[c][at:at + n], got * wts)
-            pm.ce_signal(st.ms, src, s, CE_PULLED, u + 1)
-    st.join(st.push)
-    del staged
-    pm.ce_close()
+    used = ch.issue(p.recv_dest, p.recv_seg, y)
+    _add_local(out, y, p, flat_w)
+    ch.land(used, p.send_seg, hidden, y.dtype, _weighted_add(out, p, flat_w))
+    ch.close()
     return out
+
+
+def _add_local(out: torch.Tensor, y: torch.Tensor, p: Plan, flat_w: torch.Tensor) -> None:
+    """This rank's own pairs' rows, weighted, into ``out`` (they need no travel)."""
+    if p.local_dest.numel():
+        wts = flat_w.index_select(0, p.local_pair).to(y.dtype).unsqueeze(-1)
+        out.index_add_(0, p.local_tok, y.index_select(0, p.local_dest) * wts)
+
+
+def _weighted_add(out: torch.Tensor, p: Plan, flat_w: torch.Tensor) -> Any:
+    """``put`` for ``_Channel.land``: returned rows of piece c, weighted, into ``out``."""
+    def put(c: int, at: int, n: int, got: torch.Tensor) -> None:
+        wts = flat_w.index_select(0, p.send_pair[c][at:at + n]).to(got.dtype).unsqueeze(-1)
+        out.index_add_(0, p.send_tok[c][at:at + n], got * wts)
+
+    return put
 
 
 class _Channel:
@@ -216,6 +189,12 @@ class _Channel:
             used.append((s, u))
             self.staged.append(rows)
         return used
+
+    def close(self) -> None:
+        """Join the push stream (the staged rows may go) and close the section."""
+        self.st.join(self.st.push)
+        self.staged.clear()
+        self.pm.ce_close()
 
     def land(self, used: list[tuple[int, int]], segs: list[list[tuple[int, int, int]]], hidden: int,
              dtype: torch.dtype, put: Any) -> None:
@@ -262,21 +241,12 @@ def pipelined(pm: PeerMemory, plans: list[Plan], x: torch.Tensor, weights: torch
     def issue_combine(i: int, y: torch.Tensor) -> list[tuple[int, int]]:
         p, (lo, hi) = plans[i], bounds[i]
         used = ch.issue(p.recv_dest, p.recv_seg, y)
-        if p.local_dest.numel():  # this rank's own pairs need no travel
-            w_chunk = weights[lo:hi].reshape(-1)
-            mine = y.index_select(0, p.local_dest) * w_chunk.index_select(0, p.local_pair).to(y.dtype).unsqueeze(-1)
-            out[lo:hi].index_add_(0, p.local_tok, mine)
+        _add_local(out[lo:hi], y, p, weights[lo:hi].reshape(-1))
         return used
 
     def land_combine(i: int, used: list[tuple[int, int]]) -> None:
         p, (lo, hi) = plans[i], bounds[i]
-        w_chunk = weights[lo:hi].reshape(-1)
-
-        def put(c: int, at: int, n: int, got: torch.Tensor) -> None:
-            wts = w_chunk.index_select(0, p.send_pair[c][at:at + n]).to(got.dtype).unsqueeze(-1)
-            out[lo:hi].index_add_(0, p.send_tok[c][at:at + n], got * wts)
-
-        ch.land(used, p.send_seg, hidden, x.dtype, put)
+        ch.land(used, p.send_seg, hidden, x.dtype, _weighted_add(out[lo:hi], p, weights[lo:hi].reshape(-1)))
 
     n = len(plans)
     recv = land_dispatch(0, issue_dispatch(0))
@@ -294,7 +264,5 @@ def pipelined(pm: PeerMemory, plans: list[Plan], x: torch.Tensor, weights: torch
             recv = land_dispatch(i + 1, pending_d)
     if pending_c is not None:
         land_combine(n - 1, pending_c)
-    ch.st.join(ch.st.push)
-    ch.staged.clear()
-    pm.ce_close()
+    ch.close()
     return out
