@@ -295,7 +295,8 @@ class MoEDispatcher:
         if transport not in ("nccl", "copy_engine"):
             raise InvalidArgumentError("transport", transport, "is not 'nccl' or 'copy_engine'", "pass 'nccl'")
         self.transport = transport
-        self._row_bytes = 0
+        # the copy-engine transport sizes its slot regions by the rows' bytes
+        self._row_bytes = hidden * torch.empty((), dtype=dtype).element_size() if dtype is not None else 0
         self.last_chunks: tuple[int, str] | None = None
 
     # -- routing ---------------------------------------------------------------------------------
@@ -367,6 +368,10 @@ class MoEDispatcher:
         n = len(bounds)
         counts = np.stack([c for _, c, _, _ in local]).reshape(n, w, e_loc)
         every: np.ndarray | None = None
+        if self.transport == "copy_engine" and not self._row_bytes:
+            raise InvalidArgumentError("dtype", self.dtype, "is needed by the copy-engine transport before the first "
+                                       "dispatch (it sizes the peer buffers' regions by the rows' bytes)",
+                                       "pass dtype= to MoEDispatcher, or dispatch before calling route")
         if self.transport == "copy_engine":
             # every rank's counts: the copy-engine plan sizes its slots from all of them
             mine = torch.from_numpy(np.ascontiguousarray(counts).reshape(-1))
