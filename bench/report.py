@@ -38,6 +38,23 @@ def format_table(records: Sequence[Record]) -> str:
     return "\n".join(lines)
 
 
+def run_meta(script: str, comm: Any, cuda: bool) -> dict[str, Any]:
+    """What a benchmark's JSON says about its run: command line, date, world, backend, torch,
+    device and, on CUDA, NCCL's version."""
+    import os
+    import sys
+    import time
+
+    import torch
+
+    meta: dict[str, Any] = {"command": " ".join([script, *sys.argv[1:]]), "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                            "world": comm.size, "backend": comm.backend, "torch": torch.__version__,
+                            "device": torch.cuda.get_device_name() if cuda else f"cpu:{os.cpu_count()}"}
+    if cuda:
+        meta["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    return meta
+
+
 def write_json(records: Sequence[Record], path: str, meta: dict[str, Any]) -> None:
     with open(path, "w") as f:
         json.dump({"meta": meta, "records": [r.as_dict() for r in records]}, f, indent=1)

@@ -10,9 +10,7 @@ the experts' time, sequential and pipelined totals and the share of communicatio
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -22,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import collectives as C  # noqa: E402
 from bench.cli import DTYPES  # noqa: E402
 from bench.moe_bench import format_moe_table, measure_config, plot_moe  # noqa: E402
-from bench.report import write_csv, write_json  # noqa: E402
+from bench.report import run_meta, write_csv, write_json  # noqa: E402
 
 
 def _configs(cuda: bool, world: int) -> list[tuple[str, int, int, int, int, int]]:
@@ -73,9 +71,7 @@ def main() -> int:
                 if comm.rank == 0:
                     print(format_moe_table(rs), flush=True)
     if comm.rank == 0:
-        meta = {"command": " ".join(["launch/bench_moe.py", *sys.argv[1:]]), "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "world": comm.size, "backend": comm.backend, "torch": torch.__version__,
-                "device": torch.cuda.get_device_name() if cuda else f"cpu:{os.cpu_count()}"}
+        meta = run_meta("launch/bench_moe.py", comm, cuda)
         if args.json:
             write_json(records, args.json, meta)  # type: ignore[arg-type]
         if args.csv:

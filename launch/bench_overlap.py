@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -22,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import collectives as C  # noqa: E402
 from bench.cli import DTYPES  # noqa: E402
 from bench.gemm_collective import OPS, format_overlap_table, measure_shape, plot_overlap, tuned_overlap_table  # noqa: E402
-from bench.report import write_csv, write_json  # noqa: E402
+from bench.report import run_meta, write_csv, write_json  # noqa: E402
 
 # Decode-like (small M) and Llama-like prefill shapes of a TP=2 row-parallel linear; the four
 # largest are the ones our anchors were measured on.
@@ -66,11 +64,8 @@ def main() -> int:
             if lead:
                 print(format_overlap_table(rs), flush=True)
     if lead:
-        meta = {"command": " ".join(["launch/bench_overlap.py", *sys.argv[1:]]), "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "world": comm.size, "backend": comm.backend, "torch": torch.__version__,
-                "device": torch.cuda.get_device_name() if cuda else f"cpu:{os.cpu_count()}"}
+        meta = run_meta("launch/bench_overlap.py", comm, cuda)
         if cuda:
-            meta["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
             meta["mode"] = "graph (AsyncTP left out)" if args.graph else "eager"
         if args.json:
             write_json(records, args.json, meta)  # type: ignore[arg-type]

@@ -10,9 +10,7 @@ of its output and gradients from the sequential ones. JSON and a plot on request
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -21,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import collectives as C  # noqa: E402
 from bench.cli import DTYPES  # noqa: E402
-from bench.report import write_json  # noqa: E402
+from bench.report import run_meta, write_json  # noqa: E402
 from bench.tp_mlp import format_mlp_table, measure_mlp, plot_mlp  # noqa: E402
 
 
@@ -55,11 +53,7 @@ def main() -> int:
         if comm.rank == 0:
             print(format_mlp_table(rs), flush=True)
     if comm.rank == 0:
-        meta = {"command": " ".join(["launch/bench_tp_mlp.py", *sys.argv[1:]]), "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "world": comm.size, "backend": comm.backend, "torch": torch.__version__,
-                "device": torch.cuda.get_device_name() if cuda else f"cpu:{os.cpu_count()}"}
-        if cuda:
-            meta["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        meta = run_meta("launch/bench_tp_mlp.py", comm, cuda)
         if args.json:
             write_json(records, args.json, meta)  # type: ignore[arg-type]
         if args.plot:

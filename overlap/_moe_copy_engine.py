@@ -28,6 +28,7 @@ from collectives.errors import UnsupportedError
 from collectives.peer.memory import CE_PULLED, CE_PUSHED, CE_RING, PeerMemory
 
 from . import _copy_engine as _ce
+from .moe import _cut
 
 __all__ = ["Plan", "plan", "build", "dispatch", "combine", "pipelined"]
 
@@ -53,10 +54,6 @@ class Plan:
     local_tok: torch.Tensor
     local_pair: torch.Tensor
     local_dest: torch.Tensor
-
-
-def _cut(n: int, pieces: int, c: int) -> tuple[int, int]:
-    return n * c // pieces, n * (c + 1) // pieces
 
 
 def plan(rank: int, world: int, pieces: int, order: np.ndarray, k: int, send: list[int], recv: list[int],

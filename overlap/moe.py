@@ -141,20 +141,27 @@ def _plan_pieces(pieces: int, order: np.ndarray, k: int, send: list[int], recv: 
     return arrays, sends, recvs
 
 
-def _route_pieces(p: _Pieces, x: torch.Tensor, total: int, group: Any) -> torch.Tensor:
-    """``_route`` in pieces: every piece's gather and transfer are issued first (the transfers
-    run asynchronously, each after its gather), then each arrival is put in place while later
+def _exchange_pieces(src: torch.Tensor, take: list[torch.Tensor], out_splits: list[list[int]],
+                     in_splits: list[list[int]], group: Any, land: Callable[[int, torch.Tensor], Any]) -> None:
+    """Every piece's gather (``src`` rows ``take[c]``) and asynchronous transfer issued first, each
+    transfer after its gather; then ``land(c, received rows)`` for each piece in turn, while later
     pieces travel."""
-    recv_x = x.new_empty((total, *x.shape[1:]))
     flying = []
-    for c in range(len(p.send)):
-        rows = x.index_select(0, p.tokens[c])
-        buf = x.new_empty((sum(p.recv[c]), *x.shape[1:]))
-        flying.append((buf, rows, C.all_to_all_single(buf, rows, p.recv[c], p.send[c], group=group, async_op=True)))
+    for c in range(len(take)):
+        rows = src.index_select(0, take[c])
+        buf = src.new_empty((sum(out_splits[c]), *src.shape[1:]))
+        flying.append((buf, rows, C.all_to_all_single(buf, rows, out_splits[c], in_splits[c], group=group,
+                                                      async_op=True)))
     for c, (buf, _, work) in enumerate(flying):
         if work is not None:
             work.wait()
-        recv_x.index_copy_(0, p.dest[c], buf)
+        land(c, buf)
+
+
+def _route_pieces(p: _Pieces, x: torch.Tensor, total: int, group: Any) -> torch.Tensor:
+    """``_route`` in pieces (``_exchange_pieces``): each arrival is put in its place in ``recv_x``."""
+    recv_x = x.new_empty((total, *x.shape[1:]))
+    _exchange_pieces(x, p.tokens, p.recv, p.send, group, lambda c, buf: recv_x.index_copy_(0, p.dest[c], buf))
     return recv_x
 
 
@@ -163,16 +170,11 @@ def _combine_pieces(p: _Pieces, rows: torch.Tensor, weights: torch.Tensor, num_t
     ``_route_pieces`` (backwards)."""
     out = rows.new_zeros((num_tokens, *rows.shape[1:]))
     flat_w = weights.reshape(-1)
-    flying = []
-    for c in range(len(p.send)):
-        part = rows.index_select(0, p.dest[c])
-        buf = rows.new_empty((sum(p.send[c]), *rows.shape[1:]))
-        flying.append((buf, part, C.all_to_all_single(buf, part, p.send[c], p.recv[c], group=group, async_op=True)))
-    for c, (buf, _, work) in enumerate(flying):
-        if work is not None:
-            work.wait()
-        w = flat_w.index_select(0, p.pairs[c]).to(buf.dtype)
-        out.index_add_(0, p.tokens[c], buf * w.unsqueeze(-1))
+
+    def land(c: int, buf: torch.Tensor) -> None:
+        out.index_add_(0, p.tokens[c], buf * flat_w.index_select(0, p.pairs[c]).to(buf.dtype).unsqueeze(-1))
+
+    _exchange_pieces(rows, p.dest, p.send, p.recv, group, land)
     return out
 
 

@@ -23,10 +23,24 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-__all__ = ["World", "RankFailure", "RankTimeout"]
+__all__ = ["World", "RankFailure", "RankTimeout", "messages"]
 
 # Collectives that outlive this fail inside the ranks (the group's own timeout) rather than hang.
 GROUP_TIMEOUT_S = 90
+
+
+def messages(calls: Any) -> list[str]:
+    """For each call: the message of the ``InvalidArgumentError`` it raised, or "no error"."""
+    from collectives.errors import InvalidArgumentError
+
+    out = []
+    for call in calls:
+        try:
+            call()
+            out.append("no error")
+        except InvalidArgumentError as exc:
+            out.append(str(exc))
+    return out
 
 
 class RankFailure(AssertionError):

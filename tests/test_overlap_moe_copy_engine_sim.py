@@ -119,10 +119,10 @@ def test_a_row_larger_than_the_buffer_is_refused() -> None:
 def _pipelined_case(world: int, e_loc: int, k: int, tokens: list[int], chunks: int, pieces: int, slot_bytes: int,
                     seed: int) -> None:
     routes = _routing(world, e_loc, k, tokens, seed)
-    hidden, row_bytes = 8, 64
+    row_bytes = 64  # rows of 8 float64
 
     def rank_fn(pm: Any, r: int) -> torch.Tensor:
-        idx_all, x, w = routes[r]
+        _, x, w = routes[r]
         T = x.shape[0]
         bounds = [(T * i // chunks, T * (i + 1) // chunks) for i in range(chunks)]
         plans, totals, per_expert = [], [], []

@@ -13,6 +13,7 @@ import torch
 
 import collectives as C
 from overlap import ops
+from tests.mp import messages
 
 K, N = 5, 7
 
@@ -127,23 +128,16 @@ def _bad(rank: int, world: int) -> list[str]:
         lambda: ops.gemm_all_reduce([1.0], b),                                      # not a tensor
         lambda: ops.gemm_reduce_scatter(a, b, strategy="copy_engine"),              # needs GPUs
     ]
-    out = []
-    for call in calls:
-        try:
-            call()
-            out.append("no error")
-        except C.InvalidArgumentError as exc:
-            out.append(str(exc))
-    return out
+    return messages(calls)
 
 
 def test_bad_arguments_raise_before_anything_is_sent(worlds) -> None:  # noqa: ANN001
-    for messages in worlds(2).run(_bad):
-        assert all("Fix:" in m for m in messages), messages
-        assert "inner dimension 4" in messages[0] and "dtype" in messages[1]
-        assert "do not divide" in messages[2] and "scatter_dim" in messages[3]
-        assert "fastest" in messages[4] and "chunks" in messages[5] and "not a torch.Tensor" in messages[6]
-        assert "copy_engine" in messages[7] and "GPUs of one node" in messages[7]
+    for msgs in worlds(2).run(_bad):
+        assert all("Fix:" in m for m in msgs), msgs
+        assert "inner dimension 4" in msgs[0] and "dtype" in msgs[1]
+        assert "do not divide" in msgs[2] and "scatter_dim" in msgs[3]
+        assert "fastest" in msgs[4] and "chunks" in msgs[5] and "not a torch.Tensor" in msgs[6]
+        assert "copy_engine" in msgs[7] and "GPUs of one node" in msgs[7]
 
 
 def _auto_reason(rank: int, world: int) -> tuple[str, str]:
