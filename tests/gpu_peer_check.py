@@ -8,8 +8,8 @@ call, and the rounding bound of ``bench.reference.tolerance``. Also: every rank'
 same bits; the result matches NCCL's within the bound; odd sizes, unaligned views (the scalar
 path) and messages larger than the slots (pieces); CUDA-graph capture and replay; 1000
 back-to-back calls of alternating sizes without a host synchronisation (a race shows as a
-wrong element); a peer that never arrives (``CollectiveTimeout`` naming it); bad arguments
-rejected before anything is sent. Prints one line per failure and exits non-zero on any.
+wrong element); calls from a thread with no CUDA context of its own; a peer that never arrives
+(``CollectiveTimeout`` naming it); bad arguments rejected before anything is sent. Prints one line per failure and exits non-zero on any.
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -257,6 +259,27 @@ class Checker:
         dist.barrier()
         pm.close()
 
+    def other_thread(self) -> None:
+        """Calls from a thread that has made no CUDA call of its own (as autograd's device thread
+        runs a backward): the driver-level launches and copies must still find the context."""
+        def body() -> None:
+            torch.cuda.set_device(self.dev)  # a no-op on device 0: the thread has no context yet
+            for algorithm in ("one_shot", "two_shot", "copy_engine"):
+                self.all_reduce(algorithm, 70_001, torch.bfloat16, compare_nccl=False)
+            self.reduce_scatter(4097, torch.bfloat16)
+            self.all_gather(4097, torch.bfloat16)
+            torch.cuda.synchronize()
+
+        errors: list[BaseException] = []
+        t = threading.Thread(target=lambda: _capture(body, errors))
+        t.start()
+        t.join(120)
+        self.checks += 1
+        if t.is_alive():
+            self.failures.append(f"rank {self.r}: collectives from a new thread did not finish in 120 s")
+        elif errors:
+            self.failures.append(f"rank {self.r}: collectives from a new thread raised {errors[0]!r}")
+
     def bad_arguments(self) -> None:
         cases = [
             ("float64", lambda: C.all_reduce(torch.ones(8, dtype=torch.float64, device=self.dev), algorithm="one_shot")),
@@ -273,6 +296,13 @@ class Checker:
             except C.UnsupportedError as exc:
                 if "Fix:" not in str(exc):
                     self.failures.append(f"rank {self.r} bad argument {name}: error without a fix: {exc}")
+
+
+def _capture(fn: Any, errors: list[BaseException]) -> None:
+    try:
+        fn()
+    except BaseException as exc:  # reported by the caller
+        errors.append(exc)
 
 
 def main() -> int:
@@ -309,6 +339,7 @@ def main() -> int:
         for dtype in DTYPES:
             ck.graphs(100_003, dtype)
         ck.back_to_back(1000, torch.bfloat16)
+        ck.other_thread()
         ck.fast_path()
         ck.timeout()
     ck.bad_arguments()

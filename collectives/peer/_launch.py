@@ -9,6 +9,12 @@ microseconds of host time. CuPy's ``RawKernel.__call__`` converts its arguments 
 (about 6 us on the 2xH200 machine's CPUs), so launches go through the driver's
 ``cuLaunchKernel`` directly (ctypes), with the arguments written into a parameter block that
 is built once per entry point and communicator; CuPy only compiles and loads the module.
+
+Driver calls act on the calling thread's current context. A thread that has made no CUDA runtime
+call of its own (autograd's device thread running a backward on device 0 is one: torch skips
+setting a device that already reads as current) has none, and the driver answers
+``CUDA_ERROR_INVALID_CONTEXT``; the launch then makes the device's primary context (the one
+torch and CuPy use) current on that thread and tries once more.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from typing import Any
 import torch
 
 __all__ = ["Kernel", "THREADS", "current_stream", "copy_async", "write_value"]
+
+_INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT: no context is current on this thread
 
 THREADS = 512  # must match __launch_bounds__ in kernels.cu
 _SOURCE = Path(__file__).with_name("kernels.cu")
@@ -41,6 +49,26 @@ def _driver() -> Any:
     f = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
     f.restype = ctypes.c_int
     return f
+
+
+@functools.cache
+def _primary_context(device: int) -> ctypes.c_void_p:
+    lib = ctypes.CDLL("libcuda.so.1")
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    rc = lib.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(device))
+    if rc == 0:
+        rc = lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)  # held for the life of the process
+    if rc:
+        raise RuntimeError(f"cannot get the primary context of CUDA device {device}: driver error {rc}")
+    return ctx
+
+
+def bind_context(device: int | None = None) -> None:
+    """Make ``device``'s primary context (default: torch's current device) current on this thread."""
+    d = torch.cuda.current_device() if device is None else device
+    rc = ctypes.CDLL("libcuda.so.1").cuCtxSetCurrent(_primary_context(d))
+    if rc:
+        raise RuntimeError(f"cuCtxSetCurrent for CUDA device {d} failed with CUDA driver error {rc}")
 
 
 _ONE, _ZERO, _THREADS = ctypes.c_uint(1), ctypes.c_uint(0), ctypes.c_uint(THREADS)
@@ -75,10 +103,11 @@ class Kernel:
     thread-safe: one communicator's calls come from one thread at a time.
     """
 
-    __slots__ = ("name", "_fn", "_fnp", "_ctx", "_args", "_params", "_launch", "_n", "_streams")
+    __slots__ = ("name", "_device", "_fn", "_fnp", "_ctx", "_args", "_params", "_launch", "_n", "_streams")
 
     def __init__(self, name: str, device: int, ctx: bytes, nargs: int = 4) -> None:
         self.name = name
+        self._device = device
         self._fn = _function(name, device)
         self._ctx = ctypes.create_string_buffer(ctx, len(ctx))
         self._args = (ctypes.c_uint64 * nargs)()
@@ -97,6 +126,9 @@ class Kernel:
         if s is None:
             s = self._streams[stream] = ctypes.c_void_p(stream)
         rc = self._launch(self._fnp, _GRIDS[blocks], _ONE, _ONE, _THREADS, _ONE, _ONE, _ZERO, s, self._params, None)
+        if rc == _INVALID_CONTEXT:
+            bind_context(self._device)
+            rc = self._launch(self._fnp, _GRIDS[blocks], _ONE, _ONE, _THREADS, _ONE, _ONE, _ZERO, s, self._params, None)
         if rc:
             raise RuntimeError(f"cuLaunchKernel({self.name}) failed with CUDA driver error {rc}")
 
@@ -116,6 +148,9 @@ def _memops() -> tuple[Any, Any]:
 def copy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
     """``nbytes`` from ``src`` to ``dst`` (device or peer-mapped addresses) on ``stream``, by a copy engine."""
     rc = _memops()[0](dst, src, nbytes, stream)
+    if rc == _INVALID_CONTEXT:
+        bind_context()
+        rc = _memops()[0](dst, src, nbytes, stream)
     if rc:
         raise RuntimeError(f"cuMemcpyDtoDAsync failed with CUDA driver error {rc}")
 
@@ -123,5 +158,8 @@ def copy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
 def write_value(stream: int, addr: int, value: int) -> None:
     """Write ``value`` (32 bits) at ``addr`` once the stream's earlier work is done and visible."""
     rc = _memops()[1](stream, addr, value, 0)
+    if rc == _INVALID_CONTEXT:
+        bind_context()
+        rc = _memops()[1](stream, addr, value, 0)
     if rc:
         raise RuntimeError(f"cuStreamWriteValue32 failed with CUDA driver error {rc}")
