@@ -68,8 +68,9 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
     x = torch.randn(tokens, hidden, generator=g, device=device).to(dtype)
     idx = torch.rand(tokens, experts, generator=g, device=device).topk(top_k, dim=-1).indices
     w = torch.rand(tokens, top_k, generator=g, device=device).to(dtype)
+    bounds = {"max_tokens": tokens, "top_k": top_k} if transport == "peer" else {}
     disp = MoEDispatcher(experts, hidden, comm.group, dtype=dtype, device=device, exchange_pieces=pieces,
-                         transport=transport)
+                         transport=transport, **bounds)
     mlp = GroupedSwiGLU(disp.local_experts, hidden, ffn_hidden, dtype=dtype, device=device)
     with torch.no_grad():
         recv, handle = disp.dispatch(x, idx, w)
@@ -89,7 +90,7 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
         mlp32 = GroupedSwiGLU(disp.local_experts, hidden, ffn_hidden, dtype=torch.float32, device=device)
         mlp32.load_state_dict({n: t.float() for n, t in mlp.state_dict().items()})
         disp32 = MoEDispatcher(experts, hidden, comm.group, dtype=torch.float32, device=device, exchange_pieces=pieces,
-                               transport=transport)
+                               transport=transport, **bounds)
         one_piece = MoEDispatcher(experts, hidden, comm.group, dtype=torch.float32, device=device)
         ref = one_piece.forward(x.float(), idx, w.float(), mlp32)
 
@@ -108,6 +109,8 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
                 str(device), sent_bytes, t_dispatch, sent_bytes / t_dispatch / 1e3, t_combine,
                 sent_bytes / t_combine / 1e3, t_a2a, sent_bytes / t_a2a / 1e3, t_experts, t_seq, t_pipe, k,
                 100 * (t_seq - t_pipe) / comm_us if comm_us else 0.0, wrong, pieces, transport))
+    disp.close()
+    disp32.close()
     return records
 
 
@@ -132,7 +135,7 @@ def plot_moe(records: list[MoERecord], path: str, title: str = "") -> None:
     import matplotlib.pyplot as plt
 
     def label(r: MoERecord) -> str:
-        return r.config + ("" if r.transport == "nccl" else " ce") + (f" x{r.pieces}" if r.pieces > 1 else "")
+        return r.config + ("" if r.transport == "nccl" else f" {r.transport}") + (f" x{r.pieces}" if r.pieces > 1 else "")
 
     configs = list(dict.fromkeys(label(r) for r in records))  # a configuration per exchange_pieces
     fig, (ax_bw, ax_t) = plt.subplots(1, 2, figsize=(13, 4.5))

@@ -264,6 +264,8 @@ class MoELayer(nn.Module):
         capacity_factor: ``None`` (dropless) or each expert's capacity factor.
         chunks: the pipeline's chunks (``MoEDispatcher.forward_pipelined``).
         exchange_pieces, transport: how the rows travel (``MoEDispatcher``).
+        max_tokens: the most tokens one forward takes on any rank (transport "peer" only, which
+            needs it; :meth:`close` then releases its buffers, collectively).
 
     ``forward(x)`` takes this rank's tokens ``[..., hidden]`` (any count, zero included) and
     returns the same shape; every rank calls it together.
@@ -271,7 +273,8 @@ class MoELayer(nn.Module):
 
     def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int, group: Any = None, *,
                  dtype: torch.dtype | None = None, device: Any = None, capacity_factor: float | None = None,
-                 chunks: int | str = "auto", exchange_pieces: int = 1, transport: str = "nccl") -> None:
+                 chunks: int | str = "auto", exchange_pieces: int = 1, transport: str = "nccl",
+                 max_tokens: int | None = None) -> None:
         super().__init__()
         from .moe import GroupedSwiGLU, MoEDispatcher
 
@@ -280,11 +283,16 @@ class MoELayer(nn.Module):
         self.group, self.top_k, self.chunks = group, top_k, chunks
         self.dispatcher = MoEDispatcher(num_experts, hidden, group, dtype=dtype, device=device,
                                         capacity_factor=capacity_factor, exchange_pieces=exchange_pieces,
-                                        transport=transport)
+                                        transport=transport, max_tokens=max_tokens,
+                                        top_k=top_k if transport == "peer" else None)
         self.router = nn.Linear(hidden, num_experts, bias=False, dtype=dtype, device=device)
         if dist.get_world_size(group) > 1:
             C.broadcast(self.router.weight.data, group=group, group_src=0)
         self.experts = GroupedSwiGLU(self.dispatcher.local_experts, hidden, ffn_hidden, dtype=dtype, device=device)
+
+    def close(self) -> None:
+        """Release the dispatcher's peer buffers, if any (collective)."""
+        self.dispatcher.close()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(``topk_idx``, ``topk_weights``) for tokens ``x [tokens, hidden]``."""

@@ -28,6 +28,9 @@ in flight: the two extra passes over the rows overlap the transfer instead of ad
 
 With ``transport="copy_engine"`` (the GPUs of one node) the pieces are pushed by copy engines
 into the destinations' peer buffers and put in place from there (``_moe_copy_engine.py``).
+With ``transport="peer"`` the ranks all-gather their routing instead of the counts, and SM
+kernels read each token once per destination rank straight out of the source's peer buffer into
+``recv_x``, and return one weighted partial sum per (token, rank) (``_moe_peer.py``).
 
 ``forward_pipelined`` splits the tokens into chunks. Without autograd it issues the exchanges
 asynchronously (chunk i+1's dispatch and chunk i-1's combine travel while the experts compute
@@ -178,10 +181,43 @@ def _combine_pieces(p: _Pieces, rows: torch.Tensor, weights: torch.Tensor, num_t
     return out
 
 
+def sorted_pairs(ids: np.ndarray, num_experts: int, capacity_factor: float | None
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+    """One range's routing ``ids [tokens, k]``: its kept pairs (flat indices into ``ids``) sorted by
+    expert, ties in token order; their experts; the per-expert counts; how many the capacity
+    dropped (each expert keeps its first ``ceil(capacity_factor * tokens * k / E)`` pairs in
+    token order); the tokens."""
+    E = num_experts
+    flat = ids.reshape(-1)
+    small = np.int16 if E <= np.iinfo(np.int16).max else np.int64  # numpy sorts 16-bit keys by radix
+    order = np.argsort(flat.astype(small), kind="stable")
+    experts = flat[order]
+    per_expert = np.bincount(experts, minlength=E)
+    dropped = 0
+    tokens = ids.shape[0]
+    if capacity_factor is not None and flat.size:
+        cap = math.ceil(capacity_factor * flat.size / E)
+        start = np.cumsum(per_expert) - per_expert
+        keep = np.arange(flat.size) - start[experts] < cap
+        order, experts = order[keep], experts[keep]
+        dropped = flat.size - order.size
+        per_expert = np.bincount(experts, minlength=E)
+    return order, experts, per_expert, dropped, tokens
+
+
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, handle: DispatchHandle, group: Any) -> torch.Tensor:
         ctx.handle, ctx.group, ctx.shape = handle, group, x.shape
+        peer = handle.extra.get("peer")
+        if peer is not None:
+            from collectives.dispatch import recorded
+
+            rows, p = peer
+            total = sum(handle.recv_counts)
+            with recorded(C.get_communicator(group), "moe_dispatch", "peer",
+                          torch.empty((total, *x.shape[1:]), dtype=x.dtype, device="meta"), x):
+                return rows.dispatch(p, x.contiguous(), total)
         plan = handle.extra.get("ce")
         if plan is not None:
             from collectives.peer import peer_memory
@@ -213,6 +249,15 @@ class _Combine(torch.autograd.Function):
         pieces = handle.extra.get("pieces")
         plan = handle.extra.get("ce")
         ctx.handle, ctx.group, ctx.wshape, ctx.wdtype = handle, group, weights.shape, weights.dtype
+        peer = handle.extra.get("peer")
+        if peer is not None and not ctx.needs_input_grad[1]:
+            from collectives.dispatch import recorded
+
+            ctx.save_for_backward(None, weights.reshape(-1).index_select(0, handle.order).to(rows.dtype))
+            transport, p = peer
+            with recorded(C.get_communicator(group), "moe_combine", "peer",
+                          torch.empty((handle.num_tokens, *rows.shape[1:]), dtype=rows.dtype, device="meta"), rows):
+                return transport.combine(p, rows.contiguous(), weights)
         if plan is not None and not ctx.needs_input_grad[1]:
             from collectives.peer import peer_memory
 
@@ -267,9 +312,15 @@ class MoEDispatcher:
         exchange_pieces: dispatch and combine move their rows in this many pieces, each piece's
             gather (resp. weighted sum) overlapping other pieces' transfers; combine uses one
             piece when the router weights need a gradient. The same on every rank.
-        transport: "nccl" (``all_to_all_single``) or "copy_engine" (the GPUs of one node: rows
-            pushed by copy engines into the peers' buffers, ``overlap/_moe_copy_engine.py``; its
-            backward passes and a combine whose weights need a gradient use NCCL).
+        transport: "nccl" (``all_to_all_single``), "copy_engine" (the GPUs of one node: rows
+            pushed by copy engines into the peers' buffers, ``overlap/_moe_copy_engine.py``) or
+            "peer" (the GPUs of one node: SM kernels pull each token once per rank from the
+            peers' memory and return one partial sum per token and rank,
+            ``overlap/_moe_peer.py``; ``exchange_pieces`` does not apply). Over both, the backward
+            passes and a combine whose weights need a gradient use NCCL.
+        max_tokens, top_k: transport "peer" only (required there): the most tokens one dispatch
+            takes on any rank, and the k of every ``topk_idx``; they size its peer buffers, which
+            :meth:`close` releases (collective).
 
     Every rank calls ``dispatch`` and ``combine`` the same number of times, in the same order
     (they communicate); token counts may differ between ranks, and may be zero.
@@ -277,7 +328,7 @@ class MoEDispatcher:
 
     def __init__(self, num_experts: int, hidden: int, group: Any = None, *, dtype: torch.dtype | None = None,
                  device: Any = None, capacity_factor: float | None = None, exchange_pieces: int = 1,
-                 transport: str = "nccl") -> None:
+                 transport: str = "nccl", max_tokens: int | None = None, top_k: int | None = None) -> None:
         comm = C.get_communicator(group)
         if not isinstance(num_experts, int) or num_experts < 1 or num_experts % comm.size:
             raise InvalidArgumentError("num_experts", num_experts, f"is not a positive multiple of the group's {comm.size} ranks",
@@ -294,9 +345,19 @@ class MoEDispatcher:
         if not isinstance(exchange_pieces, int) or isinstance(exchange_pieces, bool) or exchange_pieces < 1:
             raise InvalidArgumentError("exchange_pieces", exchange_pieces, "is not a positive int", "pass 1 (or e.g. 4)")
         self.exchange_pieces = exchange_pieces
-        if transport not in ("nccl", "copy_engine"):
-            raise InvalidArgumentError("transport", transport, "is not 'nccl' or 'copy_engine'", "pass 'nccl'")
+        if transport not in ("nccl", "copy_engine", "peer"):
+            raise InvalidArgumentError("transport", transport, "is not 'nccl', 'copy_engine' or 'peer'", "pass 'nccl'")
         self.transport = transport
+        if transport == "peer":
+            # the peer buffers are sized once, from these bounds (like any buffer-owning object)
+            for name, v in (("max_tokens", max_tokens), ("top_k", top_k)):
+                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                    raise InvalidArgumentError(name, v, "is needed by transport='peer' (it sizes the peer buffers)",
+                                               f"pass {name}= as a positive int, e.g. max_tokens=4096, top_k=8")
+            if top_k > num_experts:  # type: ignore[operator]
+                raise InvalidArgumentError("top_k", top_k, f"exceeds the {num_experts} experts", f"pass top_k<={num_experts}")
+        self.max_tokens, self.top_k = max_tokens, top_k
+        self._peer: Any = None
         # the copy-engine transport sizes its slot regions by the rows' bytes
         self._row_bytes = hidden * torch.empty((), dtype=dtype).element_size() if dtype is not None else 0
         self.last_chunks: tuple[int, str] | None = None
@@ -317,13 +378,68 @@ class MoEDispatcher:
                                        f"{tuple(topk_idx.shape)}", "pass one weight per (token, expert) pair")
 
     def _check_transport(self, x: torch.Tensor) -> None:
-        if self.transport == "copy_engine":
+        if self.transport in ("copy_engine", "peer"):
             from . import _copy_engine
 
             why = _copy_engine.unavailable(self.comm, x.device, x.dtype)
             if why:
                 raise UnsupportedError("transport", self.transport, f"cannot run here: {why}", "use transport='nccl'")
             self._row_bytes = x.shape[1] * x.element_size()
+
+    def _check_ids(self, ids: np.ndarray, topk_idx: torch.Tensor, name: str) -> None:
+        E, k = self.num_experts, ids.shape[1] if ids.ndim == 2 else 1
+        if ids.size:
+            if ids.min() < 0 or ids.max() >= E:
+                raise InvalidArgumentError(name, topk_idx, f"has expert ids outside 0..{E - 1}",
+                                           f"route to experts 0..{E - 1}")
+            by_row = np.sort(ids, axis=1)
+            if k > 1 and (by_row[:, 1:] == by_row[:, :-1]).any():
+                raise InvalidArgumentError(name, topk_idx, "routes a token to the same expert twice",
+                                           "give each token k distinct experts")
+
+    def _gather_routing(self, topk_idx: torch.Tensor, bounds: list[tuple[int, int]], k: int
+                        ) -> tuple[list[np.ndarray], list[list[tuple[int, int]]]]:
+        """Every rank's ``topk_idx`` and ranges (the peer transport), checked on every rank, so a
+        bad routing on one rank raises the same error on all of them."""
+        w, T = self.comm.size, topk_idx.shape[0]
+        if k != self.top_k:
+            raise InvalidArgumentError("topk_idx", topk_idx, f"has k={k}; the dispatcher was built for top_k="
+                                       f"{self.top_k}", f"pass [tokens, {self.top_k}] expert ids")
+        if T > self.max_tokens:
+            raise InvalidArgumentError("x", topk_idx, f"has {T} tokens; the peer transport was built for max_tokens="
+                                       f"{self.max_tokens}", f"pass max_tokens>={T} to MoEDispatcher")
+        head = [T, *(v for b in bounds for v in b)]
+        size = len(head) + self.max_tokens * k
+        mine = torch.full((size,), -1, dtype=torch.int32, device=topk_idx.device)
+        mine[:len(head)].copy_(torch.tensor(head, dtype=torch.int32))
+        mine[len(head):len(head) + T * k].copy_(topk_idx.detach().reshape(-1))
+        every = torch.empty(w * size, dtype=torch.int32, device=topk_idx.device)
+        C.all_gather_single(every, mine, group=self.group)
+        rows = every.cpu().numpy().reshape(w, size).astype(np.int64)
+        ids, ranges = [], []
+        for s in range(w):
+            t = int(rows[s, 0])
+            mine_ids = rows[s, len(head):len(head) + t * k].reshape(t, k)
+            self._check_ids(mine_ids, topk_idx, "topk_idx" if s == self.comm.rank else f"topk_idx of rank {s}")
+            ids.append(mine_ids)
+            ranges.append([(int(rows[s, 1 + 2 * i]), int(rows[s, 2 + 2 * i])) for i in range(len(bounds))])
+        return ids, ranges
+
+    def _peer_rows(self) -> Any:
+        """The peer transport's buffers, built on first use (collective: every rank dispatches)."""
+        if self._peer is None:
+            from . import _moe_peer
+
+            self._peer = _moe_peer.PeerRows(self.comm, self.max_tokens, self.max_tokens * self.top_k,
+                                            self._row_bytes)
+        return self._peer
+
+    def close(self) -> None:
+        """Release the peer transport's buffers, if any (collective). The dispatcher can be used
+        again afterwards (it builds them anew)."""
+        if self._peer is not None:
+            self._peer.close()
+            self._peer = None
 
     def route(self, topk_idx: torch.Tensor) -> DispatchHandle:
         """The handle for routing ``topk_idx`` (exchanges the per-expert counts: collective)."""
@@ -340,41 +456,30 @@ class MoEDispatcher:
         before anything is sent. The results go back to the device in one copy.
         """
         k = topk_idx.shape[1] if topk_idx.dim() == 2 else 1
-        w, e_loc, E = self.comm.size, self.local_experts, self.num_experts
+        w, e_loc = self.comm.size, self.local_experts
         dev = topk_idx.device
-        ids = topk_idx.detach().to("cpu", torch.int64).numpy().reshape(-1, k)
-        if ids.size:
-            if ids.min() < 0 or ids.max() >= E:
-                raise InvalidArgumentError("topk_idx", topk_idx, f"has expert ids outside 0..{E - 1}",
-                                           f"route to experts 0..{E - 1}")
-            by_row = np.sort(ids, axis=1)
-            if k > 1 and (by_row[:, 1:] == by_row[:, :-1]).any():
-                raise InvalidArgumentError("topk_idx", topk_idx, "routes a token to the same expert twice",
-                                           "give each token k distinct experts")
-        small = np.int16 if E <= np.iinfo(np.int16).max else np.int64  # numpy sorts 16-bit keys by radix
-        local = []
-        for lo, hi in bounds:
-            flat = ids[lo:hi].reshape(-1)
-            order = np.argsort(flat.astype(small), kind="stable")  # by expert, ties in token order
-            experts = flat[order]
-            per_expert = np.bincount(experts, minlength=E)
-            dropped = 0
-            if self.capacity_factor is not None and flat.size:
-                cap = math.ceil(self.capacity_factor * (hi - lo) * k / E)
-                start = np.cumsum(per_expert) - per_expert
-                keep = np.arange(flat.size) - start[experts] < cap
-                order, experts = order[keep], experts[keep]
-                dropped = flat.size - order.size
-                per_expert = np.bincount(experts, minlength=E)
-            local.append((order, per_expert, dropped, hi - lo))
         n = len(bounds)
-        counts = np.stack([c for _, c, _, _ in local]).reshape(n, w, e_loc)
         every: np.ndarray | None = None
-        if self.transport == "copy_engine" and not self._row_bytes:
-            raise InvalidArgumentError("dtype", self.dtype, "is needed by the copy-engine transport before the first "
+        if self.transport == "peer":
+            # every rank's routing (each plans its pulls from all of them): one small all-gather
+            every_ids, every_bounds = self._gather_routing(topk_idx, bounds, k)
+            me = self.comm.rank
+            sources = [[sorted_pairs(every_ids[s][lo:hi], self.num_experts, self.capacity_factor)
+                        for lo, hi in every_bounds[s]] for s in range(w)]
+            local = sources[me]
+            every = np.stack([np.stack([c for _, _, c, _, _ in sources[s]]) for s in range(w)]).reshape(w, n, w, e_loc)
+        else:
+            ids = topk_idx.detach().to("cpu", torch.int64).numpy().reshape(-1, k)
+            self._check_ids(ids, topk_idx, "topk_idx")
+            local = [sorted_pairs(ids[lo:hi], self.num_experts, self.capacity_factor) for lo, hi in bounds]
+        counts = np.stack([c for _, _, c, _, _ in local]).reshape(n, w, e_loc)
+        if self.transport in ("copy_engine", "peer") and not self._row_bytes:
+            raise InvalidArgumentError("dtype", self.dtype, f"is needed by the {self.transport} transport before the first "
                                        "dispatch (it sizes the peer buffers' regions by the rows' bytes)",
                                        "pass dtype= to MoEDispatcher, or dispatch before calling route")
-        if self.transport == "copy_engine":
+        if self.transport == "peer":
+            got = np.ascontiguousarray(every[:, :, self.comm.rank, :])  # type: ignore[index]
+        elif self.transport == "copy_engine":
             # every rank's counts: the copy-engine plan sizes its slots from all of them
             mine = torch.from_numpy(np.ascontiguousarray(counts).reshape(-1))
             all_dev = torch.empty(w * mine.numel(), dtype=mine.dtype, device=dev)
@@ -393,10 +498,10 @@ class MoEDispatcher:
                 C.all_to_all_single(got_dev, send_buf.to(dev), group=self.group)
                 got_t = got_dev.cpu()
             got = got_t.numpy().reshape(w, n, e_loc)
-        local_ids = np.tile(np.arange(e_loc, dtype=small), w)
+        local_ids = np.tile(np.arange(e_loc, dtype=np.int16 if e_loc <= np.iinfo(np.int16).max else np.int64), w)
         pieces, layout = [], []
         n_pieces = self.exchange_pieces
-        for c, (order, _, dropped, tokens) in enumerate(local):
+        for c, (order, _, _, dropped, tokens) in enumerate(local):
             matrix = np.ascontiguousarray(got[:, c, :])
             # Received rows are [source 0: expert 0.., source 1: ...]; recv_x wants [expert 0: source 0.., ...]:
             # a stable sort of the received rows by their local expert.
@@ -404,7 +509,15 @@ class MoEDispatcher:
             send, recv = counts[c].sum(1).tolist(), matrix.sum(1).tolist()
             pieces += [order, order // k, regroup]
             split_lists: Any = None
-            if every is not None:
+            if self.transport == "peer":
+                from . import _moe_peer
+
+                scalars, arrays = _moe_peer.plan(self.comm.rank, w, e_loc, k, self.max_tokens,
+                                                 [(every_ids[s][lo:hi], sources[s][c][0], hi - lo)
+                                                  for s, (lo, hi) in enumerate(b[c] for b in every_bounds)])
+                pieces += arrays
+                split_lists = ("peer", scalars, [a.size for a in arrays])
+            elif every is not None:
                 from collectives.peer import peer_memory
 
                 from . import _moe_copy_engine
@@ -436,7 +549,11 @@ class MoEDispatcher:
                 for size in sizes:
                     views.append(on_dev[at:at + size])
                     at += size
-                if kind == "ce":
+                if kind == "peer":
+                    from . import _moe_peer
+
+                    h.extra["peer"] = (self._peer_rows(), _moe_peer.build(info, views))
+                elif kind == "ce":
                     from . import _moe_copy_engine
 
                     h.extra["ce"] = _moe_copy_engine.build(info, views)
@@ -500,7 +617,7 @@ class MoEDispatcher:
         self._check_transport(x)
         bounds = [(x.shape[0] * i // n, x.shape[0] * (i + 1) // n) for i in range(n)]
         handles = self.route_chunks(topk_idx, bounds)  # every chunk's counts in one small exchange
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() and self.transport != "peer":
             return self._overlapped(x, topk_weights, experts, bounds, handles)
         recv = [_Dispatch.apply(x[bounds[0][0]:bounds[0][1]], handles[0], self.group)]
         outs = []

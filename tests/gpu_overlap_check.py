@@ -19,6 +19,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import collectives as C  # noqa: E402
+from collectives.errors import InvalidArgumentError  # noqa: E402
 from overlap import ops  # noqa: E402
 from overlap.layers import ColumnParallelLinear, MoELayer, RowParallelLinear  # noqa: E402
 from overlap.moe import GroupedSwiGLU, MoEDispatcher, reference_moe  # noqa: E402
@@ -138,7 +139,8 @@ def main() -> int:
     def moe_layer_check(transport: str, pieces: int) -> None:
         full.zero_grad(set_to_none=True)  # the reference's gradients, fresh for each layer
         router.zero_grad(set_to_none=True)
-        layer = MoELayer(H, FF, E, k, device=dev, transport=transport, exchange_pieces=pieces)
+        layer = MoELayer(H, FF, E, k, device=dev, transport=transport, exchange_pieces=pieces,
+                         max_tokens=64 if transport == "peer" else None)
         lo = r * (E // w)
         with torch.no_grad():
             layer.router.weight.copy_(router.weight)
@@ -173,6 +175,7 @@ def main() -> int:
         close(f"moe {transport}/{pieces} input grad", xs.grad, mine.grad)
         for name in ("w1", "w2", "w3"):
             close(f"moe {transport}/{pieces} {name} grad", getattr(layer.experts, name).grad, getattr(full, name).grad[lo:lo + E // w])
+        layer.close()
 
 
     moe_layer_check("nccl", 1)
@@ -180,13 +183,15 @@ def main() -> int:
     if dev.type == "cuda":
         moe_layer_check("copy_engine", 1)
         moe_layer_check("copy_engine", 3)
+        moe_layer_check("peer", 1)
         # dispatch and combine alone, every transport against one NCCL piece, back to back with
         # fresh routing, in bf16 (the grouped GEMM's dtype) and fp32: dispatch moves rows exactly
         Ed, kd = 8 * w, 3
         for dtype in (torch.float32, torch.bfloat16):
             plain = MoEDispatcher(Ed, H, dtype=dtype, device=dev)
-            others = {(t, n): MoEDispatcher(Ed, H, dtype=dtype, device=dev, transport=t, exchange_pieces=n)
-                      for t, n in (("nccl", 4), ("copy_engine", 1), ("copy_engine", 4))}
+            others = {(t, n): MoEDispatcher(Ed, H, dtype=dtype, device=dev, transport=t, exchange_pieces=n,
+                                            **({"max_tokens": 64, "top_k": kd} if t == "peer" else {}))
+                      for t, n in (("nccl", 4), ("copy_engine", 1), ("copy_engine", 4), ("peer", 1))}
             for call in range(10):
                 g.manual_seed(800 + 10 * call + r)
                 T = 29 + 7 * r + call
@@ -207,6 +212,53 @@ def main() -> int:
                         piped = d.forward_pipelined(xd, idx, wd, lambda rows, tpe: rows * 1.5, chunks=3)
                         close(f"forward_pipelined {t}/{n} {dtype} call {call}", piped, out_ref,
                               tol=TOL if dtype == torch.float32 else 2e-2)
+            others[("peer", 1)].close()
+        # the peer transport's edge cases against NCCL's: a rank without tokens, every token to
+        # one expert, capacity drops, a hidden size whose rows are not whole 16-byte packs (the
+        # scalar kernels), more local experts of one token than a warp has lanes
+        cases = [("no tokens on rank 0", 8 * w, 3, None, H, lambda T: T * (r != 0)),
+                 ("one expert", 8 * w, 1, None, H, None),
+                 ("capacity 0.5", 8 * w, 3, 0.5, H, None),
+                 ("odd hidden", 8 * w, 3, None, H + 3, None),
+                 ("40 local experts", 40 * w, 36, None, H, None)]
+        for what, Ee, kk, cf, Hh, tokens_of in cases:
+            for dtype in (torch.float32, torch.bfloat16):
+                plain = MoEDispatcher(Ee, Hh, dtype=dtype, device=dev, capacity_factor=cf)
+                peer = MoEDispatcher(Ee, Hh, dtype=dtype, device=dev, capacity_factor=cf, transport="peer",
+                                     max_tokens=80, top_k=kk)
+                for call in range(3):
+                    g.manual_seed(900 + 10 * call + r)
+                    T = 37 + 11 * r + call
+                    T = tokens_of(T) if tokens_of else T
+                    xd = torch.randn(T, Hh, generator=g, device=dev).to(dtype)
+                    if what == "one expert":
+                        idx = torch.full((T, 1), 3, dtype=torch.int64, device=dev)
+                    else:
+                        idx = torch.rand(T, Ee, generator=g, device=dev).topk(kk, dim=-1).indices
+                    wd = torch.rand(T, kk, generator=g, device=dev).to(dtype)
+                    with torch.no_grad():
+                        recv_ref, h_ref = plain.dispatch(xd, idx)
+                        out_ref = plain.combine(recv_ref * 1.5, h_ref, wd)
+                        recv, h = peer.dispatch(xd, idx)
+                        checks += 1
+                        if not torch.equal(recv, recv_ref) or h.dropped != h_ref.dropped:
+                            fails.append(f"rank {r} peer dispatch, {what}, {dtype} call {call}: rows or drops differ")
+                        close(f"peer combine, {what}, {dtype} call {call}", peer.combine(recv * 1.5, h, wd), out_ref,
+                              tol=TOL if dtype == torch.float32 else 2e-2)
+                torch.cuda.synchronize()
+                peer.close()
+        # a bad routing on one rank: every rank raises the same typed error, nothing hangs
+        peer = MoEDispatcher(8 * w, H, dtype=torch.float32, device=dev, transport="peer", max_tokens=16, top_k=2)
+        bad = torch.zeros(4, 2, dtype=torch.int64, device=dev)
+        bad[:, 1] = 1 if r == 0 else 0  # rank 1 routes each token to expert 0 twice
+        checks += 1
+        try:
+            peer.dispatch(torch.randn(4, H, device=dev), bad)
+            fails.append(f"rank {r}: a duplicate expert on rank 1 raised nothing")
+        except InvalidArgumentError as exc:
+            if "rank 1" not in str(exc) and r != 1:
+                fails.append(f"rank {r}: the duplicate-expert error does not name rank 1: {exc}")
+        peer.close()
 
     every: list[list[str] | None] = [None] * w
     dist.all_gather_object(every, fails)

@@ -468,3 +468,166 @@ ALL_DTYPES(all_gather)
 INSTANTIATE_CE(float, f32)
 INSTANTIATE_CE(__half, f16)
 INSTANTIATE_CE(__nv_bfloat16, bf16)
+
+// ---- rows: indexed row copies and weighted row sums between ranks' slot buffers ----------------
+//
+// For expert-parallel dispatch and combine (overlap/_moe_peer.py). A row is `row` elements; one
+// warp handles one item at a time (warp w of the grid takes items w, w + warps, ...), its lanes
+// striding over the row's 16-byte packs. None of these kernels waits: the caller orders them
+// between ce_fence barriers, and they do nothing once a wait has failed (err_dev set).
+//
+//   rows_gather  (dispatch): item i reads row src[2i+1] of rank src[2i]'s slot buffer (rows from
+//                `off` bytes in) once and writes it to rows dst[ptr[i] .. ptr[i+1]) of `out`: a
+//                token bound for several experts of one rank crosses the link once.
+//   rows_partial (combine, on the experts' rank): item i writes, into this rank's slot buffer at
+//                row item[2i+1] (rows from `p_off` bytes in), the sum over its entries e of
+//                weight x rows[ent[2e]], the weight being float ent[2e+1] of rank item[2i]'s
+//                slot buffer at `w_off` bytes: one partial row per (token, rank) crosses back.
+//   rows_sum     (combine, on the tokens' rank): out[i] = sum over entries e of row ent[2e+1] of
+//                rank ent[2e]'s slot buffer (from `p_off`), in entry order; zeros if none.
+// Sums are taken in fp32 and rounded once.
+
+#define WARP 32
+#define ROWS_UNROLL 4
+
+__device__ __forceinline__ long warp_id() { return ((long)blockIdx.x * blockDim.x + threadIdx.x) / WARP; }
+__device__ __forceinline__ long n_warps() { return (long)gridDim.x * blockDim.x / WARP; }
+
+template <typename T, bool VEC>
+__device__ void rows_gather(const Ctx& c, const long* src, const long* ptr, const long* dst, T* out, long n,
+                            long row, long off) {
+  if (*(volatile int*)c.err_dev) return;
+  const int lane = threadIdx.x % WARP;
+  for (long i = warp_id(); i < n; i += n_warps()) {
+    const T* s = reinterpret_cast<const T*>(c.slots.p[src[2 * i]] + off) + src[2 * i + 1] * row;
+    const long a = ptr[i], b = ptr[i + 1];
+    if (VEC) {
+      const long packs = row / Pack<T>::N;
+      const uint4* sv = reinterpret_cast<const uint4*>(s);
+      for (long v = lane; v < packs; v += ROWS_UNROLL * WARP) {
+        uint4 x[ROWS_UNROLL];
+#pragma unroll
+        for (int u = 0; u < ROWS_UNROLL; ++u)
+          if (v + u * WARP < packs) x[u] = __ldcg(sv + v + u * WARP);
+        for (long d = a; d < b; ++d) {
+          uint4* o = reinterpret_cast<uint4*>(out + dst[d] * row);
+#pragma unroll
+          for (int u = 0; u < ROWS_UNROLL; ++u)
+            if (v + u * WARP < packs) o[v + u * WARP] = x[u];
+        }
+      }
+    } else {
+      for (long j = lane; j < row; j += WARP) {
+        const T x = s[j];
+        for (long d = a; d < b; ++d) out[dst[d] * row + j] = x;
+      }
+    }
+  }
+}
+
+template <typename T, bool VEC>
+__device__ void rows_partial(const Ctx& c, const long* item, const long* ptr, const long* ent, const T* rows, long n,
+                             long row, long p_off, long w_off) {
+  if (*(volatile int*)c.err_dev) return;
+  const int lane = threadIdx.x % WARP;
+  const int N = Pack<T>::N;
+  for (long i = warp_id(); i < n; i += n_warps()) {
+    const float* wts = reinterpret_cast<const float*>(c.slots.p[item[2 * i]] + w_off);
+    T* o = reinterpret_cast<T*>(c.slots.p[c.rank] + p_off) + item[2 * i + 1] * row;
+    const long a = ptr[i], b = ptr[i + 1];
+    // one lane per entry loads its weight (from the tokens' rank) once; each is then broadcast
+    const long cnt = b - a;
+    const float wl = lane < cnt ? __ldcg(wts + ent[2 * (a + lane) + 1]) : 0.f;
+    if (VEC) {
+      const long packs = row / N;
+      for (long v0 = 0; v0 < packs; v0 += WARP) {  // every lane runs every round (the shuffles)
+        const long v = v0 + lane;
+        const bool live = v < packs;
+        float acc[8];
+#pragma unroll
+        for (int k = 0; k < N; ++k) acc[k] = 0.f;
+        for (long e = 0; e < cnt; ++e) {
+          // more entries than lanes (more than 32 local experts for one token): read directly
+          const float we = cnt <= WARP ? __shfl_sync(0xffffffffu, wl, (int)e) : __ldcg(wts + ent[2 * (a + e) + 1]);
+          if (!live) continue;
+          const uint4 x = __ldg(reinterpret_cast<const uint4*>(rows + ent[2 * (a + e)] * row) + v);
+          const T* xe = reinterpret_cast<const T*>(&x);
+#pragma unroll
+          for (int k = 0; k < N; ++k) acc[k] += we * to_f(xe[k]);
+        }
+        if (!live) continue;
+        uint4 r;
+        T* re = reinterpret_cast<T*>(&r);
+#pragma unroll
+        for (int k = 0; k < N; ++k) re[k] = from_f<T>(acc[k]);
+        __stcg(reinterpret_cast<uint4*>(o) + v, r);
+      }
+    } else {
+      for (long j = lane; j < row; j += WARP) {
+        float acc = 0.f;
+        for (long e = a; e < b; ++e) acc += __ldcg(wts + ent[2 * e + 1]) * to_f(rows[ent[2 * e] * row + j]);
+        o[j] = from_f<T>(acc);
+      }
+    }
+  }
+}
+
+template <typename T, bool VEC>
+__device__ void rows_sum(const Ctx& c, const long* ptr, const long* ent, T* out, long n, long row, long p_off) {
+  if (*(volatile int*)c.err_dev) return;
+  const int lane = threadIdx.x % WARP;
+  const int N = Pack<T>::N;
+  for (long i = warp_id(); i < n; i += n_warps()) {
+    const long a = ptr[i], b = ptr[i + 1];
+    T* o = out + i * row;
+    if (VEC) {
+      const long packs = row / N;
+      for (long v = lane; v < packs; v += WARP) {
+        float acc[8];
+#pragma unroll
+        for (int k = 0; k < N; ++k) acc[k] = 0.f;
+        for (long e = a; e < b; ++e) {
+          const T* s = reinterpret_cast<const T*>(c.slots.p[ent[2 * e]] + p_off) + ent[2 * e + 1] * row;
+          const uint4 x = __ldcg(reinterpret_cast<const uint4*>(s) + v);
+          const T* xe = reinterpret_cast<const T*>(&x);
+#pragma unroll
+          for (int k = 0; k < N; ++k) acc[k] += to_f(xe[k]);
+        }
+        uint4 r;
+        T* re = reinterpret_cast<T*>(&r);
+#pragma unroll
+        for (int k = 0; k < N; ++k) re[k] = from_f<T>(acc[k]);
+        reinterpret_cast<uint4*>(o)[v] = r;
+      }
+    } else {
+      for (long j = lane; j < row; j += WARP) {
+        float acc = 0.f;
+        for (long e = a; e < b; ++e)
+          acc += to_f((reinterpret_cast<const T*>(c.slots.p[ent[2 * e]] + p_off) + ent[2 * e + 1] * row)[j]);
+        o[j] = from_f<T>(acc);
+      }
+    }
+  }
+}
+
+#define INSTANTIATE_ROWS(T, TAG, VEC, KIND)                                                             \
+  extern "C" __global__ void __launch_bounds__(512) rows_gather_##TAG##_##KIND(                         \
+      const Ctx c, const long* src, const long* ptr, const long* dst, T* out, long n, long row, long off) { \
+    rows_gather<T, VEC>(c, src, ptr, dst, out, n, row, off);                                            \
+  }                                                                                                     \
+  extern "C" __global__ void __launch_bounds__(512) rows_partial_##TAG##_##KIND(                        \
+      const Ctx c, const long* item, const long* ptr, const long* ent, const T* rows, long n, long row,  \
+      long p_off, long w_off) {                                                                         \
+    rows_partial<T, VEC>(c, item, ptr, ent, rows, n, row, p_off, w_off);                                \
+  }                                                                                                     \
+  extern "C" __global__ void __launch_bounds__(512) rows_sum_##TAG##_##KIND(                            \
+      const Ctx c, const long* ptr, const long* ent, T* out, long n, long row, long p_off) {             \
+    rows_sum<T, VEC>(c, ptr, ent, out, n, row, p_off);                                                  \
+  }
+
+INSTANTIATE_ROWS(float, f32, true, vec)
+INSTANTIATE_ROWS(float, f32, false, scalar)
+INSTANTIATE_ROWS(__half, f16, true, vec)
+INSTANTIATE_ROWS(__half, f16, false, scalar)
+INSTANTIATE_ROWS(__nv_bfloat16, bf16, true, vec)
+INSTANTIATE_ROWS(__nv_bfloat16, bf16, false, scalar)
