@@ -80,9 +80,12 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
         t_dispatch = _time(lambda: disp.dispatch(x, idx, w), comm, device, iters, reps)
         t_experts = _time(lambda: mlp(recv, handle.tokens_per_expert), comm, device, iters, reps)
         t_combine = _time(lambda: disp.combine(y, handle, w), comm, device, iters, reps)
-        rows = x.index_select(0, handle.token_of)
-        out = rows.new_empty((sum(handle.recv_counts), hidden))
-        t_a2a = _time(lambda: dist.all_to_all_single(out, rows, handle.recv_counts, handle.send_counts,
+        # NCCL's all-to-all of the same rows (the host-planned handle: the same counts, and which
+        # token each sent row is)
+        plain = handle if handle.token_of.numel() or not sum(handle.send_counts) else disp.route(idx)
+        rows = x.index_select(0, plain.token_of)
+        out = rows.new_empty((sum(plain.recv_counts), hidden))
+        t_a2a = _time(lambda: dist.all_to_all_single(out, rows, plain.recv_counts, plain.send_counts,
                                                      group=comm.group), comm, device, iters, reps)
         t_seq = _time(lambda: disp.forward(x, idx, w, mlp), comm, device, iters, reps)
         # The check runs in float32 (a copy of the experts): chunking changes the experts' GEMM

@@ -142,12 +142,36 @@ def build(scalars: tuple[int, int], views: list[torch.Tensor]) -> PeerPlan:
     return PeerPlan(scalars[0], scalars[1], *views)
 
 
-def layout_bytes(world: int, max_tokens: int, max_pairs: int, row_bytes: int) -> tuple[int, int]:
-    """(weights region, one half) in bytes: W = the weights of ``max_pairs`` pairs; then X (the
-    tokens, dispatch) or P (``world`` regions of ``max_tokens`` partial rows, combine) after it."""
-    wb = -(-max_pairs * 4 // 4096) * 4096
-    half = -(-(wb + world * max_tokens * row_bytes) // 4096) * 4096
-    return wb, half
+def layout_bytes(world: int, max_tokens: int, top_k: int, row_bytes: int) -> tuple[int, int, int]:
+    """(W, W + I, one half) in bytes. A half holds W: the weights of ``max_tokens * top_k`` pairs
+    (fp32); I: a header and the expert ids (int32, the device-side layout); then X (the tokens,
+    dispatch) or P (``world`` regions of ``max_tokens`` partial rows, combine)."""
+    wb = -(-max_tokens * top_k * 4 // 4096) * 4096
+    ib = wb + -(-(IDS_HEADER + max_tokens * top_k) * 4 // 4096) * 4096
+    half = ib + -(-(world * max_tokens * row_bytes) // 4096) * 4096
+    return wb, ib, half
+
+
+IDS_HEADER = 16  # ints before the ids in I (kernels.cu)
+_IDS_PARTS = 16  # blocks per rank copying ids (kernels.cu)
+MAX_BASE = 4096  # local experts x ranks the device-side layout serves (kernels.cu)
+_BAD_RANGE, _BAD_REPEAT = 0, 1  # error words after info's counts
+
+
+@dataclass
+class DeviceLayout:
+    """The routing of one dispatch worked out on the device (``PeerRows.dispatch_dense``).
+
+    ``ids_all [W, max_tokens, k]``: every rank's expert ids; ``ranks [W, max_tokens, E/W]``: the
+    rank of each token among its source's tokens for each local expert (or -1); ``info``: the
+    per-(source, local expert) counts, token counts and this rank's sends, on the device, and
+    ``counts`` the same on the host."""
+
+    ids_all: torch.Tensor
+    ranks: torch.Tensor
+    info: torch.Tensor
+    counts: np.ndarray
+    tokens: int
 
 
 class PeerRows:
@@ -157,14 +181,18 @@ class PeerRows:
     Args:
         comm: the expert-parallel communicator (the GPUs of one node).
         max_tokens: the most tokens one dispatch takes on any rank.
-        max_pairs: the most (token, expert) pairs one combine weighs on any rank.
+        top_k: the k of every routing.
         row_bytes: bytes of one row (hidden x element size).
+        num_experts: ``E`` (the device-side layout checks the ids against it).
     """
 
-    def __init__(self, comm: Any, max_tokens: int, max_pairs: int, row_bytes: int,
+    def __init__(self, comm: Any, max_tokens: int, top_k: int, row_bytes: int, num_experts: int,
                  timeout_s: float | None = None) -> None:
-        self.max_tokens, self.max_pairs, self.row_bytes = max_tokens, max_pairs, row_bytes
-        self.wb, self.half = layout_bytes(comm.size, max_tokens, max_pairs, row_bytes)
+        self.max_tokens, self.top_k, self.row_bytes = max_tokens, top_k, row_bytes
+        self.max_pairs = max_tokens * top_k
+        self.world, self.rank = comm.size, comm.rank
+        self.e_loc = num_experts // comm.size
+        self.wb, self.ib, self.half = layout_bytes(comm.size, max_tokens, top_k, row_bytes)
         self.pm = PeerMemory(comm, slot_bytes=max(1 << 20, 2 * self.half), timeout_s=timeout_s)
         self.calls = 0  # the same on every rank: every rank makes the same calls
 
@@ -198,12 +226,12 @@ class PeerRows:
         off = self._next_half()
         recv = x.new_empty((total, x.shape[1]))
         if x.shape[0]:
-            self.pm.slot_view(off + self.wb, tuple(x.shape), x.dtype).copy_(x)
+            self.pm.slot_view(off + self.ib, tuple(x.shape), x.dtype).copy_(x)
         self._fence()
         if p.n_items:
             k = self.pm._kernel("rows_gather", x.dtype, self._vec(recv.data_ptr()), 7)
             k(self._grid(p.n_items), _launch.current_stream(self.pm._index), p.items.data_ptr(), p.ptr.data_ptr(),
-              p.dst.data_ptr(), recv.data_ptr(), p.n_items, x.shape[1], off + self.wb)
+              p.dst.data_ptr(), recv.data_ptr(), p.n_items, x.shape[1], off + self.ib)
         return recv
 
     def combine(self, p: PeerPlan, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -228,13 +256,94 @@ class PeerRows:
         if p.n_items:
             k = self.pm._kernel("rows_partial", rows.dtype, self._vec(rows.data_ptr()), 8)
             k(self._grid(p.n_items), stream, p.part.data_ptr(), p.ptr.data_ptr(), p.part_ent.data_ptr(),
-              rows.data_ptr(), p.n_items, hidden, off + self.wb, off)
+              rows.data_ptr(), p.n_items, hidden, off + self.ib, off)
         self._fence()
         out = rows.new_empty((n, hidden))
         if n:
             k = self.pm._kernel("rows_sum", rows.dtype, self._vec(out.data_ptr()), 6)
             k(self._grid(n), stream, p.sum_ptr.data_ptr(), p.sum_ent.data_ptr(), out.data_ptr(), n, hidden,
-              off + self.wb)
+              off + self.ib)
+        return out
+
+    # -- the device-side layout (dropless, no autograd): no host plan, one small copy to the host
+    def dispatch_dense(self, x: torch.Tensor, topk_idx: torch.Tensor) -> tuple[torch.Tensor, DeviceLayout]:
+        """``recv_x`` and the layout, from ``x [tokens, hidden]`` (contiguous) and ``topk_idx``.
+
+        Every rank's ids are checked on every rank (range, repeats) after the barrier, from the
+        same copy: a bad routing raises the same ``InvalidArgumentError`` everywhere, naming the
+        rank, and nothing has reached another rank's ``recv_x``.
+        """
+        from collectives.peer import _launch
+
+        T, k = topk_idx.shape
+        self._check_tokens(T)
+        if x.shape[1] * x.element_size() != self.row_bytes:
+            raise InvalidArgumentError("x", x, f"has rows of {x.shape[1] * x.element_size()} B; the peer transport was "
+                                       f"built for {self.row_bytes} B", "pass dtype= to MoEDispatcher and keep it")
+        W, e_loc, t_max = self.world, self.e_loc, self.max_tokens
+        off = self._next_half()
+        if T:
+            self.pm.slot_view(off + self.ib, tuple(x.shape), x.dtype).copy_(x)
+        head = self.pm.slot_view(off + self.wb, (IDS_HEADER + T * k,), torch.int32)
+        head[:1].fill_(T)
+        if T:
+            head[IDS_HEADER:].copy_(topk_idx.reshape(-1))
+        self._fence()
+        dev = x.device
+        info = torch.empty(W * e_loc + 2 * W + 2, dtype=torch.int32, device=dev)
+        info[-2:].zero_()
+        ids_all = torch.empty(W * t_max * k, dtype=torch.int32, device=dev)
+        ranks = torch.empty(W * t_max * e_loc, dtype=torch.int32, device=dev)
+        stream = _launch.current_stream(self.pm._index)
+        ke = k | (e_loc << 32)
+        self.pm._kernel("rows_ids", None, False, 5)(W * _IDS_PARTS, stream, off + self.wb, t_max, ke,
+                                                     info.data_ptr(), ids_all.data_ptr())
+        self.pm._kernel("rows_layout", None, False, 5)(W * e_loc, stream, t_max, ke, ranks.data_ptr(),
+                                                        info.data_ptr(), ids_all.data_ptr())
+        counts = info.cpu().numpy()  # the one wait: the host learns how many rows arrive
+        self.check()
+        bad = counts[-2:]
+        if bad.any():
+            s = int(bad[_BAD_RANGE] or bad[_BAD_REPEAT]) - 1
+            what = (f"has expert ids outside 0..{W * e_loc - 1}", f"route to experts 0..{W * e_loc - 1}") \
+                if bad[_BAD_RANGE] else ("routes a token to the same expert twice", "give each token k distinct experts")
+            raise InvalidArgumentError("topk_idx" if s == self.rank else f"topk_idx of rank {s}", topk_idx, *what)
+        layout = DeviceLayout(ids_all, ranks, info, counts, T)
+        total = int(counts[:W * e_loc].sum())
+        recv = x.new_empty((total, x.shape[1]))
+        if total:
+            kern = self.pm._kernel("rows_gather_dense", x.dtype, self._vec(recv.data_ptr()), 8)
+            kern(self._grid(W * t_max), stream, off + self.ib, ranks.data_ptr(), info.data_ptr(), ids_all.data_ptr(),
+                 recv.data_ptr(), t_max, x.shape[1], ke)
+        return recv, layout
+
+    def combine_dense(self, layout: DeviceLayout, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``out [tokens, hidden]`` for a ``dispatch_dense`` layout."""
+        from collectives.peer import _launch
+
+        hidden = self.row_bytes // rows.element_size()
+        if rows.dim() != 2 or rows.shape[1] != hidden:
+            raise InvalidArgumentError("expert_out", rows, f"is not [rows, {hidden}] {rows.dtype} (the rows the peer "
+                                       f"transport was built for: {self.row_bytes} B)", "pass rows in recv_x's layout")
+        W, e_loc, t_max, k, T = self.world, self.e_loc, self.max_tokens, self.top_k, layout.tokens
+        if tuple(weights.shape) != (T, k):
+            raise InvalidArgumentError("topk_weights", weights, f"is not [{T}, {k}] (the dispatch's tokens and k)",
+                                       "pass the weights of the dispatched tokens")
+        off = self._next_half()
+        stream = _launch.current_stream(self.pm._index)
+        ke = k | (e_loc << 32)
+        if T:
+            self.pm.slot_view(off, (T * k,), torch.float32).copy_(weights.reshape(-1))
+        self._fence()
+        if rows.shape[0]:
+            kern = self.pm._kernel("rows_partial_dense", rows.dtype, self._vec(rows.data_ptr()), 9)
+            kern(self._grid(W * t_max), stream, off + self.ib, off, layout.ranks.data_ptr(), layout.info.data_ptr(),
+                 layout.ids_all.data_ptr(), rows.data_ptr(), t_max, hidden, ke)
+        self._fence()
+        out = rows.new_empty((T, hidden))
+        if T:
+            kern = self.pm._kernel("rows_sum_dense", rows.dtype, self._vec(out.data_ptr()), 7)
+            kern(self._grid(T), stream, off + self.ib, layout.ids_all.data_ptr(), out.data_ptr(), t_max, hidden, ke, T)
         return out
 
     def check(self) -> None:

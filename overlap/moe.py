@@ -70,6 +70,8 @@ class DispatchHandle:
         token_of: the token of each sent row (``order // k``).
         regroup: the permutation taking received rows (by source rank) to ``recv_x`` (by expert).
         num_tokens, top_k: the dispatched batch's shape.
+        (``order``, ``token_of`` and ``regroup`` are empty when the routing was planned on the
+        GPUs: transport "peer" under ``torch.no_grad()``, whose combine cannot be differentiated.)
         dropped: pairs dropped by the capacity limit on this rank (0 when dropless).
     """
 
@@ -356,7 +358,8 @@ class MoEDispatcher:
                                                f"pass {name}= as a positive int, e.g. max_tokens=4096, top_k=8")
             if top_k > num_experts:  # type: ignore[operator]
                 raise InvalidArgumentError("top_k", top_k, f"exceeds the {num_experts} experts", f"pass top_k<={num_experts}")
-        self.max_tokens, self.top_k = max_tokens, top_k
+        self.max_tokens: int = max_tokens or 0  # (transport "peer" only)
+        self.top_k: int = top_k or 0
         self._peer: Any = None
         # the copy-engine transport sizes its slot regions by the rows' bytes
         self._row_bytes = hidden * torch.empty((), dtype=dtype).element_size() if dtype is not None else 0
@@ -430,8 +433,8 @@ class MoEDispatcher:
         if self._peer is None:
             from . import _moe_peer
 
-            self._peer = _moe_peer.PeerRows(self.comm, self.max_tokens, self.max_tokens * self.top_k,
-                                            self._row_bytes)
+            self._peer = _moe_peer.PeerRows(self.comm, self.max_tokens, self.top_k, self._row_bytes,
+                                            self.num_experts)
         return self._peer
 
     def close(self) -> None:
@@ -512,11 +515,11 @@ class MoEDispatcher:
             if self.transport == "peer":
                 from . import _moe_peer
 
-                scalars, arrays = _moe_peer.plan(self.comm.rank, w, e_loc, k, self.max_tokens,
+                p_scalars, arrays = _moe_peer.plan(self.comm.rank, w, e_loc, k, self.max_tokens,
                                                  [(every_ids[s][lo:hi], sources[s][c][0], hi - lo)
                                                   for s, (lo, hi) in enumerate(b[c] for b in every_bounds)])
                 pieces += arrays
-                split_lists = ("peer", scalars, [a.size for a in arrays])
+                split_lists = ("peer", p_scalars, [a.size for a in arrays])
             elif every is not None:
                 from collectives.peer import peer_memory
 
@@ -572,8 +575,41 @@ class MoEDispatcher:
         """
         self._check(x, topk_idx, topk_weights)
         self._check_transport(x)
+        if self._device_layout(topk_idx):
+            return self._dispatch_dense(x, topk_idx)
         handle = self.route(topk_idx)
         return _Dispatch.apply(x, handle, self.group), handle
+
+    def _device_layout(self, topk_idx: torch.Tensor) -> bool:
+        """Whether this dispatch plans its routing on the GPUs (transport "peer"): no host plan, but
+        no autograd handle either, so only without autograd, and for the layouts the kernels
+        serve (dropless; k up to a warp's 32 lanes; local experts x ranks up to their table)."""
+        from . import _moe_peer
+
+        return (self.transport == "peer"
+                and not torch.is_grad_enabled()  # the backward passes replay a host-planned handle
+                and self.capacity_factor is None  # drops need each expert's count before the rows
+                and topk_idx.dim() == 2 and topk_idx.shape[1] <= 32  # one lane per pair of a token
+                and self.num_experts <= _moe_peer.MAX_BASE)  # the kernels' (local expert, source) table
+
+    def _dispatch_dense(self, x: torch.Tensor, topk_idx: torch.Tensor) -> tuple[torch.Tensor, DispatchHandle]:
+        from collectives.dispatch import recorded
+
+        w, e_loc = self.comm.size, self.local_experts
+        if topk_idx.shape[1] != self.top_k:
+            raise InvalidArgumentError("topk_idx", topk_idx, f"has k={topk_idx.shape[1]}; the dispatcher was built "
+                                       f"for top_k={self.top_k}", f"pass [tokens, {self.top_k}] expert ids")
+        rows = self._peer_rows()
+        with recorded(self.comm, "moe_dispatch", "peer", torch.empty((0, x.shape[1]), dtype=x.dtype, device="meta"), x):
+            recv, layout = rows.dispatch_dense(x.contiguous(), topk_idx)
+        counts = layout.counts
+        none = torch.empty(0, dtype=torch.int64, device=x.device)  # no host plan (see DispatchHandle)
+        matrix = counts[:w * e_loc].reshape(w, e_loc).astype(np.int64)
+        handle = DispatchHandle(matrix.sum(0).tolist(), counts[w * e_loc + w:w * e_loc + 2 * w].astype(np.int64).tolist(),
+                                matrix.sum(1).tolist(), torch.from_numpy(matrix), none, none, none, x.shape[0],
+                                topk_idx.shape[1], 0)
+        handle.extra["peer_dense"] = (rows, layout)
+        return recv, handle
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor) -> torch.Tensor:
         """``out [tokens, hidden]``, ``out[t] = sum_j topk_weights[t, j] * expert_out`` of pair (t, j).
@@ -584,6 +620,19 @@ class MoEDispatcher:
         if expert_out.shape[0] != sum(handle.tokens_per_expert):
             raise InvalidArgumentError("expert_out", expert_out, f"has {expert_out.shape[0]} rows; the dispatch "
                                        f"delivered {sum(handle.tokens_per_expert)}", "pass rows in recv_x's layout")
+        dense = handle.extra.get("peer_dense")
+        if dense is not None:
+            if torch.is_grad_enabled() and (expert_out.requires_grad or topk_weights.requires_grad):
+                raise InvalidArgumentError("handle", "a device-planned handle", "comes from a dispatch under "
+                                           "torch.no_grad(), which keeps no plan for a backward pass",
+                                           "dispatch with autograd enabled, or combine under torch.no_grad()")
+            from collectives.dispatch import recorded
+
+            rows, layout = dense
+            with recorded(self.comm, "moe_combine", "peer", torch.empty((handle.num_tokens, expert_out.shape[1]),
+                                                                         dtype=expert_out.dtype, device="meta"),
+                          expert_out):
+                return rows.combine_dense(layout, expert_out.contiguous(), topk_weights)
         return _Combine.apply(expert_out, topk_weights, handle, self.group)
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -616,6 +665,10 @@ class MoEDispatcher:
         self._check(x, topk_idx, topk_weights)
         self._check_transport(x)
         bounds = [(x.shape[0] * i // n, x.shape[0] * (i + 1) // n) for i in range(n)]
+        if self._device_layout(topk_idx):
+            # each chunk routed on the device as it is dispatched (no host plan to share)
+            return torch.cat([self.forward(x[lo:hi], topk_idx[lo:hi], topk_weights[lo:hi], experts)
+                              for lo, hi in bounds])
         handles = self.route_chunks(topk_idx, bounds)  # every chunk's counts in one small exchange
         if not torch.is_grad_enabled() and self.transport != "peer":
             return self._overlapped(x, topk_weights, experts, bounds, handles)

@@ -247,17 +247,39 @@ def main() -> int:
                               tol=TOL if dtype == torch.float32 else 2e-2)
                 torch.cuda.synchronize()
                 peer.close()
-        # a bad routing on one rank: every rank raises the same typed error, nothing hangs
+        # a bad routing on one rank: every rank raises the same typed error, nothing hangs; planned
+        # on the host (autograd on) and on the GPUs (no_grad), then a good dispatch still works
         peer = MoEDispatcher(8 * w, H, dtype=torch.float32, device=dev, transport="peer", max_tokens=16, top_k=2)
-        bad = torch.zeros(4, 2, dtype=torch.int64, device=dev)
-        bad[:, 1] = 1 if r == 0 else 0  # rank 1 routes each token to expert 0 twice
+        for planned, grad in (("host", True), ("device", False)):
+            for what, fill, text in (("a repeated expert", 0, "same expert twice"), ("an expert id out of range", 99,
+                                                                                         "outside")):
+                bad = torch.zeros(4, 2, dtype=torch.int64, device=dev)
+                bad[:, 1] = 1 if r == 0 else fill  # rank 1's routing is bad
+                checks += 1
+                try:
+                    with torch.set_grad_enabled(grad):
+                        peer.dispatch(torch.randn(4, H, device=dev), bad)
+                    fails.append(f"rank {r}: {what} on rank 1 raised nothing ({planned} plan)")
+                except InvalidArgumentError as exc:
+                    if text not in str(exc) or (r != 1 and "rank 1" not in str(exc)):
+                        fails.append(f"rank {r}: {what} on rank 1 ({planned} plan): {exc}")
+            good = torch.stack([torch.arange(4, device=dev) % (8 * w), (torch.arange(4, device=dev) + 3) % (8 * w)], 1)
+            with torch.set_grad_enabled(grad):
+                recv, h = peer.dispatch(torch.ones(4, H, device=dev), good)
+            checks += 1
+            if recv.shape[0] != sum(h.tokens_per_expert) or not bool((recv == 1).all()):
+                fails.append(f"rank {r}: dispatch after a refused one ({planned} plan) is wrong")
+        # a device-planned handle cannot be differentiated: a clear error, not a wrong gradient
+        with torch.no_grad():
+            recv, h = peer.dispatch(torch.ones(4, H, device=dev), good)
         checks += 1
         try:
-            peer.dispatch(torch.randn(4, H, device=dev), bad)
-            fails.append(f"rank {r}: a duplicate expert on rank 1 raised nothing")
-        except InvalidArgumentError as exc:
-            if "rank 1" not in str(exc) and r != 1:
-                fails.append(f"rank {r}: the duplicate-expert error does not name rank 1: {exc}")
+            peer.combine(recv.clone().requires_grad_(), h, torch.ones(4, 2, device=dev))
+            fails.append(f"rank {r}: combine with autograd over a no_grad dispatch raised nothing")
+        except InvalidArgumentError:
+            pass
+        with torch.no_grad():
+            peer.combine(recv, h, torch.ones(4, 2, device=dev))  # keeps every rank's calls in step
         peer.close()
 
     every: list[list[str] | None] = [None] * w

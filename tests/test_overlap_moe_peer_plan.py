@@ -149,5 +149,7 @@ def test_each_token_crosses_to_a_rank_once() -> None:
 
 
 def test_layout_bytes() -> None:
-    wb, half = P.layout_bytes(2, 4096, 4096 * 8, 14336)
-    assert wb == 131072 and half == wb + 2 * 4096 * 14336
+    # W: 4096 x 8 fp32 weights; I: a 16-int header and 4096 x 8 int32 ids, page-rounded; then
+    # 2 ranks x 4096 rows of 14336 B
+    wb, ib, half = P.layout_bytes(2, 4096, 8, 14336)
+    assert wb == 131072 and ib == wb + 135168 and half == ib + 2 * 4096 * 14336

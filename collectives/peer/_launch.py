@@ -72,7 +72,7 @@ def bind_context(device: int | None = None) -> None:
 
 
 _ONE, _ZERO, _THREADS = ctypes.c_uint(1), ctypes.c_uint(0), ctypes.c_uint(THREADS)
-_GRIDS = [ctypes.c_uint(i) for i in range(257)]
+_GRIDS = [ctypes.c_uint(i) for i in range(4097)]
 
 
 def _raw_stream_fn() -> Any:

@@ -631,3 +631,318 @@ INSTANTIATE_ROWS(__half, f16, true, vec)
 INSTANTIATE_ROWS(__half, f16, false, scalar)
 INSTANTIATE_ROWS(__nv_bfloat16, bf16, true, vec)
 INSTANTIATE_ROWS(__nv_bfloat16, bf16, false, scalar)
+
+// ---- rows, laid out on the device (dropless dispatch and combine without a host plan) ----------
+//
+// The same three moves as above, but the routing never visits the host: each rank copies its
+// token count and expert ids (int32 [tokens, k]) into its own slot buffer at `i_off` (header of
+// IDS_HEADER ints, then the ids), and after a barrier
+//
+//   rows_ids     copies every rank's ids into ids_all [W][t_max][k] here, with their token
+//                counts, and counts this rank's pairs bound for each rank (send);
+//   rows_layout  block (s, e) scans source s's tokens for local expert e: R[s][t][e] = the rank
+//                of token t among s's tokens that chose e (or -1), cnt[s][e] = their number.
+//                info = [cnt (W * e_loc), tokens (W), send (W), bad range, bad repeat]: the last
+//                two hold 1 + a rank whose ids are out of range, resp. repeat an expert (else 0).
+//   recv_x row of (s, t, e) = base[e][s] + R[s][t][e], base being the exclusive prefix sum of
+//   cnt in (local expert, source) order: recv_x is grouped by local expert, then source, then
+//   token, as over the all-to-all. Each kernel below works this out per token from ids_all, R
+//   and info; a warp handles one (source, token) at a time, and tokens without a pair here are
+//   skipped at once.
+//
+// `ke` packs k (low 32 bits) and the local expert count (high 32 bits).
+
+#define IDS_HEADER 16
+#define MAX_BASE 4096
+
+__device__ __forceinline__ int scan_block(int flag, int* warp_sums, int* total) {
+  // exclusive prefix count of `flag` over the block (512 threads), and the block's total
+  const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP, nw = blockDim.x / WARP;
+  const unsigned ballot = __ballot_sync(0xffffffffu, flag);
+  const int in_warp = __popc(ballot & ((1u << lane) - 1u));
+  if (lane == 0) warp_sums[wid] = __popc(ballot);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int run = 0;
+    for (int i = 0; i < nw; ++i) {
+      const int v = warp_sums[i];
+      warp_sums[i] = run;
+      run += v;
+    }
+    *total = run;
+  }
+  __syncthreads();
+  const int r = warp_sums[wid] + in_warp;
+  __syncthreads();  // warp_sums is reused by the next tile
+  return r;
+}
+
+#define IDS_PARTS 16
+
+// Block (q, part): copy part `part` of rank q's ids into ids_all[q]; part 0 also records q's token
+// count and this rank's pairs bound for q. Grid: W * IDS_PARTS.
+extern "C" __global__ void __launch_bounds__(512) rows_ids(const Ctx c, long i_off, long t_max, long ke, int* info,
+                                                           int* ids_all) {
+  if (*(volatile int*)c.err_dev) return;
+  const int k = (int)(ke & 0xffffffffL), e_loc = (int)(ke >> 32), W = c.world;
+  const int q = blockIdx.x / IDS_PARTS, part = blockIdx.x % IDS_PARTS;
+  const int* head = reinterpret_cast<const int*>(c.slots.p[q] + i_off);
+  const long n = __ldcg(head);
+  const int* ids = head + IDS_HEADER;
+  int* mine = ids_all + (long)q * t_max * k;
+  const long len = n * k, per = (len + IDS_PARTS - 1) / IDS_PARTS;
+  const long lo = min(len, per * part), hi = min(len, lo + per);
+  for (long i = lo + threadIdx.x; i < hi; i += 4L * blockDim.x) {  // four loads in flight per thread
+    int v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      if (i + u * (long)blockDim.x < hi) v[u] = __ldcg(ids + i + u * (long)blockDim.x);
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      if (i + u * (long)blockDim.x < hi) {
+        mine[i + u * (long)blockDim.x] = v[u];
+        if (v[u] < 0 || v[u] >= W * e_loc) atomicCAS(info + W * e_loc + 2 * W, 0, q + 1);  // ids out of range
+      }
+  }
+  if (part) return;
+  __shared__ int total;
+  const int* own = reinterpret_cast<const int*>(c.slots.p[c.rank] + i_off);
+  const long n_own = own[0];
+  int cnt = 0;
+  for (long i = threadIdx.x; i < n_own * k; i += blockDim.x) cnt += own[IDS_HEADER + i] / e_loc == q;
+  for (int o = WARP / 2; o > 0; o /= 2) cnt += __shfl_down_sync(0xffffffffu, cnt, o);
+  if (threadIdx.x == 0) total = 0;
+  __syncthreads();
+  if (threadIdx.x % WARP == 0) atomicAdd(&total, cnt);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    info[W * e_loc + q] = (int)n;
+    info[W * e_loc + W + q] = total;
+  }
+}
+
+// Block (s, e) scans ids_all[s] (after rows_ids) for this rank's local expert e. Grid: W * e_loc.
+extern "C" __global__ void __launch_bounds__(512) rows_layout(const Ctx c, long t_max, long ke, int* R, int* info,
+                                                              const int* ids_all) {
+  if (*(volatile int*)c.err_dev) return;
+  const int k = (int)(ke & 0xffffffffL), e_loc = (int)(ke >> 32), W = c.world;
+  __shared__ int warp_sums[32];
+  __shared__ int total;
+  const int s = blockIdx.x / e_loc, e = blockIdx.x % e_loc, target = c.rank * e_loc + e;
+  const int n = info[W * e_loc + s];
+  const int* ids = ids_all + (long)s * t_max * k;
+  int run = 0;
+  for (int t0 = 0; t0 < n; t0 += blockDim.x) {
+    const int t = t0 + threadIdx.x;
+    int flag = 0;
+    if (t < n) {
+      const int* mine = ids + (long)t * k;
+      for (int j = 0; j < k; ++j) flag |= mine[j] == target;
+      if (e == 0)  // the blocks of expert 0 also check that no token of s repeats an expert
+        for (int j = 1; j < k; ++j)
+          for (int i = 0; i < j; ++i)
+            if (mine[i] == mine[j]) atomicCAS(info + W * e_loc + 2 * W + 1, 0, s + 1);
+    }
+    const int r = scan_block(flag, warp_sums, &total);
+    if (t < n) R[((long)s * t_max + t) * e_loc + e] = flag ? run + r : -1;
+    run += total;
+  }
+  if (threadIdx.x == 0) info[s * e_loc + e] = run;
+}
+
+// base[e * W + s]: the first recv_x row of (local expert e, source s), in shared memory.
+__device__ __forceinline__ void load_base(const int* info, int W, int e_loc, int* base) {
+  if (threadIdx.x == 0) {
+    int run = 0;
+    for (int e = 0; e < e_loc; ++e)
+      for (int s = 0; s < W; ++s) {
+        base[e * W + s] = run;
+        run += info[s * e_loc + e];
+      }
+  }
+  __syncthreads();
+}
+
+// The recv_x rows of (s, t) on this rank: lane j < k holds its pair's row, or -1; returns the
+// ballot of lanes that hold one.
+__device__ __forceinline__ unsigned my_rows(const Ctx& c, const int* ids_all, const int* R, const int* base, int s,
+                                            long t, long t_max, int k, int e_loc, int* row_of_lane) {
+  const int lane = threadIdx.x % WARP;
+  int d = -1;
+  if (lane < k) {
+    const int e = ids_all[((long)s * t_max + t) * k + lane] - c.rank * e_loc;
+    if (e >= 0 && e < e_loc) d = base[e * c.world + s] + R[((long)s * t_max + t) * e_loc + e];
+  }
+  *row_of_lane = d;
+  return __ballot_sync(0xffffffffu, d >= 0);
+}
+
+template <typename T, bool VEC>
+__device__ void rows_gather_dense(const Ctx& c, long x_off, const int* R, const int* info, const int* ids_all, T* out,
+                                  long t_max, long row, long ke) {
+  if (*(volatile int*)c.err_dev) return;
+  const int k = (int)(ke & 0xffffffffL), e_loc = (int)(ke >> 32), W = c.world;
+  __shared__ int base[MAX_BASE];
+  __shared__ int dst[16][WARP];  // each warp's destination rows (512 threads: 16 warps)
+  load_base(info, W, e_loc, base);
+  const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
+  for (long g = warp_id(); g < W * t_max; g += n_warps()) {
+    const int s = (int)(g / t_max);
+    const long t = g % t_max;
+    if (t >= info[W * e_loc + s]) continue;
+    int d;
+    const unsigned mask = my_rows(c, ids_all, R, base, s, t, t_max, k, e_loc, &d);
+    if (!mask) continue;
+    dst[wid][lane] = d;
+    __syncwarp();
+    const T* src = reinterpret_cast<const T*>(c.slots.p[s] + x_off) + t * row;
+    if (VEC) {
+      const long packs = row / Pack<T>::N;
+      const uint4* sv = reinterpret_cast<const uint4*>(src);
+      for (long v = lane; v < packs; v += ROWS_UNROLL * WARP) {
+        uint4 x[ROWS_UNROLL];
+#pragma unroll
+        for (int u = 0; u < ROWS_UNROLL; ++u)
+          if (v + u * WARP < packs) x[u] = __ldcg(sv + v + u * WARP);
+        for (unsigned m = mask; m; m &= m - 1) {
+          uint4* o = reinterpret_cast<uint4*>(out + (long)dst[wid][__ffs(m) - 1] * row);
+#pragma unroll
+          for (int u = 0; u < ROWS_UNROLL; ++u)
+            if (v + u * WARP < packs) o[v + u * WARP] = x[u];
+        }
+      }
+    } else {
+      for (long j = lane; j < row; j += WARP) {
+        const T x = src[j];
+        for (unsigned m = mask; m; m &= m - 1) out[(long)dst[wid][__ffs(m) - 1] * row + j] = x;
+      }
+    }
+    __syncwarp();  // every lane has read dst[wid] before the next token writes it
+  }
+}
+
+// Expert side: P (this rank's slot buffer at p_off) row s * t_max + t = sum over (s, t)'s pairs
+// here of weight x rows[its recv_x row], the weight read from rank s's slot buffer at w_off.
+template <typename T, bool VEC>
+__device__ void rows_partial_dense(const Ctx& c, long p_off, long w_off, const int* R, const int* info,
+                                   const int* ids_all, const T* rows, long t_max, long row, long ke) {
+  if (*(volatile int*)c.err_dev) return;
+  const int k = (int)(ke & 0xffffffffL), e_loc = (int)(ke >> 32), W = c.world;
+  const int N = Pack<T>::N;
+  __shared__ int base[MAX_BASE];
+  __shared__ int dst[16][WARP];
+  __shared__ float wt[16][WARP];
+  load_base(info, W, e_loc, base);
+  const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
+  for (long g = warp_id(); g < W * t_max; g += n_warps()) {
+    const int s = (int)(g / t_max);
+    const long t = g % t_max;
+    if (t >= info[W * e_loc + s]) continue;
+    int d;
+    const unsigned mask = my_rows(c, ids_all, R, base, s, t, t_max, k, e_loc, &d);
+    if (!mask) continue;
+    dst[wid][lane] = d;
+    wt[wid][lane] = d >= 0 ? __ldcg(reinterpret_cast<const float*>(c.slots.p[s] + w_off) + t * k + lane) : 0.f;
+    __syncwarp();
+    T* o = reinterpret_cast<T*>(c.slots.p[c.rank] + p_off) + g * row;
+    if (VEC) {
+      const long packs = row / N;
+      for (long v = lane; v < packs; v += WARP) {
+        float acc[8];
+#pragma unroll
+        for (int q = 0; q < N; ++q) acc[q] = 0.f;
+        for (unsigned m = mask; m; m &= m - 1) {
+          const int j = __ffs(m) - 1;
+          const uint4 x = __ldg(reinterpret_cast<const uint4*>(rows + (long)dst[wid][j] * row) + v);
+          const T* xe = reinterpret_cast<const T*>(&x);
+#pragma unroll
+          for (int q = 0; q < N; ++q) acc[q] += wt[wid][j] * to_f(xe[q]);
+        }
+        uint4 r;
+        T* re = reinterpret_cast<T*>(&r);
+#pragma unroll
+        for (int q = 0; q < N; ++q) re[q] = from_f<T>(acc[q]);
+        __stcg(reinterpret_cast<uint4*>(o) + v, r);
+      }
+    } else {
+      for (long jj = lane; jj < row; jj += WARP) {
+        float acc = 0.f;
+        for (unsigned m = mask; m; m &= m - 1) {
+          const int j = __ffs(m) - 1;
+          acc += wt[wid][j] * to_f(rows[(long)dst[wid][j] * row + jj]);
+        }
+        o[jj] = from_f<T>(acc);
+      }
+    }
+    __syncwarp();
+  }
+}
+
+// Token side: out[t] = sum, over the ranks q (ascending) holding one of t's experts, of rank q's
+// P row (this rank) * t_max + t.
+template <typename T, bool VEC>
+__device__ void rows_sum_dense(const Ctx& c, long p_off, const int* ids_all, T* out, long t_max, long row, long ke,
+                               long n) {
+  if (*(volatile int*)c.err_dev) return;
+  const int k = (int)(ke & 0xffffffffL), e_loc = (int)(ke >> 32);
+  const int N = Pack<T>::N;
+  const int lane = threadIdx.x % WARP;
+  for (long t = warp_id(); t < n; t += n_warps()) {
+    const int q_lane = lane < k ? ids_all[((long)c.rank * t_max + t) * k + lane] / e_loc : -1;
+    unsigned ranks = 0;
+    for (int q = 0; q < c.world; ++q)
+      if (__any_sync(0xffffffffu, q_lane == q)) ranks |= 1u << q;
+    const long prow = (long)c.rank * t_max + t;
+    T* o = out + t * row;
+    if (VEC) {
+      const long packs = row / N;
+      for (long v = lane; v < packs; v += WARP) {
+        float acc[8];
+#pragma unroll
+        for (int q = 0; q < N; ++q) acc[q] = 0.f;
+        for (unsigned m = ranks; m; m &= m - 1) {
+          const T* src = reinterpret_cast<const T*>(c.slots.p[__ffs(m) - 1] + p_off) + prow * row;
+          const uint4 x = __ldcg(reinterpret_cast<const uint4*>(src) + v);
+          const T* xe = reinterpret_cast<const T*>(&x);
+#pragma unroll
+          for (int q = 0; q < N; ++q) acc[q] += to_f(xe[q]);
+        }
+        uint4 r;
+        T* re = reinterpret_cast<T*>(&r);
+#pragma unroll
+        for (int q = 0; q < N; ++q) re[q] = from_f<T>(acc[q]);
+        reinterpret_cast<uint4*>(o)[v] = r;
+      }
+    } else {
+      for (long j = lane; j < row; j += WARP) {
+        float acc = 0.f;
+        for (unsigned m = ranks; m; m &= m - 1)
+          acc += to_f((reinterpret_cast<const T*>(c.slots.p[__ffs(m) - 1] + p_off) + prow * row)[j]);
+        o[j] = from_f<T>(acc);
+      }
+    }
+  }
+}
+
+#define INSTANTIATE_DENSE(T, TAG, VEC, KIND)                                                            \
+  extern "C" __global__ void __launch_bounds__(512) rows_gather_dense_##TAG##_##KIND(                   \
+      const Ctx c, long x_off, const int* R, const int* info, const int* ids_all, T* out, long t_max,   \
+      long row, long ke) {                                                                              \
+    rows_gather_dense<T, VEC>(c, x_off, R, info, ids_all, out, t_max, row, ke);                         \
+  }                                                                                                     \
+  extern "C" __global__ void __launch_bounds__(512) rows_partial_dense_##TAG##_##KIND(                  \
+      const Ctx c, long p_off, long w_off, const int* R, const int* info, const int* ids_all,          \
+      const T* rows, long t_max, long row, long ke) {                                                   \
+    rows_partial_dense<T, VEC>(c, p_off, w_off, R, info, ids_all, rows, t_max, row, ke);                \
+  }                                                                                                     \
+  extern "C" __global__ void __launch_bounds__(512) rows_sum_dense_##TAG##_##KIND(                      \
+      const Ctx c, long p_off, const int* ids_all, T* out, long t_max, long row, long ke, long n) {     \
+    rows_sum_dense<T, VEC>(c, p_off, ids_all, out, t_max, row, ke, n);                                  \
+  }
+
+INSTANTIATE_DENSE(float, f32, true, vec)
+INSTANTIATE_DENSE(float, f32, false, scalar)
+INSTANTIATE_DENSE(__half, f16, true, vec)
+INSTANTIATE_DENSE(__half, f16, false, scalar)
+INSTANTIATE_DENSE(__nv_bfloat16, bf16, true, vec)
+INSTANTIATE_DENSE(__nv_bfloat16, bf16, false, scalar)
