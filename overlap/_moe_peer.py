@@ -84,9 +84,9 @@ def plan(rank: int, world: int, e_loc: int, k: int, max_tokens: int,
         flat = ids.reshape(-1)
         ok = (flat >= lo_e) & (flat < lo_e + e_loc)
         if kept.size != flat.size:  # the capacity dropped some pairs
-            keep = np.zeros(flat.size, dtype=bool)
-            keep[kept] = True
-            ok &= keep
+            kept_mask = np.zeros(flat.size, dtype=bool)
+            kept_mask[kept] = True
+            ok &= kept_mask
         pos = np.flatnonzero(ok)  # token-major: grouped by token, so by item
         le = flat[pos] - lo_e
         picked.append(pos)
@@ -156,6 +156,17 @@ IDS_HEADER = 16  # ints before the ids in I (kernels.cu)
 _IDS_PARTS = 16  # blocks per rank copying ids (kernels.cu)
 MAX_BASE = 4096  # local experts x ranks the device-side layout serves (kernels.cu)
 _BAD_RANGE, _BAD_REPEAT = 0, 1  # error words after info's counts
+MAX_CHUNKS = 8  # the most chunks of a pipelined forward over the device-side layout
+
+
+@dataclass(frozen=True)
+class _Region:
+    """Where one call's data lies in this rank's peer buffer (bytes): weights, ids, rows (X or P)."""
+
+    w: int
+    ids: int
+    x: int
+    t_max: int
 
 
 @dataclass
@@ -193,8 +204,13 @@ class PeerRows:
         self.world, self.rank = comm.size, comm.rank
         self.e_loc = num_experts // comm.size
         self.wb, self.ib, self.half = layout_bytes(comm.size, max_tokens, top_k, row_bytes)
-        self.pm = PeerMemory(comm, slot_bytes=max(1 << 20, 2 * self.half), timeout_s=timeout_s)
+        # two halves, which also hold the 2n regions of a pipelined forward of up to MAX_CHUNKS
+        # chunks (each region rounds its parts up to pages)
+        size = max([2 * self.half] + [2 * n * layout_bytes(comm.size, -(-max_tokens // n), top_k, row_bytes)[2]
+                                      for n in range(2, MAX_CHUNKS + 1)])
+        self.pm = PeerMemory(comm, slot_bytes=max(1 << 20, size), timeout_s=timeout_s)
         self.calls = 0  # the same on every rank: every rank makes the same calls
+        self._side: torch.cuda.Stream | None = None  # the pipelined section's stream
 
     def _next_half(self) -> int:
         off = (self.calls % 2) * self.half
@@ -266,6 +282,98 @@ class PeerRows:
         return out
 
     # -- the device-side layout (dropless, no autograd): no host plan, one small copy to the host
+    def _region(self, off: int, t_max: int) -> _Region:
+        wb, ib, _ = layout_bytes(self.world, t_max, self.top_k, self.row_bytes)
+        return _Region(off, off + wb, off + ib, t_max)
+
+    def _post(self, g: _Region, x: torch.Tensor, topk_idx: torch.Tensor) -> None:
+        """This rank's tokens (X) and token count and ids (I) into its region ``g``."""
+        T, k = topk_idx.shape
+        if T:
+            self.pm.slot_view(g.x, tuple(x.shape), x.dtype).copy_(x)
+        head = self.pm.slot_view(g.ids, (IDS_HEADER + T * k,), torch.int32)
+        head[:1].fill_(T)
+        if T:
+            head[IDS_HEADER:].copy_(topk_idx.reshape(-1))
+
+    def _layout(self, g: _Region, info: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """After the barrier: every rank's ids, and the ranks of the tokens per local expert (``info``
+        gets the counts; its last two words must be zero)."""
+        from collectives.peer import _launch
+
+        W, e_loc, k = self.world, self.e_loc, self.top_k
+        ids_all = torch.empty(W * g.t_max * k, dtype=torch.int32, device=info.device)
+        ranks = torch.empty(W * g.t_max * e_loc, dtype=torch.int32, device=info.device)
+        stream = _launch.current_stream(self.pm._index)
+        ke = k | (e_loc << 32)
+        self.pm._kernel("rows_ids", None, False, 5)(W * _IDS_PARTS, stream, g.ids, g.t_max, ke, info.data_ptr(),
+                                                     ids_all.data_ptr())
+        self.pm._kernel("rows_layout", None, False, 5)(W * e_loc, stream, g.t_max, ke, ranks.data_ptr(),
+                                                        info.data_ptr(), ids_all.data_ptr())
+        return ids_all, ranks
+
+    def _refuse_bad(self, counts: np.ndarray, topk_idx: torch.Tensor) -> None:
+        self.check()
+        bad = counts[-2:]
+        if bad.any():
+            W, e_loc = self.world, self.e_loc
+            s = int(bad[_BAD_RANGE] or bad[_BAD_REPEAT]) - 1
+            what = (f"has expert ids outside 0..{W * e_loc - 1}", f"route to experts 0..{W * e_loc - 1}") \
+                if bad[_BAD_RANGE] else ("routes a token to the same expert twice", "give each token k distinct experts")
+            raise InvalidArgumentError("topk_idx" if s == self.rank else f"topk_idx of rank {s}", topk_idx, *what)
+
+    def _gather(self, g: _Region, layout: DeviceLayout, x: torch.Tensor) -> torch.Tensor:
+        from collectives.peer import _launch
+
+        total = int(layout.counts[:self.world * self.e_loc].sum())
+        recv = x.new_empty((total, x.shape[1]))
+        if total:
+            kern = self.pm._kernel("rows_gather_dense", x.dtype, self._vec(recv.data_ptr()), 8)
+            kern(self._grid(self.world * g.t_max), _launch.current_stream(self.pm._index), g.x,
+                 layout.ranks.data_ptr(), layout.info.data_ptr(), layout.ids_all.data_ptr(), recv.data_ptr(), g.t_max,
+                 x.shape[1], self.top_k | (self.e_loc << 32))
+        return recv
+
+    def _combine(self, g: _Region, layout: DeviceLayout, rows: torch.Tensor, weights: torch.Tensor,
+                 out: torch.Tensor) -> None:
+        """Weights into W, barrier, partial rows into P, barrier, each token's sum into ``out``."""
+        from collectives.peer import _launch
+
+        hidden, T, t_max = out.shape[1], layout.tokens, g.t_max
+        stream = _launch.current_stream(self.pm._index)
+        ke = self.top_k | (self.e_loc << 32)
+        if T:
+            self.pm.slot_view(g.w, (weights.numel(),), torch.float32).copy_(weights.reshape(-1))
+        self._fence()
+        if rows.shape[0]:
+            kern = self.pm._kernel("rows_partial_dense", rows.dtype, self._vec(rows.data_ptr()), 9)
+            kern(self._grid(self.world * t_max), stream, g.x, g.w, layout.ranks.data_ptr(), layout.info.data_ptr(),
+                 layout.ids_all.data_ptr(), rows.data_ptr(), t_max, hidden, ke)
+        self._fence()
+        if T:
+            kern = self.pm._kernel("rows_sum_dense", rows.dtype, self._vec(out.data_ptr()), 7)
+            kern(self._grid(T), stream, g.x, layout.ids_all.data_ptr(), out.data_ptr(), t_max, hidden, ke, T)
+
+    def _check_rows(self, x: torch.Tensor, topk_idx: torch.Tensor) -> None:
+        self._check_tokens(topk_idx.shape[0])
+        if x.shape[1] * x.element_size() != self.row_bytes:
+            raise InvalidArgumentError("x", x, f"has rows of {x.shape[1] * x.element_size()} B; the peer transport was "
+                                       f"built for {self.row_bytes} B", "pass dtype= to MoEDispatcher and keep it")
+
+    def _check_weights(self, rows: torch.Tensor, weights: torch.Tensor, tokens: int) -> int:
+        hidden = self.row_bytes // rows.element_size()
+        if rows.dim() != 2 or rows.shape[1] != hidden:
+            raise InvalidArgumentError("expert_out", rows, f"is not [rows, {hidden}] {rows.dtype} (the rows the peer "
+                                       f"transport was built for: {self.row_bytes} B)", "pass rows in recv_x's layout")
+        if tuple(weights.shape) != (tokens, self.top_k):
+            raise InvalidArgumentError("topk_weights", weights, f"is not [{tokens}, {self.top_k}] (the dispatch's "
+                                       "tokens and k)", "pass the weights of the dispatched tokens")
+        return hidden
+
+    def _new_info(self, n: int, device: torch.device) -> torch.Tensor:
+        size = self.world * self.e_loc + 2 * self.world + 2
+        return torch.zeros((n, size), dtype=torch.int32, device=device)
+
     def dispatch_dense(self, x: torch.Tensor, topk_idx: torch.Tensor) -> tuple[torch.Tensor, DeviceLayout]:
         """``recv_x`` and the layout, from ``x [tokens, hidden]`` (contiguous) and ``topk_idx``.
 
@@ -273,78 +381,100 @@ class PeerRows:
         same copy: a bad routing raises the same ``InvalidArgumentError`` everywhere, naming the
         rank, and nothing has reached another rank's ``recv_x``.
         """
-        from collectives.peer import _launch
-
-        T, k = topk_idx.shape
-        self._check_tokens(T)
-        if x.shape[1] * x.element_size() != self.row_bytes:
-            raise InvalidArgumentError("x", x, f"has rows of {x.shape[1] * x.element_size()} B; the peer transport was "
-                                       f"built for {self.row_bytes} B", "pass dtype= to MoEDispatcher and keep it")
-        W, e_loc, t_max = self.world, self.e_loc, self.max_tokens
-        off = self._next_half()
-        if T:
-            self.pm.slot_view(off + self.ib, tuple(x.shape), x.dtype).copy_(x)
-        head = self.pm.slot_view(off + self.wb, (IDS_HEADER + T * k,), torch.int32)
-        head[:1].fill_(T)
-        if T:
-            head[IDS_HEADER:].copy_(topk_idx.reshape(-1))
+        self._check_rows(x, topk_idx)
+        g = self._region(self._next_half(), self.max_tokens)
+        self._post(g, x, topk_idx)
         self._fence()
-        dev = x.device
-        info = torch.empty(W * e_loc + 2 * W + 2, dtype=torch.int32, device=dev)
-        info[-2:].zero_()
-        ids_all = torch.empty(W * t_max * k, dtype=torch.int32, device=dev)
-        ranks = torch.empty(W * t_max * e_loc, dtype=torch.int32, device=dev)
-        stream = _launch.current_stream(self.pm._index)
-        ke = k | (e_loc << 32)
-        self.pm._kernel("rows_ids", None, False, 5)(W * _IDS_PARTS, stream, off + self.wb, t_max, ke,
-                                                     info.data_ptr(), ids_all.data_ptr())
-        self.pm._kernel("rows_layout", None, False, 5)(W * e_loc, stream, t_max, ke, ranks.data_ptr(),
-                                                        info.data_ptr(), ids_all.data_ptr())
+        info = self._new_info(1, x.device)[0]
+        ids_all, ranks = self._layout(g, info)
         counts = info.cpu().numpy()  # the one wait: the host learns how many rows arrive
-        self.check()
-        bad = counts[-2:]
-        if bad.any():
-            s = int(bad[_BAD_RANGE] or bad[_BAD_REPEAT]) - 1
-            what = (f"has expert ids outside 0..{W * e_loc - 1}", f"route to experts 0..{W * e_loc - 1}") \
-                if bad[_BAD_RANGE] else ("routes a token to the same expert twice", "give each token k distinct experts")
-            raise InvalidArgumentError("topk_idx" if s == self.rank else f"topk_idx of rank {s}", topk_idx, *what)
-        layout = DeviceLayout(ids_all, ranks, info, counts, T)
-        total = int(counts[:W * e_loc].sum())
-        recv = x.new_empty((total, x.shape[1]))
-        if total:
-            kern = self.pm._kernel("rows_gather_dense", x.dtype, self._vec(recv.data_ptr()), 8)
-            kern(self._grid(W * t_max), stream, off + self.ib, ranks.data_ptr(), info.data_ptr(), ids_all.data_ptr(),
-                 recv.data_ptr(), t_max, x.shape[1], ke)
-        return recv, layout
+        self._refuse_bad(counts, topk_idx)
+        layout = DeviceLayout(ids_all, ranks, info, counts, topk_idx.shape[0])
+        return self._gather(g, layout, x), layout
 
     def combine_dense(self, layout: DeviceLayout, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``out [tokens, hidden]`` for a ``dispatch_dense`` layout."""
-        from collectives.peer import _launch
-
-        hidden = self.row_bytes // rows.element_size()
-        if rows.dim() != 2 or rows.shape[1] != hidden:
-            raise InvalidArgumentError("expert_out", rows, f"is not [rows, {hidden}] {rows.dtype} (the rows the peer "
-                                       f"transport was built for: {self.row_bytes} B)", "pass rows in recv_x's layout")
-        W, e_loc, t_max, k, T = self.world, self.e_loc, self.max_tokens, self.top_k, layout.tokens
-        if tuple(weights.shape) != (T, k):
-            raise InvalidArgumentError("topk_weights", weights, f"is not [{T}, {k}] (the dispatch's tokens and k)",
-                                       "pass the weights of the dispatched tokens")
-        off = self._next_half()
-        stream = _launch.current_stream(self.pm._index)
-        ke = k | (e_loc << 32)
-        if T:
-            self.pm.slot_view(off, (T * k,), torch.float32).copy_(weights.reshape(-1))
-        self._fence()
-        if rows.shape[0]:
-            kern = self.pm._kernel("rows_partial_dense", rows.dtype, self._vec(rows.data_ptr()), 9)
-            kern(self._grid(W * t_max), stream, off + self.ib, off, layout.ranks.data_ptr(), layout.info.data_ptr(),
-                 layout.ids_all.data_ptr(), rows.data_ptr(), t_max, hidden, ke)
-        self._fence()
-        out = rows.new_empty((T, hidden))
-        if T:
-            kern = self.pm._kernel("rows_sum_dense", rows.dtype, self._vec(out.data_ptr()), 7)
-            kern(self._grid(T), stream, off + self.ib, layout.ids_all.data_ptr(), out.data_ptr(), t_max, hidden, ke, T)
+        hidden = self._check_weights(rows, weights, layout.tokens)
+        g = self._region(self._next_half(), self.max_tokens)
+        out = rows.new_empty((layout.tokens, hidden))
+        self._combine(g, layout, rows, weights, out)
         return out
+
+    def pipelined_dense(self, x: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor,
+                        experts: Any, bounds: list[tuple[int, int]]) -> torch.Tensor:
+        """dispatch -> experts -> combine over the token ranges ``bounds`` (``len(bounds)`` the same
+        on every rank), chunk c+1's rows arriving while the experts compute chunk c, and chunk c's
+        results returning while chunk c+1 is computed.
+
+        The peer buffer's two halves are cut into ``2 n`` regions of ``ceil(max_tokens / n)``
+        tokens, one per call of the section (n dispatches, then n combines), so that no region
+        is written while a peer may still read it; barriers bracket the section.
+
+            side stream:  post+layout 0..n-1 | gather 0 | gather 1 | ... | combine 0 | combine 1 | ...
+            host:                        counts (one wait)
+            main stream:                         | experts 0 | experts 1 | ...
+        """
+        n = len(bounds)
+        if n > MAX_CHUNKS:
+            raise InvalidArgumentError("chunks", n, f"exceeds the {MAX_CHUNKS} chunks the peer buffer is cut for",
+                                       f"use at most {MAX_CHUNKS} chunks")
+        t_cap = -(-self.max_tokens // n)
+        reg = layout_bytes(self.world, t_cap, self.top_k, self.row_bytes)[2]
+        if 2 * n * reg > self.pm.slot_bytes:
+            raise InvalidArgumentError("chunks", n, f"needs {2 * n} regions of {reg} B; the peer buffer has "
+                                       f"{self.pm.slot_bytes} B", "use fewer chunks")
+        for lo, hi in bounds:
+            if hi - lo > t_cap:
+                raise InvalidArgumentError("chunks", n, f"makes a chunk of {hi - lo} tokens; regions hold {t_cap}",
+                                           "split the tokens evenly")
+        self._check_rows(x, topk_idx)
+        main = torch.cuda.current_stream(x.device)
+        side = self._side_stream()
+        side.wait_stream(main)
+        regions = [self._region(r * reg, t_cap) for r in range(2 * n)]
+        with torch.cuda.stream(side):
+            self._fence()  # every peer is done with what it read before this section
+            info = self._new_info(n, x.device)
+            layouts = []
+            for c, (lo, hi) in enumerate(bounds):
+                self._post(regions[c], x[lo:hi], topk_idx[lo:hi])
+                self._fence()
+                layouts.append(self._layout(regions[c], info[c]))
+            counts = info.cpu().numpy()  # the one wait, for every chunk
+            for c in range(n):
+                self._refuse_bad(counts[c], topk_idx)
+            got = []
+            for c, (lo, hi) in enumerate(bounds):
+                lay = DeviceLayout(*layouts[c], info[c], counts[c], hi - lo)
+                recv = self._gather(regions[c], lay, x)
+                ev = torch.cuda.Event()
+                ev.record(side)
+                got.append((lay, recv, ev))
+            out = x.new_empty((x.shape[0], x.shape[1]))
+        w, e_loc = self.world, self.e_loc
+        for c, (lo, hi) in enumerate(bounds):
+            lay, recv, ev = got[c]
+            main.wait_event(ev)
+            recv.record_stream(main)
+            per_expert = lay.counts[:w * e_loc].reshape(w, e_loc).sum(0).tolist()
+            y = experts(recv, per_expert).contiguous()
+            done = torch.cuda.Event()
+            done.record(main)
+            with torch.cuda.stream(side):
+                side.wait_event(done)
+                y.record_stream(side)
+                self._combine(regions[n + c], lay, y, weights[lo:hi], out[lo:hi])
+        with torch.cuda.stream(side):
+            self._fence()  # every peer has read this section's regions
+        main.wait_stream(side)
+        out.record_stream(main)
+        self.calls += 2  # the next call starts a fresh pair of halves (after the closing barrier)
+        return out
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.pm.device)
+        return self._side
 
     def check(self) -> None:
         """Raise ``CollectiveTimeout`` if a barrier of this transport gave up waiting for a peer."""

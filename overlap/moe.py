@@ -666,9 +666,16 @@ class MoEDispatcher:
         self._check_transport(x)
         bounds = [(x.shape[0] * i // n, x.shape[0] * (i + 1) // n) for i in range(n)]
         if self._device_layout(topk_idx):
-            # each chunk routed on the device as it is dispatched (no host plan to share)
-            return torch.cat([self.forward(x[lo:hi], topk_idx[lo:hi], topk_weights[lo:hi], experts)
-                              for lo, hi in bounds])
+            # every chunk routed on the GPUs first, then the rows of chunk i+1 travel (peer kernels
+            # on a side stream) while the experts compute chunk i
+            from collectives.dispatch import recorded
+
+            if topk_idx.shape[1] != self.top_k or tuple(topk_weights.shape) != tuple(topk_idx.shape):
+                raise InvalidArgumentError("topk_idx", topk_idx, f"is not [tokens, {self.top_k}] with weights of "
+                                           "its shape", f"pass [tokens, {self.top_k}] ids and weights")
+            meta = torch.empty((x.shape[0], self.hidden), dtype=x.dtype, device="meta")
+            with recorded(self.comm, "moe_forward", "peer", meta, x):
+                return self._peer_rows().pipelined_dense(x.contiguous(), topk_idx, topk_weights, experts, bounds)
         handles = self.route_chunks(topk_idx, bounds)  # every chunk's counts in one small exchange
         if not torch.is_grad_enabled() and self.transport != "peer":
             return self._overlapped(x, topk_weights, experts, bounds, handles)
