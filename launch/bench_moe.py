@@ -40,8 +40,7 @@ def main() -> int:
     p.add_argument("--chunks", default="2,4")
     p.add_argument("--pieces", default="1,4", help="exchange_pieces of the dispatcher, comma-separated")
     p.add_argument("--transport", default=None,
-                   help="comma-separated: nccl, copy_engine, peer (default: all three on the GPUs of one node, "
-                        "else nccl)")
+                   help="comma-separated: nccl, peer (default: both on the GPUs of one node, else nccl)")
     p.add_argument("-n", "--iters", type=int, default=5)
     p.add_argument("-r", "--reps", type=int, default=3)
     p.add_argument("--json")
@@ -65,7 +64,7 @@ def main() -> int:
         from overlap import _copy_engine
 
         if not _copy_engine.unavailable(comm, device, dtype):
-            transports += ["copy_engine", "peer"]
+            transports.append("peer")
     for name, tokens, hidden, ffn, experts, k in configs:
         for transport in transports:
             for pieces in (int(x) for x in args.pieces.split(",")):

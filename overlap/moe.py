@@ -26,8 +26,6 @@ pieces' gathers and asynchronous transfers are issued first, then each arrival i
 (``index_copy_`` into ``recv_x``; for combine a weighted ``index_add_``) while later pieces are
 in flight: the two extra passes over the rows overlap the transfer instead of adding to it.
 
-With ``transport="copy_engine"`` (the GPUs of one node) the pieces are pushed by copy engines
-into the destinations' peer buffers and put in place from there (``_moe_copy_engine.py``).
 With ``transport="peer"`` the ranks all-gather their routing instead of the counts, and SM
 kernels read each token once per destination rank straight out of the source's peer buffer into
 ``recv_x``, and return one weighted partial sum per (token, rank) (``_moe_peer.py``).
@@ -220,18 +218,6 @@ class _Dispatch(torch.autograd.Function):
             with recorded(C.get_communicator(group), "moe_dispatch", "peer",
                           torch.empty((total, *x.shape[1:]), dtype=x.dtype, device="meta"), x):
                 return rows.dispatch(p, x.contiguous(), total)
-        plan = handle.extra.get("ce")
-        if plan is not None:
-            from collectives.peer import peer_memory
-
-            from . import _moe_copy_engine
-
-            from collectives.dispatch import recorded
-
-            comm, total = C.get_communicator(group), sum(handle.recv_counts)
-            with recorded(comm, "moe_dispatch", "copy_engine", torch.empty((total, *x.shape[1:]), dtype=x.dtype,
-                                                                            device="meta"), x):
-                return _moe_copy_engine.dispatch(peer_memory(comm), plan, x.contiguous(), total)
         pieces = handle.extra.get("pieces")
         if pieces is not None:
             return _route_pieces(pieces, x, sum(handle.recv_counts), group)
@@ -249,7 +235,6 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, rows: torch.Tensor, weights: torch.Tensor, handle: DispatchHandle, group: Any) -> torch.Tensor:
         pieces = handle.extra.get("pieces")
-        plan = handle.extra.get("ce")
         ctx.handle, ctx.group, ctx.wshape, ctx.wdtype = handle, group, weights.shape, weights.dtype
         peer = handle.extra.get("peer")
         if peer is not None and not ctx.needs_input_grad[1]:
@@ -260,18 +245,6 @@ class _Combine(torch.autograd.Function):
             with recorded(C.get_communicator(group), "moe_combine", "peer",
                           torch.empty((handle.num_tokens, *rows.shape[1:]), dtype=rows.dtype, device="meta"), rows):
                 return transport.combine(p, rows.contiguous(), weights)
-        if plan is not None and not ctx.needs_input_grad[1]:
-            from collectives.peer import peer_memory
-
-            from . import _moe_copy_engine
-
-            from collectives.dispatch import recorded
-
-            ctx.save_for_backward(None, weights.reshape(-1).index_select(0, handle.order).to(rows.dtype))
-            comm = C.get_communicator(group)
-            with recorded(comm, "moe_combine", "copy_engine", torch.empty((handle.num_tokens, *rows.shape[1:]),
-                                                                           dtype=rows.dtype, device="meta"), rows):
-                return _moe_copy_engine.combine(peer_memory(comm), plan, rows.contiguous(), weights, handle.num_tokens)
         if pieces is not None and not ctx.needs_input_grad[1]:
             # (the weights' gradient needs every returned row in send order: the one-piece path)
             ctx.save_for_backward(None, weights.reshape(-1).index_select(0, handle.order).to(rows.dtype))
@@ -314,12 +287,10 @@ class MoEDispatcher:
         exchange_pieces: dispatch and combine move their rows in this many pieces, each piece's
             gather (resp. weighted sum) overlapping other pieces' transfers; combine uses one
             piece when the router weights need a gradient. The same on every rank.
-        transport: "nccl" (``all_to_all_single``), "copy_engine" (the GPUs of one node: rows
-            pushed by copy engines into the peers' buffers, ``overlap/_moe_copy_engine.py``) or
-            "peer" (the GPUs of one node: SM kernels pull each token once per rank from the
+        transport: "nccl" (``all_to_all_single``) or "peer" (the GPUs of one node: SM kernels pull each token once per rank from the
             peers' memory and return one partial sum per token and rank,
-            ``overlap/_moe_peer.py``; ``exchange_pieces`` does not apply). Over both, the backward
-            passes and a combine whose weights need a gradient use NCCL.
+            ``overlap/_moe_peer.py``; ``exchange_pieces`` does not apply; its backward passes and
+            a combine whose weights need a gradient use NCCL).
         max_tokens, top_k: transport "peer" only (required there): the most tokens one dispatch
             takes on any rank, and the k of every ``topk_idx``; they size its peer buffers, which
             :meth:`close` releases (collective).
@@ -347,8 +318,8 @@ class MoEDispatcher:
         if not isinstance(exchange_pieces, int) or isinstance(exchange_pieces, bool) or exchange_pieces < 1:
             raise InvalidArgumentError("exchange_pieces", exchange_pieces, "is not a positive int", "pass 1 (or e.g. 4)")
         self.exchange_pieces = exchange_pieces
-        if transport not in ("nccl", "copy_engine", "peer"):
-            raise InvalidArgumentError("transport", transport, "is not 'nccl', 'copy_engine' or 'peer'", "pass 'nccl'")
+        if transport not in ("nccl", "peer"):
+            raise InvalidArgumentError("transport", transport, "is not 'nccl' or 'peer'", "pass 'nccl'")
         self.transport = transport
         if transport == "peer":
             # the peer buffers are sized once, from these bounds (like any buffer-owning object)
@@ -381,7 +352,7 @@ class MoEDispatcher:
                                        f"{tuple(topk_idx.shape)}", "pass one weight per (token, expert) pair")
 
     def _check_transport(self, x: torch.Tensor) -> None:
-        if self.transport in ("copy_engine", "peer"):
+        if self.transport == "peer":
             from . import _copy_engine
 
             why = _copy_engine.unavailable(self.comm, x.device, x.dtype)
@@ -476,19 +447,12 @@ class MoEDispatcher:
             self._check_ids(ids, topk_idx, "topk_idx")
             local = [sorted_pairs(ids[lo:hi], self.num_experts, self.capacity_factor) for lo, hi in bounds]
         counts = np.stack([c for _, _, c, _, _ in local]).reshape(n, w, e_loc)
-        if self.transport in ("copy_engine", "peer") and not self._row_bytes:
+        if self.transport == "peer" and not self._row_bytes:
             raise InvalidArgumentError("dtype", self.dtype, f"is needed by the {self.transport} transport before the first "
                                        "dispatch (it sizes the peer buffers' regions by the rows' bytes)",
                                        "pass dtype= to MoEDispatcher, or dispatch before calling route")
         if self.transport == "peer":
             got = np.ascontiguousarray(every[:, :, self.comm.rank, :])  # type: ignore[index]
-        elif self.transport == "copy_engine":
-            # every rank's counts: the copy-engine plan sizes its slots from all of them
-            mine = torch.from_numpy(np.ascontiguousarray(counts).reshape(-1))
-            all_dev = torch.empty(w * mine.numel(), dtype=mine.dtype, device=dev)
-            C.all_gather_single(all_dev, mine.to(dev), group=self.group)
-            every = all_dev.cpu().numpy().reshape(w, n, w, e_loc)  # [source, range, destination, expert]
-            got = np.ascontiguousarray(every[:, :, self.comm.rank, :])
         else:
             # [n, W, E/W] -> [W, n, E/W]: what each rank receives, for each range, for each local expert
             send_buf = torch.from_numpy(np.ascontiguousarray(counts.transpose(1, 0, 2)).reshape(-1))
@@ -520,16 +484,6 @@ class MoEDispatcher:
                                                   for s, (lo, hi) in enumerate(b[c] for b in every_bounds)])
                 pieces += arrays
                 split_lists = ("peer", p_scalars, [a.size for a in arrays])
-            elif every is not None:
-                from collectives.peer import peer_memory
-
-                from . import _moe_copy_engine
-
-                scalars, arrays = _moe_copy_engine.plan(self.comm.rank, w, n_pieces, order, k, send, recv, regroup,
-                                                        every[:, c].sum(-1), self._row_bytes,
-                                                        peer_memory(self.comm).slot_bytes)
-                pieces += arrays
-                split_lists = ("ce", scalars, [a.size for a in arrays])
             elif n_pieces > 1:
                 arrays, sends, recvs = _plan_pieces(n_pieces, order, k, send, recv, regroup)
                 pieces += arrays
@@ -556,10 +510,6 @@ class MoEDispatcher:
                     from . import _moe_peer
 
                     h.extra["peer"] = (self._peer_rows(), _moe_peer.build(info, views))
-                elif kind == "ce":
-                    from . import _moe_copy_engine
-
-                    h.extra["ce"] = _moe_copy_engine.build(info, views)
                 else:
                     h.extra["pieces"] = _Pieces(views[0::3], views[1::3], views[2::3], *info)
             handles.append(h)
@@ -697,22 +647,8 @@ class MoEDispatcher:
             exchange:  send 0 | send 1      | back 0, send 2 | back 1, send 3 | ...
             experts:          | experts 0   | experts 1      | experts 2      | ...
 
-        Over the copy-engine transport, ``_moe_copy_engine.pipelined`` runs the same schedule.
         """
         g = self.group
-        if handles and all("ce" in h.extra for h in handles):
-            from collectives.dispatch import recorded
-            from collectives.peer import peer_memory
-
-            from . import _moe_copy_engine
-
-            meta = torch.empty((x.shape[0], self.hidden), dtype=x.dtype, device="meta")
-            with recorded(self.comm, "moe_forward", "copy_engine", meta, x):
-                return _moe_copy_engine.pipelined(
-                    peer_memory(self.comm), [h.extra["ce"] for h in handles], x.contiguous(), topk_weights,
-                    handles[0].top_k, bounds, [sum(h.recv_counts) for h in handles], experts,
-                    [h.tokens_per_expert for h in handles])
-
         def send(i: int) -> tuple[torch.Tensor, Any]:
             h = handles[i]
             lo, hi = bounds[i]
