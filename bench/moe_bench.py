@@ -147,7 +147,7 @@ def plot_moe(records: list[MoERecord], path: str, title: str = "") -> None:
     for i, (name, key) in enumerate((("dispatch", "dispatch_GBps"), ("combine", "combine_GBps"),
                                      ("all_to_all_single", "a2a_GBps"))):
         ax_bw.bar([x + i * 0.27 for x in xs], [getattr(r, key) for r in first], 0.27, label=name)
-    ax_bw.set_xticks([x + 0.27 for x in xs], configs, fontsize=8)
+    ax_bw.set_xticks([x + 0.27 for x in xs], configs, fontsize=8, rotation=30, ha="right")
     ax_bw.set_ylabel("GB/s sent per rank")
     ax_bw.legend(fontsize=8)
 
@@ -163,7 +163,7 @@ def plot_moe(records: list[MoERecord], path: str, title: str = "") -> None:
     width = 0.8 / len(bars)
     for i, (name, value) in enumerate(bars):
         ax_t.bar([x + i * width for x in xs], [value(c) for c in configs], width, label=name)
-    ax_t.set_xticks([x + 0.4 - width / 2 for x in xs], configs, fontsize=8)
+    ax_t.set_xticks([x + 0.4 - width / 2 for x in xs], configs, fontsize=8, rotation=30, ha="right")
     ax_t.set_ylabel("layer forward (us)")
     ax_t.legend(fontsize=8)
     fig.suptitle(title)
