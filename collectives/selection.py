@@ -80,6 +80,22 @@ PEER_ALL_REDUCE_MAX_BYTES = 32 << 20
 PEER_REDUCE_SCATTER_MAX_BYTES = 128 << 20
 PEER_ALL_GATHER_MAX_BYTES = 512 << 20
 _PEER_OPS = ("all_reduce", "reduce_scatter", "all_gather")
+# Measured 2026-11-30 on 2xH200 with 1 GiB peer buffers (bench/results/gpu_2xh200_peer_big.json):
+# two_shot run in one piece reaches 1.13-1.22x NCCL's bus bandwidth at 64-256 MB (1.02-1.05x
+# above); cut into pieces by the default 64 MiB buffers it ties NCCL (gpu_2xh200_peer.json).
+PEER_ALL_REDUCE_ONE_PIECE_MAX_BYTES = 256 << 20
+
+
+def _two_shot_in_one_piece(comm: Any, nbytes: int, element_size: int) -> bool:
+    """Whether the communicator's peer buffers (built, or as ``COMMOPS_PEER_BYTES`` will build
+    them) hold a two-shot all-reduce of ``nbytes`` in one piece (``PeerMemory._plan``)."""
+    from .peer.memory import PACK_BYTES
+
+    pm = getattr(comm, "_peer_memory", None)
+    slot_bytes = pm.slot_bytes if pm is not None and not pm.closed else _env.PEER_BYTES.get()
+    pack = PACK_BYTES // element_size
+    shard_max = (slot_bytes // 2 // element_size) // (2 * comm.size) // pack * pack
+    return nbytes <= shard_max * comm.size * element_size
 
 
 def _peer_memory(call: Call, backend: str, nbytes: int) -> tuple[Choice | None, str]:
@@ -100,7 +116,13 @@ def _peer_memory(call: Call, backend: str, nbytes: int) -> tuple[Choice | None, 
         if nbytes <= PEER_ALL_REDUCE_MAX_BYTES:
             return Choice("two_shot", "peer_memory", f"{nbytes} B <= {PEER_ALL_REDUCE_MAX_BYTES} B on one node: "
                           "peer-memory reduce-scatter + all-gather measured faster than NCCL"), ""
-        return None, f"{nbytes} B > {PEER_ALL_REDUCE_MAX_BYTES} B: NCCL measured faster than peer memory"
+        if nbytes <= PEER_ALL_REDUCE_ONE_PIECE_MAX_BYTES and \
+                _two_shot_in_one_piece(call.comm, nbytes, call.output.element_size()):
+            return Choice("two_shot", "peer_memory", f"{nbytes} B <= {PEER_ALL_REDUCE_ONE_PIECE_MAX_BYTES} B in one "
+                          "piece of the peer buffers: two_shot measured 1.13-1.22x NCCL's bus bandwidth"), ""
+        return None, (f"{nbytes} B > {PEER_ALL_REDUCE_MAX_BYTES} B and not one piece of at most "
+                      f"{PEER_ALL_REDUCE_ONE_PIECE_MAX_BYTES} B of the peer buffers (COMMOPS_PEER_BYTES): "
+                      "NCCL measured faster than peer memory")
     limit = PEER_REDUCE_SCATTER_MAX_BYTES if call.op == "reduce_scatter" else PEER_ALL_GATHER_MAX_BYTES
     if nbytes <= limit:
         return Choice("one_shot", "peer_memory", f"{nbytes} B <= {limit} B on one node: "

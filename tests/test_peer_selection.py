@@ -75,6 +75,21 @@ def test_rule_picks_by_size_and_says_why(op: str, limits: list[tuple[int, str]])
     assert choice is None and "NCCL measured faster" in why_not
 
 
+def test_large_all_reduce_takes_two_shot_only_in_one_piece(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 1 GiB of slots: a two-shot piece holds 256 MiB, up to the measured limit
+    monkeypatch.setenv("COMMOPS_PEER_BYTES", str(1 << 30))
+    for nbytes in (64 << 20, selection.PEER_ALL_REDUCE_ONE_PIECE_MAX_BYTES):
+        choice, why_not = selection._peer_memory(_call("all_reduce", nbytes), "nccl", nbytes)
+        assert choice is not None and choice.algorithm == "two_shot" and "one piece" in choice.reason, nbytes
+    over = selection.PEER_ALL_REDUCE_ONE_PIECE_MAX_BYTES + 16
+    choice, why_not = selection._peer_memory(_call("all_reduce", over), "nccl", over)
+    assert choice is None and "NCCL measured faster" in why_not
+    # the default 64 MiB of slots cut 64 MB into pieces: NCCL
+    monkeypatch.delenv("COMMOPS_PEER_BYTES")
+    choice, why_not = selection._peer_memory(_call("all_reduce", 64 << 20), "nccl", 64 << 20)
+    assert choice is None and "COMMOPS_PEER_BYTES" in why_not
+
+
 def test_rule_steps_aside_with_the_reason_peer_memory_cannot_run() -> None:
     choice, why_not = selection._peer_memory(_call("all_reduce", 1024, reason="the ranks span 2 nodes"), "nccl", 1024)
     assert choice is None and "the ranks span 2 nodes" in why_not
