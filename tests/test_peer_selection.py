@@ -6,6 +6,8 @@ The GPU behaviour (values, graphs, races, timeouts) is checked by ``tests/test_g
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -75,18 +77,21 @@ def test_rule_picks_by_size_and_says_why(op: str, limits: list[tuple[int, str]])
     assert choice is None and "NCCL measured faster" in why_not
 
 
-def test_large_all_reduce_takes_two_shot_only_in_one_piece(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_large_all_reduce_takes_two_shot_only_in_one_piece() -> None:
+    def call(nbytes: int, slot_bytes: int) -> Call:
+        c = _call("all_reduce", nbytes)
+        c.comm._peer_memory = SimpleNamespace(slot_bytes=slot_bytes, closed=False)  # type: ignore[attr-defined]
+        return c
+
     # 1 GiB of slots: a two-shot piece holds 256 MiB, up to the measured limit
-    monkeypatch.setenv("COMMOPS_PEER_BYTES", str(1 << 30))
     for nbytes in (64 << 20, selection.PEER_ALL_REDUCE_ONE_PIECE_MAX_BYTES):
-        choice, why_not = selection._peer_memory(_call("all_reduce", nbytes), "nccl", nbytes)
+        choice, why_not = selection._peer_memory(call(nbytes, 1 << 30), "nccl", nbytes)
         assert choice is not None and choice.algorithm == "two_shot" and "one piece" in choice.reason, nbytes
     over = selection.PEER_ALL_REDUCE_ONE_PIECE_MAX_BYTES + 16
-    choice, why_not = selection._peer_memory(_call("all_reduce", over), "nccl", over)
+    choice, why_not = selection._peer_memory(call(over, 4 << 30), "nccl", over)
     assert choice is None and "NCCL measured faster" in why_not
-    # the default 64 MiB of slots cut 64 MB into pieces: NCCL
-    monkeypatch.delenv("COMMOPS_PEER_BYTES")
-    choice, why_not = selection._peer_memory(_call("all_reduce", 64 << 20), "nccl", 64 << 20)
+    # 64 MiB of slots (the default) cut 64 MB into pieces: NCCL
+    choice, why_not = selection._peer_memory(call(64 << 20, 64 << 20), "nccl", 64 << 20)
     assert choice is None and "COMMOPS_PEER_BYTES" in why_not
 
 
