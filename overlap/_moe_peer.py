@@ -23,6 +23,13 @@ call, which every peer enters after it has finished reading that half two calls 
     dispatch:  x -> my half (X)  | fence | rows_gather: peers' X -> recv_x
     combine:   weights -> my half (W) | fence | rows_partial: rows -> my half (P) | fence | rows_sum: peers' P -> out
 
+Dropless, the routing itself is laid out on the GPUs (``dispatch_dense``: each rank copies its
+ids into its own buffer, kernels rank every token per local expert, the host learns only the
+counts), and autograd runs on the same kernels: dispatch's backward is a combine with unit
+weights; combine's backward reads each token's output gradient once per rank, writes it scaled
+into every row of that rank's pairs, and takes each pair's weight gradient as a dot product where
+the rows are (one float per pair goes back).
+
 The barriers are bounded (``timeout_s``); after one gives up the kernels do nothing and the next
 call raises ``CollectiveTimeout`` naming the peer.
 """
@@ -38,7 +45,7 @@ import torch
 from collectives.errors import InvalidArgumentError
 from collectives.peer.memory import PACK_BYTES, PeerMemory
 
-__all__ = ["PeerPlan", "plan", "build", "PeerRows", "layout_bytes"]
+__all__ = ["PeerPlan", "plan", "build", "PeerRows", "layout_bytes", "dense_backward_fits"]
 
 _WARPS_PER_BLOCK = 16  # 512 threads (kernels.cu's __launch_bounds__)
 _MAX_GRID = 256
@@ -136,6 +143,12 @@ def plan(rank: int, world: int, e_loc: int, k: int, max_tokens: int,
     sum_ent = np.stack([q_idx, rank * max_tokens + j[q_idx, t_idx]], 1).reshape(-1).astype(np.int64)
     cat = [np.concatenate(v).astype(np.int64) if v else np.zeros(0, np.int64) for v in (items, parts)]
     return (int(n_items), int(n_tok)), [cat[0], ptr, dst, cat[1], part_ent, sum_ptr, sum_ent]
+
+
+def dense_backward_fits(world: int, top_k: int, row_bytes: int) -> bool:
+    """Whether a region's rows area holds a rank's gradient rows and the per-pair dot products
+    (``PeerRows.combine_backward_dense``): ``t_max`` rows plus ``world * t_max * k`` floats."""
+    return 4 * top_k * world <= (world - 1) * row_bytes
 
 
 def build(scalars: tuple[int, int], views: list[torch.Tensor]) -> PeerPlan:
@@ -399,6 +412,38 @@ class PeerRows:
         out = rows.new_empty((layout.tokens, hidden))
         self._combine(g, layout, rows, weights, out)
         return out
+
+    def combine_backward_dense(self, layout: DeviceLayout, grad_out: torch.Tensor, rows: torch.Tensor,
+                               weights: torch.Tensor, weights_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Combine's backward over the device layout: ``grad_rows[row of (t, j)] = weights[t, j] *
+        grad_out[t]`` (each token's gradient read once per rank) and, with ``weights_grad``, the
+        weights' gradient ``<grad_out[t], rows[row of (t, j)]>`` (taken where the rows are, one float
+        back per pair). Every rank passes the same ``weights_grad``."""
+        from collectives.peer import _launch
+
+        hidden = self._check_weights(rows, weights, layout.tokens)
+        W, e_loc, k, T, t_max = self.world, self.e_loc, self.top_k, layout.tokens, self.max_tokens
+        g = self._region(self._next_half(), t_max)
+        d_off = g.x + t_max * self.row_bytes  # D after this rank's gradient rows (dense_backward_fits)
+        stream = _launch.current_stream(self.pm._index)
+        ke = k | (e_loc << 32)
+        if T:
+            self.pm.slot_view(g.x, (T, hidden), grad_out.dtype).copy_(grad_out)
+            self.pm.slot_view(g.w, (T * k,), torch.float32).copy_(weights.reshape(-1))
+        self._fence()
+        grad_rows = torch.empty_like(rows)
+        if rows.shape[0]:
+            kern = self.pm._kernel("rows_grad_dense", rows.dtype, self._vec(rows.data_ptr(), grad_rows.data_ptr()), 12)
+            kern(self._grid(W * t_max), stream, g.x, g.w, d_off, layout.ranks.data_ptr(), layout.info.data_ptr(),
+                 layout.ids_all.data_ptr(), rows.data_ptr(), grad_rows.data_ptr(), t_max, hidden, ke, int(weights_grad))
+        if not weights_grad:
+            return grad_rows, None
+        self._fence()
+        gw = torch.empty(T * k, dtype=torch.float32, device=rows.device)
+        if T:
+            self.pm._kernel("rows_dots_dense", None, False, 6)(max(1, min(_MAX_GRID, -(-T * k // 512))), stream, d_off,
+                                                                layout.ids_all.data_ptr(), gw.data_ptr(), t_max, ke, T)
+        return grad_rows, gw
 
     def pipelined_dense(self, x: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor,
                         experts: Any, bounds: list[tuple[int, int]]) -> torch.Tensor:

@@ -68,8 +68,8 @@ class DispatchHandle:
         token_of: the token of each sent row (``order // k``).
         regroup: the permutation taking received rows (by source rank) to ``recv_x`` (by expert).
         num_tokens, top_k: the dispatched batch's shape.
-        (``order``, ``token_of`` and ``regroup`` are empty when the routing was planned on the
-        GPUs: transport "peer" under ``torch.no_grad()``, whose combine cannot be differentiated.)
+        (``order``, ``token_of`` and ``regroup`` are empty when the routing was laid out on the
+        GPUs: transport "peer", dropless; its combine and both backward passes use that layout.)
         dropped: pairs dropped by the capacity limit on this rank (0 when dropless).
     """
 
@@ -273,6 +273,41 @@ class _Combine(torch.autograd.Function):
         return grows, gw, None, None
 
 
+class _DenseDispatch(torch.autograd.Function):
+    """Dispatch over the peer transport's device layout; backward: a combine with unit weights."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, topk_idx: torch.Tensor, transport: Any, box: list[Any]) -> torch.Tensor:
+        recv, layout = transport.dispatch_dense(x.contiguous(), topk_idx)
+        box.append(layout)
+        ctx.transport, ctx.layout = transport, layout
+        return recv
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        lay = ctx.layout
+        ones = torch.ones((lay.tokens, ctx.transport.top_k), dtype=torch.float32, device=g.device)
+        return ctx.transport.combine_dense(lay, g.contiguous(), ones), None, None, None
+
+
+class _DenseCombine(torch.autograd.Function):
+    """Combine over the device layout; backward: the gradient dispatched scaled by the weights,
+    and the weights' gradient from dot products taken where the rows are."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, weights: torch.Tensor, transport: Any, layout: Any) -> torch.Tensor:
+        ctx.save_for_backward(rows, weights)
+        ctx.transport, ctx.layout = transport, layout
+        return transport.combine_dense(layout, rows.contiguous(), weights)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        rows, weights = ctx.saved_tensors
+        grad_rows, gw = ctx.transport.combine_backward_dense(ctx.layout, g.contiguous(), rows.contiguous(), weights,
+                                                             ctx.needs_input_grad[1])
+        return grad_rows, (gw.view(weights.shape).to(weights.dtype) if gw is not None else None), None, None
+
+
 class MoEDispatcher:
     """Dispatch tokens to their experts' ranks and combine the experts' outputs, for one group.
 
@@ -289,8 +324,9 @@ class MoEDispatcher:
             piece when the router weights need a gradient. The same on every rank.
         transport: "nccl" (``all_to_all_single``) or "peer" (the GPUs of one node: SM kernels pull each token once per rank from the
             peers' memory and return one partial sum per token and rank,
-            ``overlap/_moe_peer.py``; ``exchange_pieces`` does not apply; its backward passes and
-            a combine whose weights need a gradient use NCCL).
+            ``overlap/_moe_peer.py``; ``exchange_pieces`` does not apply; dropless, the routing is
+            laid out on the GPUs and the backward passes use the same kernels; with a
+            ``capacity_factor`` it is planned on the host and the backward passes use NCCL).
         max_tokens, top_k: transport "peer" only (required there): the most tokens one dispatch
             takes on any rank, and the k of every ``topk_idx``; they size its peer buffers, which
             :meth:`close` releases (collective).
@@ -531,16 +567,20 @@ class MoEDispatcher:
         return _Dispatch.apply(x, handle, self.group), handle
 
     def _device_layout(self, topk_idx: torch.Tensor) -> bool:
-        """Whether this dispatch plans its routing on the GPUs (transport "peer"): no host plan, but
-        no autograd handle either, so only without autograd, and for the layouts the kernels
-        serve (dropless; k up to a warp's 32 lanes; local experts x ranks up to their table)."""
+        """Whether this dispatch lays its routing out on the GPUs (transport "peer"): no host plan;
+        for the layouts the kernels serve (dropless; k up to a warp's 32 lanes; local experts x
+        ranks up to their table). Differentiable through the same kernels."""
         from . import _moe_peer
 
         return (self.transport == "peer"
-                and not torch.is_grad_enabled()  # the backward passes replay a host-planned handle
                 and self.capacity_factor is None  # drops need each expert's count before the rows
                 and topk_idx.dim() == 2 and topk_idx.shape[1] <= 32  # one lane per pair of a token
-                and self.num_experts <= _moe_peer.MAX_BASE)  # the kernels' (local expert, source) table
+                and self.num_experts <= _moe_peer.MAX_BASE  # the kernels' (local expert, source) table
+                # combine's backward keeps the per-pair dot products beside the gradient rows
+                and _moe_peer.dense_backward_fits(self.comm.size, topk_idx.shape[1], self.hidden * self._es()))
+
+    def _es(self) -> int:
+        return self._row_bytes // self.hidden if self._row_bytes else 2
 
     def _dispatch_dense(self, x: torch.Tensor, topk_idx: torch.Tensor) -> tuple[torch.Tensor, DispatchHandle]:
         from collectives.dispatch import recorded
@@ -550,8 +590,10 @@ class MoEDispatcher:
             raise InvalidArgumentError("topk_idx", topk_idx, f"has k={topk_idx.shape[1]}; the dispatcher was built "
                                        f"for top_k={self.top_k}", f"pass [tokens, {self.top_k}] expert ids")
         rows = self._peer_rows()
+        box: list[Any] = []
         with recorded(self.comm, "moe_dispatch", "peer", torch.empty((0, x.shape[1]), dtype=x.dtype, device="meta"), x):
-            recv, layout = rows.dispatch_dense(x.contiguous(), topk_idx)
+            recv = _DenseDispatch.apply(x, topk_idx, rows, box)
+        layout = box[0]
         counts = layout.counts
         none = torch.empty(0, dtype=torch.int64, device=x.device)  # no host plan (see DispatchHandle)
         matrix = counts[:w * e_loc].reshape(w, e_loc).astype(np.int64)
@@ -572,17 +614,13 @@ class MoEDispatcher:
                                        f"delivered {sum(handle.tokens_per_expert)}", "pass rows in recv_x's layout")
         dense = handle.extra.get("peer_dense")
         if dense is not None:
-            if torch.is_grad_enabled() and (expert_out.requires_grad or topk_weights.requires_grad):
-                raise InvalidArgumentError("handle", "a device-planned handle", "comes from a dispatch under "
-                                           "torch.no_grad(), which keeps no plan for a backward pass",
-                                           "dispatch with autograd enabled, or combine under torch.no_grad()")
             from collectives.dispatch import recorded
 
             rows, layout = dense
             with recorded(self.comm, "moe_combine", "peer", torch.empty((handle.num_tokens, expert_out.shape[1]),
                                                                          dtype=expert_out.dtype, device="meta"),
                           expert_out):
-                return rows.combine_dense(layout, expert_out.contiguous(), topk_weights)
+                return _DenseCombine.apply(expert_out, topk_weights, rows, layout)
         return _Combine.apply(expert_out, topk_weights, handle, self.group)
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -615,7 +653,7 @@ class MoEDispatcher:
         self._check(x, topk_idx, topk_weights)
         self._check_transport(x)
         bounds = [(x.shape[0] * i // n, x.shape[0] * (i + 1) // n) for i in range(n)]
-        if self._device_layout(topk_idx):
+        if self._device_layout(topk_idx) and not torch.is_grad_enabled():
             # every chunk routed on the GPUs first, then the rows of chunk i+1 travel (peer kernels
             # on a side stream) while the experts compute chunk i
             from collectives.dispatch import recorded
@@ -626,6 +664,9 @@ class MoEDispatcher:
             meta = torch.empty((x.shape[0], self.hidden), dtype=x.dtype, device="meta")
             with recorded(self.comm, "moe_forward", "peer", meta, x):
                 return self._peer_rows().pipelined_dense(x.contiguous(), topk_idx, topk_weights, experts, bounds)
+        if self._device_layout(topk_idx):  # with autograd: chunk after chunk, each laid out on the GPUs
+            return torch.cat([self.forward(x[lo:hi], topk_idx[lo:hi], topk_weights[lo:hi], experts)
+                              for lo, hi in bounds])
         handles = self.route_chunks(topk_idx, bounds)  # every chunk's counts in one small exchange
         if not torch.is_grad_enabled() and self.transport != "peer":
             return self._overlapped(x, topk_weights, experts, bounds, handles)

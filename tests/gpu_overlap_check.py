@@ -246,39 +246,54 @@ def main() -> int:
                 torch.cuda.synchronize()
                 peer.close()
         # a bad routing on one rank: every rank raises the same typed error, nothing hangs; planned
-        # on the host (autograd on) and on the GPUs (no_grad), then a good dispatch still works
-        peer = MoEDispatcher(8 * w, H, dtype=torch.float32, device=dev, transport="peer", max_tokens=16, top_k=2)
-        for planned, grad in (("host", True), ("device", False)):
+        # on the host (a capacity) and laid out on the GPUs (dropless), then a good dispatch works
+        for planned, cf in (("host", 8.0), ("device", None)):
+            peer = MoEDispatcher(8 * w, H, dtype=torch.float32, device=dev, transport="peer", max_tokens=16, top_k=2,
+                                 capacity_factor=cf)
             for what, fill, text in (("a repeated expert", 0, "same expert twice"), ("an expert id out of range", 99,
                                                                                          "outside")):
                 bad = torch.zeros(4, 2, dtype=torch.int64, device=dev)
                 bad[:, 1] = 1 if r == 0 else fill  # rank 1's routing is bad
                 checks += 1
                 try:
-                    with torch.set_grad_enabled(grad):
-                        peer.dispatch(torch.randn(4, H, device=dev), bad)
+                    peer.dispatch(torch.randn(4, H, device=dev), bad)
                     fails.append(f"rank {r}: {what} on rank 1 raised nothing ({planned} plan)")
                 except InvalidArgumentError as exc:
                     if text not in str(exc) or (r != 1 and "rank 1" not in str(exc)):
                         fails.append(f"rank {r}: {what} on rank 1 ({planned} plan): {exc}")
             good = torch.stack([torch.arange(4, device=dev) % (8 * w), (torch.arange(4, device=dev) + 3) % (8 * w)], 1)
-            with torch.set_grad_enabled(grad):
-                recv, h = peer.dispatch(torch.ones(4, H, device=dev), good)
+            recv, h = peer.dispatch(torch.ones(4, H, device=dev), good)
             checks += 1
             if recv.shape[0] != sum(h.tokens_per_expert) or not bool((recv == 1).all()):
                 fails.append(f"rank {r}: dispatch after a refused one ({planned} plan) is wrong")
-        # a device-planned handle cannot be differentiated: a clear error, not a wrong gradient
-        with torch.no_grad():
-            recv, h = peer.dispatch(torch.ones(4, H, device=dev), good)
-        checks += 1
-        try:
-            peer.combine(recv.clone().requires_grad_(), h, torch.ones(4, 2, device=dev))
-            fails.append(f"rank {r}: combine with autograd over a no_grad dispatch raised nothing")
-        except InvalidArgumentError:
-            pass
-        with torch.no_grad():
-            peer.combine(recv, h, torch.ones(4, 2, device=dev))  # keeps every rank's calls in step
-        peer.close()
+            peer.combine(recv, h, torch.ones(4, 2, device=dev))
+            peer.close()
+        # gradients through the peer transport's device layout against NCCL's, x and weights
+        Eg, kg = 6 * w, 3
+        for dtype, tol in ((torch.float32, TOL), (torch.bfloat16, 3e-2)):
+            plain = MoEDispatcher(Eg, H, dtype=dtype, device=dev)
+            peer = MoEDispatcher(Eg, H, dtype=dtype, device=dev, transport="peer", max_tokens=64, top_k=kg)
+            for call in range(3):
+                g.manual_seed(1200 + 10 * call + r)
+                T = 21 + 9 * r + 4 * call
+                x0 = torch.randn(T, H, generator=g, device=dev).to(dtype)
+                idx = torch.rand(T, Eg, generator=g, device=dev).topk(kg, dim=-1).indices
+                w0 = torch.rand(T, kg, generator=g, device=dev).to(dtype)
+                gout = torch.randn(T, H, generator=g, device=dev).to(dtype)
+                grads = []
+                for d in (plain, peer):
+                    xg, wg = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+                    rv, hd = d.dispatch(xg, idx, wg)
+                    scale = torch.arange(rv.shape[0], device=dev, dtype=dtype).remainder(5).add(1).unsqueeze(-1)
+                    out = d.combine(rv * scale, hd, wg)
+                    (out.float() * gout.float()).sum().backward()
+                    grads.append((out.detach(), xg.grad, wg.grad))
+                checks += 1
+                if "peer_dense" not in hd.extra:
+                    fails.append(f"rank {r}: the dropless peer dispatch with autograd did not use the device layout")
+                for name, a_, b_ in zip(("output", "x grad", "weights grad"), grads[1], grads[0]):
+                    close(f"peer autograd {name} {dtype} call {call}", a_.float(), b_.float(), tol=tol)
+            peer.close()
 
     every: list[list[str] | None] = [None] * w
     dist.all_gather_object(every, fails)

@@ -924,6 +924,98 @@ __device__ void rows_sum_dense(const Ctx& c, long p_off, const int* ids_all, T* 
   }
 }
 
+// Combine's backward, expert side: for each (s, t) with pairs here, read the output gradient
+// g = rank s's X row t once and, for each of its pairs j here, write grad_rows[its row] =
+// weight_j x g (the weight from rank s's W) and, when `dots` is set, D (this rank's slot buffer
+// at d_off, float [W][t_max][k]) at (s, t, j) = <g, rows[its row]> (the weight's gradient).
+template <typename T, bool VEC>
+__device__ void rows_grad_dense(const Ctx& c, long x_off, long w_off, long d_off, const int* R, const int* info,
+                                const int* ids_all, const T* rows, T* grad_rows, long t_max, long row, long ke,
+                                long dots) {
+  if (*(volatile int*)c.err_dev) return;
+  const int k = (int)(ke & 0xffffffffL), e_loc = (int)(ke >> 32), W = c.world;
+  const int N = Pack<T>::N;
+  __shared__ int base[MAX_BASE];
+  __shared__ int dst[16][WARP];
+  __shared__ float wt[16][WARP];
+  load_base(info, W, e_loc, base);
+  const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
+  float* D = reinterpret_cast<float*>(c.slots.p[c.rank] + d_off);
+  for (long g = warp_id(); g < W * t_max; g += n_warps()) {
+    const int s = (int)(g / t_max);
+    const long t = g % t_max;
+    if (t >= info[W * e_loc + s]) continue;
+    int d;
+    const unsigned mask = my_rows(c, ids_all, R, base, s, t, t_max, k, e_loc, &d);
+    if (!mask) continue;
+    dst[wid][lane] = d;
+    wt[wid][lane] = d >= 0 ? __ldcg(reinterpret_cast<const float*>(c.slots.p[s] + w_off) + t * k + lane) : 0.f;
+    __syncwarp();
+    const T* gsrc = reinterpret_cast<const T*>(c.slots.p[s] + x_off) + t * row;
+    float part[WARP];  // this lane's share of each pair's dot product (pair j in slot j)
+#pragma unroll
+    for (int j = 0; j < WARP; ++j) part[j] = 0.f;
+    if (VEC) {
+      const long packs = row / N;
+      for (long v = lane; v < packs; v += WARP) {
+        const uint4 gv = __ldcg(reinterpret_cast<const uint4*>(gsrc) + v);
+        const T* ge = reinterpret_cast<const T*>(&gv);
+#pragma unroll
+        for (int j = 0; j < WARP; ++j) {
+          if (!((mask >> j) & 1u)) continue;
+          const long r = (long)dst[wid][j] * row;
+          uint4 o;
+          T* oe = reinterpret_cast<T*>(&o);
+#pragma unroll
+          for (int q = 0; q < N; ++q) oe[q] = from_f<T>(wt[wid][j] * to_f(ge[q]));
+          reinterpret_cast<uint4*>(grad_rows + r)[v] = o;
+          if (dots) {
+            const uint4 xv = __ldg(reinterpret_cast<const uint4*>(rows + r) + v);
+            const T* xe = reinterpret_cast<const T*>(&xv);
+#pragma unroll
+            for (int q = 0; q < N; ++q) part[j] += to_f(ge[q]) * to_f(xe[q]);
+          }
+        }
+      }
+    } else {
+      for (long jj = lane; jj < row; jj += WARP) {
+        const float gf = to_f(gsrc[jj]);
+#pragma unroll
+        for (int j = 0; j < WARP; ++j) {
+          if (!((mask >> j) & 1u)) continue;
+          const long r = (long)dst[wid][j] * row;
+          grad_rows[r + jj] = from_f<T>(wt[wid][j] * gf);
+          if (dots) part[j] += gf * to_f(rows[r + jj]);
+        }
+      }
+    }
+    if (dots) {
+#pragma unroll
+      for (int j = 0; j < WARP; ++j) {
+        if (!((mask >> j) & 1u)) continue;  // the same on every lane: no lane skips a shuffle
+        float v = part[j];
+        for (int o = WARP / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (lane == 0) __stcg(D + ((long)s * t_max + t) * k + j, v);
+      }
+    }
+    __syncwarp();
+  }
+}
+
+// Combine's backward, token side: gw[t][j] = D of the rank holding pair j's expert at (this
+// rank, t, j); one thread per pair.
+extern "C" __global__ void __launch_bounds__(512) rows_dots_dense(const Ctx c, long d_off, const int* ids_all,
+                                                                  float* gw, long t_max, long ke, long n) {
+  if (*(volatile int*)c.err_dev) return;
+  const int k = (int)(ke & 0xffffffffL), e_loc = (int)(ke >> 32);
+  for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n * k; i += (long)gridDim.x * blockDim.x) {
+    const long t = i / k;
+    const int j = (int)(i % k);
+    const int q = ids_all[((long)c.rank * t_max + t) * k + j] / e_loc;
+    gw[i] = __ldcg(reinterpret_cast<const float*>(c.slots.p[q] + d_off) + ((long)c.rank * t_max + t) * k + j);
+  }
+}
+
 #define INSTANTIATE_DENSE(T, TAG, VEC, KIND)                                                            \
   extern "C" __global__ void __launch_bounds__(512) rows_gather_dense_##TAG##_##KIND(                   \
       const Ctx c, long x_off, const int* R, const int* info, const int* ids_all, T* out, long t_max,   \
@@ -938,6 +1030,11 @@ __device__ void rows_sum_dense(const Ctx& c, long p_off, const int* ids_all, T* 
   extern "C" __global__ void __launch_bounds__(512) rows_sum_dense_##TAG##_##KIND(                      \
       const Ctx c, long p_off, const int* ids_all, T* out, long t_max, long row, long ke, long n) {     \
     rows_sum_dense<T, VEC>(c, p_off, ids_all, out, t_max, row, ke, n);                                  \
+  }                                                                                                     \
+  extern "C" __global__ void __launch_bounds__(512) rows_grad_dense_##TAG##_##KIND(                     \
+      const Ctx c, long x_off, long w_off, long d_off, const int* R, const int* info, const int* ids_all, \
+      const T* rows, T* grad_rows, long t_max, long row, long ke, long dots) {                          \
+    rows_grad_dense<T, VEC>(c, x_off, w_off, d_off, R, info, ids_all, rows, grad_rows, t_max, row, ke, dots); \
   }
 
 INSTANTIATE_DENSE(float, f32, true, vec)
