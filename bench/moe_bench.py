@@ -51,6 +51,7 @@ class MoERecord:
     wrong: int              # output elements of the pipelined and the pieced forward off the plain one (float32)
     pieces: int = 1         # the dispatcher's exchange_pieces
     transport: str = "nccl"  # the dispatcher's transport
+    train_us: float = 0.0   # dispatch -> experts -> combine, forward and backward (x, weights, experts)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -88,6 +89,15 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
         t_a2a = _time(lambda: dist.all_to_all_single(out, rows, plain.recv_counts, plain.send_counts,
                                                      group=comm.group), comm, device, iters, reps)
         t_seq = _time(lambda: disp.forward(x, idx, w, mlp), comm, device, iters, reps)
+    # a training step of the layer's exchange and experts: gradients to x, the weights, the experts
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    gout = torch.randn(tokens, hidden, generator=g, device=device).to(dtype)
+
+    def train() -> None:
+        disp.forward(xg, idx, wg, mlp).backward(gout)
+
+    t_train = _time(train, comm, device, iters, reps)
+    with torch.no_grad():
         # The check runs in float32 (a copy of the experts): chunking changes the experts' GEMM
         # shapes and so the rounding of a bf16 run, by more than any fixed tolerance of the result.
         mlp32 = GroupedSwiGLU(disp.local_experts, hidden, ffn_hidden, dtype=torch.float32, device=device)
@@ -111,7 +121,7 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
                 name, tokens, hidden, ffn_hidden, experts, top_k, comm.size, str(dtype).removeprefix("torch."),
                 str(device), sent_bytes, t_dispatch, sent_bytes / t_dispatch / 1e3, t_combine,
                 sent_bytes / t_combine / 1e3, t_a2a, sent_bytes / t_a2a / 1e3, t_experts, t_seq, t_pipe, k,
-                100 * (t_seq - t_pipe) / comm_us if comm_us else 0.0, wrong, pieces, transport))
+                100 * (t_seq - t_pipe) / comm_us if comm_us else 0.0, wrong, pieces, transport, t_train))
     disp.close()
     disp32.close()
     return records
@@ -125,7 +135,8 @@ def format_moe_table(records: list[MoERecord]) -> str:
                      f"{r.dispatch_us:9.1f} us {r.dispatch_GBps:7.2f} GB/s | combine {r.combine_us:9.1f} us "
                      f"{r.combine_GBps:7.2f} GB/s | all_to_all {r.a2a_us:9.1f} us {r.a2a_GBps:7.2f} GB/s | experts "
                      f"{r.experts_us:9.1f} us | sequential {r.sequential_us:9.1f} us | pipelined/{r.chunks} "
-                     f"{r.pipelined_us:9.1f} us ({r.hidden_pct:6.1f}% hidden) #wrong {r.wrong}")
+                     f"{r.pipelined_us:9.1f} us ({r.hidden_pct:6.1f}% hidden) | train step {r.train_us:9.1f} us "
+                     f"#wrong {r.wrong}")
     return "\n".join(lines)
 
 
