@@ -45,7 +45,7 @@ import torch
 from collectives.errors import InvalidArgumentError
 from collectives.peer.memory import PACK_BYTES, PeerMemory
 
-__all__ = ["PeerPlan", "plan", "build", "PeerRows", "layout_bytes", "dense_backward_fits"]
+__all__ = ["PeerPlan", "plan", "build", "PeerRows", "layout_bytes", "buffer_bytes", "dense_backward_fits"]
 
 _WARPS_PER_BLOCK = 16  # 512 threads (kernels.cu's __launch_bounds__)
 _MAX_GRID = 256
@@ -145,6 +145,14 @@ def plan(rank: int, world: int, e_loc: int, k: int, max_tokens: int,
     return (int(n_items), int(n_tok)), [cat[0], ptr, dst, cat[1], part_ent, sum_ptr, sum_ent]
 
 
+def buffer_bytes(world: int, max_tokens: int, top_k: int, row_bytes: int) -> int:
+    """The peer buffer ``PeerRows`` needs: two halves, which also hold the 2n regions of a
+    pipelined forward of up to ``MAX_CHUNKS`` chunks (each region rounds its parts up to pages)."""
+    size = max([2 * layout_bytes(world, max_tokens, top_k, row_bytes)[2]]
+               + [2 * n * layout_bytes(world, -(-max_tokens // n), top_k, row_bytes)[2] for n in range(2, MAX_CHUNKS + 1)])
+    return max(1 << 20, size)
+
+
 def dense_backward_fits(world: int, top_k: int, row_bytes: int) -> bool:
     """Whether a region's rows area holds a rank's gradient rows and the per-pair dot products
     (``PeerRows.combine_backward_dense``): ``t_max`` rows plus ``world * t_max * k`` floats."""
@@ -208,20 +216,20 @@ class PeerRows:
         top_k: the k of every routing.
         row_bytes: bytes of one row (hidden x element size).
         num_experts: ``E`` (the device-side layout checks the ids against it).
+        timeout_s: how long a barrier waits for a peer (``PeerMemory``'s).
+        memory: use this ``PeerMemory`` instead of building one (at least ``buffer_bytes``).
     """
 
     def __init__(self, comm: Any, max_tokens: int, top_k: int, row_bytes: int, num_experts: int,
-                 timeout_s: float | None = None) -> None:
+                 timeout_s: float | None = None, memory: Any = None) -> None:
         self.max_tokens, self.top_k, self.row_bytes = max_tokens, top_k, row_bytes
         self.max_pairs = max_tokens * top_k
         self.world, self.rank = comm.size, comm.rank
         self.e_loc = num_experts // comm.size
         self.wb, self.ib, self.half = layout_bytes(comm.size, max_tokens, top_k, row_bytes)
-        # two halves, which also hold the 2n regions of a pipelined forward of up to MAX_CHUNKS
-        # chunks (each region rounds its parts up to pages)
-        size = max([2 * self.half] + [2 * n * layout_bytes(comm.size, -(-max_tokens // n), top_k, row_bytes)[2]
-                                      for n in range(2, MAX_CHUNKS + 1)])
-        self.pm = PeerMemory(comm, slot_bytes=max(1 << 20, size), timeout_s=timeout_s)
+        self.slot_bytes_needed = buffer_bytes(comm.size, max_tokens, top_k, row_bytes)
+        self.pm = memory if memory is not None else PeerMemory(comm, slot_bytes=self.slot_bytes_needed,
+                                                               timeout_s=timeout_s)
         self.calls = 0  # the same on every rank: every rank makes the same calls
         self._side: torch.cuda.Stream | None = None  # the pipelined section's stream
 

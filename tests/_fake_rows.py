@@ -1,0 +1,229 @@
+"""A stand-in for the peer MoE transport's memory and kernels on CPU threads.
+
+Every rank is a thread; its slot buffer is a CPU byte tensor every rank can read, ``ce_open`` is
+a barrier of the threads, and each kernel of ``collectives/peer/kernels.cu`` that
+``overlap/_moe_peer.py`` launches is done here, at once, by plain loops over the same
+addresses (the launch's pointers are host addresses on CPU), as its comment in kernels.cu
+specifies. What this checks is the Python side: regions, offsets, the order of calls and
+barriers, the autograd wiring; the kernels themselves are checked on GPUs
+(``tests/gpu_overlap_check.py``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any
+
+import torch
+
+IDS_HEADER = 16
+_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _at(ptr: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """``n`` elements of ``dtype`` at host address ``ptr`` (shared, writable)."""
+    nbytes = n * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer((ctypes.c_char * nbytes).from_address(ptr), dtype=dtype)
+
+
+class Hub:
+    def __init__(self, world: int, slot_bytes: int) -> None:
+        self.world = world
+        self.slots = [torch.zeros(slot_bytes, dtype=torch.uint8) for _ in range(world)]
+        self.barrier = threading.Barrier(world, timeout=30)
+        self.fences = [0] * world
+
+
+class FakeMemory:
+    """What ``PeerRows`` uses of a ``PeerMemory``."""
+
+    def __init__(self, hub: Hub, rank: int) -> None:
+        self.hub, self.rank, self.world = hub, rank, hub.world
+        self.slot_bytes = hub.slots[0].numel()
+        self.device = torch.device("cpu")
+        self._index = 0
+        self.closed = False
+
+    def slot_view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        es = torch.empty((), dtype=dtype).element_size()
+        n = 1
+        for d in shape:
+            n *= d
+        assert offset % es == 0 and 0 <= offset and offset + n * es <= self.slot_bytes, (offset, shape)
+        return self.hub.slots[self.rank][offset:offset + n * es].view(dtype).view(shape)
+
+    def ce_open(self) -> None:
+        self.hub.fences[self.rank] += 1
+        self.hub.barrier.wait()
+
+    def check(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+    def _slot(self, q: int, offset: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+        es = torch.empty((), dtype=dtype).element_size()
+        assert 0 <= offset and offset + n * es <= self.slot_bytes, (q, offset, n)
+        return self.hub.slots[q][offset:offset + n * es].view(dtype)
+
+    def _kernel(self, kind: str, dtype: torch.dtype | None, vec: bool, nargs: int = 4) -> Any:
+        fn = getattr(self, "_k_" + kind)
+        return lambda grid, stream, *args: fn(dtype, *args)
+
+    # -- the kernels (kernels.cu, "rows, laid out on the device") ----------------------------------
+    def _geometry(self, ke: int) -> tuple[int, int]:
+        return ke & 0xFFFFFFFF, ke >> 32
+
+    def _k_rows_ids(self, _: Any, i_off: int, t_max: int, ke: int, info_p: int, ids_p: int) -> None:
+        k, e_loc = self._geometry(ke)
+        W = self.world
+        info = _at(info_p, W * e_loc + 2 * W + 2, torch.int32)
+        ids_all = _at(ids_p, W * t_max * k, torch.int32).view(W, t_max, k)
+        own = self._slot(self.rank, i_off, IDS_HEADER, torch.int32)
+        n_own = int(own[0])
+        mine = self._slot(self.rank, i_off, IDS_HEADER + n_own * k, torch.int32)[IDS_HEADER:]
+        for q in range(W):
+            n = int(self._slot(q, i_off, 1, torch.int32)[0])
+            ids = self._slot(q, i_off, IDS_HEADER + n * k, torch.int32)[IDS_HEADER:].view(n, k)
+            ids_all[q, :n] = ids
+            if ((ids < 0) | (ids >= W * e_loc)).any() and int(info[W * e_loc + 2 * W]) == 0:
+                info[W * e_loc + 2 * W] = q + 1
+            info[W * e_loc + q] = n
+            info[W * e_loc + W + q] = int((torch.div(mine, e_loc, rounding_mode="floor") == q).sum())
+
+    def _k_rows_layout(self, _: Any, t_max: int, ke: int, r_p: int, info_p: int, ids_p: int) -> None:
+        k, e_loc = self._geometry(ke)
+        W = self.world
+        info = _at(info_p, W * e_loc + 2 * W + 2, torch.int32)
+        ids_all = _at(ids_p, W * t_max * k, torch.int32).view(W, t_max, k)
+        R = _at(r_p, W * t_max * e_loc, torch.int32).view(W, t_max, e_loc)
+        for s in range(W):
+            n = int(info[W * e_loc + s])
+            for e in range(e_loc):
+                target, run = self.rank * e_loc + e, 0
+                for t in range(n):
+                    row = ids_all[s, t].tolist()
+                    if e == 0 and len(set(row)) < k and int(info[W * e_loc + 2 * W + 1]) == 0:
+                        info[W * e_loc + 2 * W + 1] = s + 1
+                    if target in row:
+                        R[s, t, e] = run
+                        run += 1
+                    else:
+                        R[s, t, e] = -1
+                info[s * e_loc + e] = run
+
+    def _pairs_here(self, info: torch.Tensor, ids_all: torch.Tensor, R: torch.Tensor, e_loc: int) -> Any:
+        """(s, t, [(j, recv_x row)]) for every (source, token) with pairs on this rank."""
+        W = self.world
+        cnt = info[:W * e_loc].view(W, e_loc)
+        base, run = {}, 0
+        for e in range(e_loc):
+            for s in range(W):
+                base[(e, s)] = run
+                run += int(cnt[s, e])
+        for s in range(W):
+            for t in range(int(info[W * e_loc + s])):
+                here = []
+                for j, ex in enumerate(ids_all[s, t].tolist()):
+                    e = ex - self.rank * e_loc
+                    if 0 <= e < e_loc:
+                        here.append((j, base[(e, s)] + int(R[s, t, e])))
+                if here:
+                    yield s, t, here
+
+    def _tables(self, r_p: int, info_p: int, ids_p: int, t_max: int, ke: int) -> tuple[Any, ...]:
+        k, e_loc = self._geometry(ke)
+        W = self.world
+        return (k, e_loc, _at(info_p, W * e_loc + 2 * W + 2, torch.int32),
+                _at(ids_p, W * t_max * k, torch.int32).view(W, t_max, k),
+                _at(r_p, W * t_max * e_loc, torch.int32).view(W, t_max, e_loc))
+
+    def _k_rows_gather_dense(self, dtype: torch.dtype, x_off: int, r_p: int, info_p: int, ids_p: int, out_p: int,
+                             t_max: int, row: int, ke: int) -> None:
+        k, e_loc, info, ids_all, R = self._tables(r_p, info_p, ids_p, t_max, ke)
+        total = int(info[:self.world * e_loc].sum())
+        out = _at(out_p, total * row, dtype).view(total, row)
+        for s, t, here in self._pairs_here(info, ids_all, R, e_loc):
+            x = self._slot(s, x_off + t * row * out.element_size(), row, dtype)
+            for _, d in here:
+                out[d] = x
+
+    def _k_rows_partial_dense(self, dtype: torch.dtype, p_off: int, w_off: int, r_p: int, info_p: int, ids_p: int,
+                              rows_p: int, t_max: int, row: int, ke: int) -> None:
+        k, e_loc, info, ids_all, R = self._tables(r_p, info_p, ids_p, t_max, ke)
+        total = int(info[:self.world * e_loc].sum())
+        rows = _at(rows_p, total * row, dtype).view(total, row)
+        es = rows.element_size()
+        for s, t, here in self._pairs_here(info, ids_all, R, e_loc):
+            w = self._slot(s, w_off + t * k * 4, k, torch.float32)
+            acc = torch.zeros(row, dtype=torch.float32)
+            for j, d in here:
+                acc += w[j] * rows[d].float()
+            self._slot(self.rank, p_off + (s * t_max + t) * row * es, row, dtype).copy_(acc.to(dtype))
+
+    def _k_rows_sum_dense(self, dtype: torch.dtype, p_off: int, ids_p: int, out_p: int, t_max: int, row: int, ke: int,
+                          n: int) -> None:
+        k, e_loc = self._geometry(ke)
+        ids_all = _at(ids_p, self.world * t_max * k, torch.int32).view(self.world, t_max, k)
+        out = _at(out_p, n * row, dtype).view(n, row)
+        es = out.element_size()
+        for t in range(n):
+            ranks = sorted({x // e_loc for x in ids_all[self.rank, t].tolist()})
+            acc = torch.zeros(row, dtype=torch.float32)
+            for q in ranks:
+                acc += self._slot(q, p_off + (self.rank * t_max + t) * row * es, row, dtype).float()
+            out[t] = acc.to(dtype)
+
+    def _k_rows_grad_dense(self, dtype: torch.dtype, x_off: int, w_off: int, d_off: int, r_p: int, info_p: int,
+                           ids_p: int, rows_p: int, grad_p: int, t_max: int, row: int, ke: int, dots: int) -> None:
+        k, e_loc, info, ids_all, R = self._tables(r_p, info_p, ids_p, t_max, ke)
+        total = int(info[:self.world * e_loc].sum())
+        rows = _at(rows_p, total * row, dtype).view(total, row)
+        grad = _at(grad_p, total * row, dtype).view(total, row)
+        es = rows.element_size()
+        D = self._slot(self.rank, d_off, self.world * t_max * k, torch.float32).view(self.world, t_max, k)
+        for s, t, here in self._pairs_here(info, ids_all, R, e_loc):
+            g = self._slot(s, x_off + t * row * es, row, dtype).float()
+            w = self._slot(s, w_off + t * k * 4, k, torch.float32)
+            for j, d in here:
+                grad[d] = (w[j] * g).to(dtype)
+                if dots:
+                    D[s, t, j] = float((g * rows[d].float()).sum())
+
+    def _k_rows_dots_dense(self, _: Any, d_off: int, ids_p: int, gw_p: int, t_max: int, ke: int, n: int) -> None:
+        k, e_loc = self._geometry(ke)
+        ids_all = _at(ids_p, self.world * t_max * k, torch.int32).view(self.world, t_max, k)
+        gw = _at(gw_p, n * k, torch.float32).view(n, k)
+        for t in range(n):
+            for j, ex in enumerate(ids_all[self.rank, t].tolist()):
+                q = ex // e_loc
+                gw[t, j] = self._slot(q, d_off, self.world * t_max * k, torch.float32).view(
+                    self.world, t_max, k)[self.rank, t, j]
+
+
+def run_ranks(world: int, slot_bytes: int, fn: Any) -> list[Any]:
+    """``fn(memory, rank)`` on one thread per rank; re-raises the first error."""
+    hub = Hub(world, slot_bytes)
+    results: list[Any] = [None] * world
+    errors: list[BaseException] = []
+
+    def body(rank: int) -> None:
+        try:
+            results[rank] = fn(FakeMemory(hub, rank), rank)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+            hub.barrier.abort()
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return results

@@ -1,0 +1,132 @@
+"""The peer MoE transport's device-side path (``PeerRows.dispatch_dense``, ``combine_dense``,
+``combine_backward_dense`` and the autograd functions over them) on CPU threads, with its kernels
+done by ``tests/_fake_rows.py``.
+
+Every rank regenerates every rank's inputs; the expected ``recv_x``, output and gradients come
+from the definitions (rank q's rows grouped by q's local expert, then source rank, then token; an
+"expert" that scales a row by 1 + its global expert id, so a misrouted row shows), in float64,
+not from the code under test. Several calls in a row with changing token counts exercise the
+alternating halves of the buffer.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from collectives.errors import InvalidArgumentError
+from collectives.peer import _launch
+from overlap import _moe_peer as P
+from overlap.moe import _DenseCombine, _DenseDispatch
+
+from ._fake_rows import run_ranks
+
+HIDDEN = 8
+
+
+@pytest.fixture(autouse=True)
+def _no_cuda_streams(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_launch, "current_stream", lambda device: 0)
+
+
+def _inputs(world: int, E: int, k: int, tokens: list[int], seed: int, dtype: torch.dtype) -> list[tuple[Any, ...]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for s in range(world):
+        idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens[s])]) if tokens[s] \
+            else torch.zeros((0, k), dtype=torch.int64)
+        x = torch.randn(tokens[s], HIDDEN, generator=g, dtype=torch.float64)
+        w = torch.rand(tokens[s], k, generator=g, dtype=torch.float64)
+        gout = torch.randn(tokens[s], HIDDEN, generator=g, dtype=torch.float64)
+        out.append((idx, x.to(dtype), w.to(dtype), gout.to(dtype)))
+    return out
+
+
+def _expected_recv(ins: list[tuple[Any, ...]], q: int, e_loc: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, experts = [], []
+    for e in range(q * e_loc, (q + 1) * e_loc):
+        for idx, x, _, _ in ins:
+            for t in range(idx.shape[0]):
+                if e in idx[t].tolist():
+                    rows.append(x[t].double())
+                    experts.append(e)
+    return (torch.stack(rows) if rows else torch.zeros(0, HIDDEN, dtype=torch.float64),
+            torch.tensor(experts, dtype=torch.float64))
+
+
+def _case(world: int, e_loc: int, k: int, rounds: list[list[int]], dtype: torch.dtype, seed: int) -> None:
+    E = world * e_loc
+    max_tokens = max(max(r) for r in rounds) + 2
+    row_bytes = HIDDEN * torch.empty((), dtype=dtype).element_size()
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+
+    def rank_fn(mem: Any, r: int) -> None:
+        rows = P.PeerRows(SimpleNamespace(size=world, rank=r), max_tokens, k, row_bytes, E, memory=mem)
+        assert mem.slot_bytes >= rows.slot_bytes_needed
+        for c, tokens in enumerate(rounds):
+            ins = _inputs(world, E, k, tokens, seed + c, dtype)
+            idx, x, w, gout = ins[r]
+            want_recv, experts = _expected_recv(ins, r, e_loc)
+            # forward without autograd
+            recv, layout = rows.dispatch_dense(x.contiguous(), idx)
+            assert torch.equal(recv.double(), want_recv), (r, c)
+            y = (recv.double() * (experts + 1).unsqueeze(-1)).to(dtype)
+            out = rows.combine_dense(layout, y.contiguous(), w.float())
+            factor = (w.double() * (idx.double() + 1)).sum(1) if idx.numel() else torch.zeros(0, dtype=torch.float64)
+            want_out = x.double() * factor.unsqueeze(-1)
+            assert torch.allclose(out.double(), want_out, rtol=tol, atol=tol), (r, c)
+            # with autograd: the gradients of x and of the weights
+            xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+            box: list[Any] = []
+            recv2 = _DenseDispatch.apply(xg, idx, rows, box)
+            scale = (experts + 1).to(dtype).unsqueeze(-1)
+            out2 = _DenseCombine.apply(recv2 * scale, wg, rows, box[0])
+            (out2 * gout).sum().backward()
+            want_gx = gout.double() * factor.unsqueeze(-1)
+            want_gw = (idx.double() + 1) * (x.double() * gout.double()).sum(-1, keepdim=True)
+            assert torch.allclose(xg.grad.double(), want_gx, rtol=tol, atol=tol), (r, c)
+            assert torch.allclose(wg.grad.double(), want_gw, rtol=tol, atol=tol), (r, c)
+
+    run_ranks(world, P.buffer_bytes(world, max_tokens, k, row_bytes), rank_fn)
+
+
+@pytest.mark.parametrize("world,e_loc,k,rounds", [
+    (2, 2, 2, [[5, 8], [3, 1], [6, 6]]),
+    (3, 2, 3, [[6, 0, 9], [0, 0, 2]]),        # ranks without tokens
+    (2, 4, 4, [[7, 5]]),                      # several of a token's experts on one rank
+    (4, 1, 2, [[3, 6, 2, 5], [1, 1, 1, 1]]),
+])
+def test_dense_dispatch_combine_and_gradients(world: int, e_loc: int, k: int, rounds: list[list[int]]) -> None:
+    _case(world, e_loc, k, rounds, torch.float32, seed=world * 10 + k)
+
+
+def test_dense_path_in_bf16() -> None:
+    _case(2, 3, 2, [[9, 4], [2, 7]], torch.bfloat16, seed=3)
+
+
+@pytest.mark.parametrize("bad,text", [(0, "same expert twice"), (99, "outside")])
+def test_a_bad_routing_on_one_rank_raises_on_every_rank(bad: int, text: str) -> None:
+    world, E, k = 2, 4, 2
+
+    def rank_fn(mem: Any, r: int) -> str:
+        rows = P.PeerRows(SimpleNamespace(size=world, rank=r), 8, k, HIDDEN * 4, E, memory=mem)
+        idx = torch.tensor([[0, 1], [2, 3]])
+        if r == 1:
+            idx[:, 1] = bad if bad else idx[:, 0]
+        try:
+            rows.dispatch_dense(torch.randn(2, HIDDEN), idx)
+        except InvalidArgumentError as exc:
+            msg = str(exc)
+        else:
+            return "nothing raised"
+        # the next dispatch, with a good routing, still works on every rank
+        recv, _ = rows.dispatch_dense(torch.ones(2, HIDDEN), torch.tensor([[0, 1], [2, 3]]))
+        assert bool((recv == 1).all())
+        return msg
+
+    msgs = run_ranks(world, P.buffer_bytes(world, 8, k, HIDDEN * 4), rank_fn)
+    assert all(text in m and "Fix:" in m for m in msgs), msgs
+    assert "rank 1" in msgs[0], msgs
