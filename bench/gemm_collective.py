@@ -254,9 +254,10 @@ def plot_overlap(records: list[OverlapRecord], path: str, title: str = "") -> No
     plt.close(fig)
 
 
-def tuned_overlap_table(records: list[OverlapRecord], meta: dict[str, object]) -> dict[str, object]:
+def tuned_overlap_table(records: list[OverlapRecord], meta: dict[str, object], graph: bool = False) -> dict[str, object]:
     """The table ``overlap.set_tuned`` / ``COMMOPS_OVERLAP_TUNED`` reads: per (op, shape), the
-    fastest of our strategies, or the sequence unless one is ``TUNE_MARGIN`` faster."""
+    fastest of our strategies, or the sequence unless one is ``TUNE_MARGIN`` faster; ``graph``:
+    the records were timed replaying CUDA graphs (``auto`` follows such entries while capturing)."""
     entries = []
     shapes = dict.fromkeys((r.op, r.M, r.K, r.N, r.dtype) for r in records)
     for op, m, k, n, dtype in shapes:
@@ -267,7 +268,7 @@ def tuned_overlap_table(records: list[OverlapRecord], meta: dict[str, object]) -
         if best.time_us > TUNE_MARGIN * seq.time_us:
             best = seq
         strategy, _, chunks = best.variant.partition("/")
-        entries.append({"op": op, "dtype": dtype, "M": m, "K": k, "N": n, "strategy": strategy,
+        entries.append({"op": op, "dtype": dtype, "M": m, "K": k, "N": n, "graph": graph, "strategy": strategy,
                         "chunks": int(chunks or 1),
                         "note": f"{best.time_us:.1f} us, sequential {seq.time_us:.1f} us"})
     return {"meta": {k: meta[k] for k in ("world", "device", "date", "torch") if k in meta}, "entries": entries}

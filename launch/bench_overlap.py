@@ -74,14 +74,16 @@ def main() -> int:
         if args.plot:
             plot_overlap(records, args.plot, f"{comm.size} ranks, {meta['device']}, {dtype}")
         if args.tune:
-            table = tuned_overlap_table(records, meta)
+            table = tuned_overlap_table(records, meta, graph=bool(args.graph and cuda))
             path = Path(args.tune)
             if path.exists():  # add to a table from earlier runs (another op or shape list)
                 old = json.loads(path.read_text())
                 if old.get("meta", {}).get("world") == comm.size:
-                    key = ("op", "dtype", "M", "K", "N")
-                    mine = {tuple(e[k] for k in key) for e in table["entries"]}  # type: ignore[attr-defined]
-                    table["entries"] = [e for e in old.get("entries", []) if tuple(e[k] for k in key) not in mine] \
+                    def key(e: dict[str, object]) -> tuple[object, ...]:
+                        return (e["op"], e["dtype"], e["M"], e["K"], e["N"], bool(e.get("graph", False)))
+
+                    mine = {key(e) for e in table["entries"]}  # type: ignore[attr-defined]
+                    table["entries"] = [e for e in old.get("entries", []) if key(e) not in mine] \
                         + table["entries"]  # type: ignore[operator]
             path.write_text(json.dumps(table, indent=1) + "\n")
     bad = sum(r.wrong or 0 for r in records)

@@ -3,15 +3,16 @@
 #
 #   launch/gpu_suite.sh OUTDIR [STEP ...]     (NPROC=n: ranks; default every GPU)
 #
-# Steps (default: all, in this order): peer_check overlap_check faults overlap_tune overlap
-# overlap_graph tp_mlp moe peer_bench peer_big tune_peer (host cost per call, with a profile).
+# Steps (default: all, in this order): peer_check overlap_check faults overlap_tune
+# overlap_tune_graph overlap overlap_graph tp_mlp moe peer_bench peer_big tune_peer (host cost per
+# call, with a profile).
 # Each runs under a time limit and writes STEP.log (and its JSON/plots); a failing step does not
 # stop the others. NVLink multicast stays off in every
 # process (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1).
 set -u
 OUT=${1:?usage: launch/gpu_suite.sh OUTDIR [STEP ...]}
 shift
-STEPS=${*:-peer_check overlap_check faults overlap_tune overlap overlap_graph tp_mlp moe peer_bench peer_big tune_peer}
+STEPS=${*:-peer_check overlap_check faults overlap_tune overlap_tune_graph overlap overlap_graph tp_mlp moe peer_bench peer_big tune_peer}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -49,9 +50,12 @@ for step in $STEPS; do
         --chunks 2,4 --tune "$TUNED"
       COMMOPS_PEER_BYTES=$BIG run overlap_tune_mlp_rs 150 $R launch/bench_overlap.py --ops gemm_reduce_scatter --shapes "$MLP_RS" -n 5 -r 5 \
         --chunks 2,4 --tune "$TUNED" ;;
+    overlap_tune_graph)  # entries that `auto` follows while a CUDA graph is being captured
+      COMMOPS_PEER_BYTES=$BIG run overlap_tune_graph 240 $R launch/bench_overlap.py --ops all -n 10 -r 5 --chunks 2,4 --graph \
+        --tune "$TUNED" ;;
     overlap) COMMOPS_PEER_BYTES=$BIG COMMOPS_OVERLAP_TUNED=$TUNED run overlap 240 $R launch/bench_overlap.py --ops all -n 10 -r 5 --chunks 2,4 \
         --json "$OUT/overlap.json" --plot "$OUT/overlap.png" ;;
-    overlap_graph) COMMOPS_PEER_BYTES=$BIG run overlap_graph 240 $R launch/bench_overlap.py --ops all -n 10 -r 5 --chunks 2,4 --graph \
+    overlap_graph) COMMOPS_PEER_BYTES=$BIG COMMOPS_OVERLAP_TUNED=$TUNED run overlap_graph 240 $R launch/bench_overlap.py --ops all -n 10 -r 5 --chunks 2,4 --graph \
         --json "$OUT/overlap_graph.json" --plot "$OUT/overlap_graph.png" ;;
     tp_mlp) COMMOPS_PEER_BYTES=$BIG COMMOPS_OVERLAP_TUNED=$TUNED run tp_mlp 240 $R launch/bench_tp_mlp.py \
         --variants sequential,chunked/2,copy_engine/2,copy_engine/4,auto --json "$OUT/tp_mlp.json" --plot "$OUT/tp_mlp.png" ;;

@@ -49,6 +49,24 @@ def unavailable(comm: Any, device: torch.device, dtype: torch.dtype) -> str:
     return peer_unavailable(comm)
 
 
+def prepare(comm: Any) -> None:
+    """Build what a CUDA-graph capture of this strategy needs but cannot build itself: the
+    communicator's peer buffers (collective), the kernels it launches and the tensor over its
+    slots. Called eagerly, before a capture may choose the strategy."""
+    from collectives.peer import peer_memory
+
+    pm = peer_memory(comm)
+    pm._kernel("ce_fence", None, False, 1)
+    pm._kernel("ce_wait", None, False, 3)
+    pm.slot_view(0, (1,), torch.uint8)
+
+
+def ready(comm: Any) -> bool:
+    """Whether ``prepare`` has run for this communicator (its peer buffers are open)."""
+    pm = comm._peer_memory
+    return pm is not None and not pm.closed
+
+
 def _split(n: int, chunks: int) -> list[tuple[int, int]]:
     """Exactly ``chunks`` [lo, hi) ranges over ``n`` (some empty when n < chunks)."""
     return [(n * j // chunks, n * (j + 1) // chunks) for j in range(chunks)]

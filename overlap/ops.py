@@ -146,8 +146,11 @@ def _tuned_table() -> Any:
     return _TUNED["table"]
 
 
-def _from_table(op: str, comm: C.Communicator, dtype: torch.dtype, m: int, k: int, n: int) -> OverlapChoice | None:
-    """The table's strategy for the measured shape nearest in M with the same op, dtype, K and N."""
+def _from_table(op: str, comm: C.Communicator, dtype: torch.dtype, m: int, k: int, n: int,
+                graph: bool = False) -> OverlapChoice | None:
+    """The table's strategy for the measured shape nearest in M with the same op, dtype, K and N,
+    from the entries timed in the same mode (``graph``: while a CUDA graph is being captured,
+    entries timed replaying graphs, where no host cost is paid), else from the other mode's."""
     import math
 
     table = _tuned_table()
@@ -155,11 +158,15 @@ def _from_table(op: str, comm: C.Communicator, dtype: torch.dtype, m: int, k: in
         return None
     name = str(dtype).removeprefix("torch.")
     rows = [e for e in table.get("entries", []) if e["op"] == op and e["dtype"] == name and e["K"] == k and e["N"] == n]
+    same = [e for e in rows if bool(e.get("graph", False)) == graph]
+    rows = same or rows
     if not rows:
         return None
     e = min(rows, key=lambda e: abs(math.log2(max(e["M"], 1)) - math.log2(max(m, 1))))
+    mode = "graph" if e.get("graph") else "eager"
     return OverlapChoice(op, e["strategy"], int(e.get("chunks", 1)),
-                         f"tuned table: measured best for {op} {name} M={e['M']} K={k} N={n} ({e.get('note', '')})")
+                         f"tuned table ({mode}): measured best for {op} {name} M={e['M']} K={k} N={n} "
+                         f"({e.get('note', '')})")
 
 
 def _strategy(op: str, comm: C.Communicator, strategy: str, chunks: int, a: torch.Tensor, b: torch.Tensor,
@@ -169,14 +176,16 @@ def _strategy(op: str, comm: C.Communicator, strategy: str, chunks: int, a: torc
     if not isinstance(chunks, int) or chunks < 1:
         raise InvalidArgumentError("chunks", chunks, "must be a positive int", f"pass {DEFAULT_CHUNKS}")
     if strategy == "auto":
-        key = (op, comm.size, a.dtype, a.device.type, m, b.shape[0], b.shape[1])
+        graph = a.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        key = (op, comm.size, a.dtype, a.device.type, m, b.shape[0], b.shape[1], graph)
         found = _AUTO.get(key)
         if found is None:
-            found = _from_table(op, comm, a.dtype, m, b.shape[0], b.shape[1])
+            found = _from_table(op, comm, a.dtype, m, b.shape[0], b.shape[1], graph)
             if found is None:
                 where = "CUDA" if a.device.type == "cuda" else a.device.type
                 found = OverlapChoice(op, "sequential", 1, f"no overlap measurement for {op} on {where} at this "
                                       "shape: the plain sequence (launch/bench_overlap.py --tune measures the others)")
+            found = _capturable(op, comm, a, b, m, graph, found)
             _AUTO[key] = found
         return found
     if strategy == "copy_engine":
@@ -186,6 +195,26 @@ def _strategy(op: str, comm: C.Communicator, strategy: str, chunks: int, a: torc
         if why:
             raise UnsupportedError("strategy", strategy, f"cannot run here: {why}", "use 'auto', 'sequential' or 'chunked'")
     return OverlapChoice(op, strategy, 1 if strategy == "sequential" else chunks, "requested by the caller")
+
+
+def _capturable(op: str, comm: C.Communicator, a: torch.Tensor, b: torch.Tensor, m: int, graph: bool,
+                found: OverlapChoice) -> OverlapChoice:
+    """``found``, unless a capture chose the copy-engine strategy before its peer buffers exist
+    (they cannot be built while capturing: the sequence then, saying so). Eagerly, when the
+    table's graph entry for this shape is the copy-engine strategy, build them now, so that a
+    capture after this warm-up call can follow it."""
+    from . import _copy_engine
+
+    if graph:
+        if found.strategy == "copy_engine" and not _copy_engine.ready(comm):
+            return OverlapChoice(op, "sequential", 1, f"{found.reason}; but its peer buffers do not exist and "
+                                 "cannot be built while capturing: call the operator once before capturing")
+        return found
+    if a.device.type == "cuda" and not _copy_engine.unavailable(comm, a.device, a.dtype):
+        in_graph = _from_table(op, comm, a.dtype, m, b.shape[0], b.shape[1], True)
+        if in_graph is not None and in_graph.strategy == "copy_engine":
+            _copy_engine.prepare(comm)  # collective: every rank makes this call with this shape
+    return found
 
 
 def _recorded(comm: C.Communicator, op: str, a: torch.Tensor, out_shape: tuple[int, ...]) -> Any:

@@ -106,6 +106,39 @@ def main() -> int:
                     close(f"{name} replay {i}", out_st, ref(a_st, b_st))
                 del graph
 
+        # `auto` under capture follows the table's graph entry (copy_engine) where eagerly it runs
+        # the sequence; on a new group, so that the eager warm-up call is what builds the peer buffers
+        grp = dist.new_group(list(range(w)))
+        entry = {"op": "gemm_all_reduce", "dtype": "float32", "M": a_st.shape[0], "K": 64, "N": 40}
+        ops.set_tuned({"meta": {"world": w}, "entries": [{**entry, "graph": False, "strategy": "sequential", "chunks": 1},
+                                                         {**entry, "graph": True, "strategy": "copy_engine", "chunks": 3}]})
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                ops.gemm_all_reduce(a_st, b_st, grp)
+            torch.cuda.current_stream().wait_stream(side)
+            eager = ops.last_choice(grp)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out_st = ops.gemm_all_reduce(a_st, b_st, grp)
+            captured = ops.last_choice(grp)
+            checks += 1
+            if (eager.strategy, captured.strategy) != ("sequential", "copy_engine"):
+                fails.append(f"rank {r} auto under capture: ran {eager.strategy} eagerly, {captured.strategy} captured "
+                             f"({captured.reason})")
+            for i in range(3):
+                g.manual_seed(9500 + 10 * i + r)
+                a_st.copy_(torch.randn(a_st.shape, generator=g, device=dev) / 8)
+                b_st.copy_(torch.randn(b_st.shape, generator=g, device=dev))
+                graph.replay()
+                close(f"auto (graph entry) in a CUDA graph replay {i}", out_st, ops.reference_gemm_all_reduce(a_st, b_st))
+            del graph
+        except Exception as exc:  # noqa: BLE001 - reported as a failure, with what raised
+            fails.append(f"rank {r} auto under capture: raised {type(exc).__name__}: {str(exc)[:300]}")
+        finally:
+            ops.set_tuned(None)
+
     # tensor-parallel MLP against the unsharded module
     H, S, B = 16 * w, 8 * w, 2
     for sp in (False, True):

@@ -8,6 +8,9 @@ times each rank's ``b`` for the all-gather. Odd row counts and uneven chunks inc
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 import torch
 
@@ -208,3 +211,29 @@ def test_tuned_table_keeps_the_sequence_unless_clearly_beaten() -> None:
     table = tuned_overlap_table(records, {"world": 2})
     got = {(e["M"], e["strategy"], e["chunks"]) for e in table["entries"]}
     assert got == {(64, "sequential", 1), (4096, "chunked", 8)}
+    assert not any(e["graph"] for e in table["entries"])
+    assert all(e["graph"] for e in tuned_overlap_table(records, {"world": 2}, graph=True)["entries"])
+
+
+def test_auto_follows_the_entries_of_its_mode() -> None:
+    # N=16: eager runs the sequence at M=4096 (host cost), graph replay copy_engine/2; N=32 has
+    # only an eager entry, which graph capture falls back to
+    def entry(m: int, n: int, graph: bool, strategy: str, chunks: int) -> dict[str, object]:
+        return {"op": "gemm_all_reduce", "dtype": "bfloat16", "M": m, "K": 8, "N": n, "graph": graph,
+                "strategy": strategy, "chunks": chunks}
+
+    table = {"meta": {"world": 2}, "entries": [entry(4096, 16, False, "sequential", 1),
+                                               entry(4096, 16, True, "copy_engine", 2),
+                                               entry(64, 32, False, "chunked", 3)]}
+    comm = SimpleNamespace(size=2)
+    ops.set_tuned(table)
+    try:
+        def pick(m: int, n: int, graph: bool) -> Any:
+            return ops._from_table("gemm_all_reduce", comm, torch.bfloat16, m, 8, n, graph)  # type: ignore[arg-type]
+
+        assert (pick(4096, 16, False).strategy, pick(4096, 16, True).strategy) == ("sequential", "copy_engine")
+        assert pick(4000, 16, True).chunks == 2 and "(graph)" in pick(4000, 16, True).reason
+        assert (pick(64, 32, True).strategy, pick(64, 32, True).chunks) == ("chunked", 3)
+        assert pick(64, 48, True) is None  # nothing measured at this N
+    finally:
+        ops.set_tuned(None)
