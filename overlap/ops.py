@@ -210,9 +210,10 @@ def _capturable(op: str, comm: C.Communicator, a: torch.Tensor, b: torch.Tensor,
             return OverlapChoice(op, "sequential", 1, f"{found.reason}; but its peer buffers do not exist and "
                                  "cannot be built while capturing: call the operator once before capturing")
         return found
-    if a.device.type == "cuda" and not _copy_engine.unavailable(comm, a.device, a.dtype):
+    if a.device.type == "cuda":
         in_graph = _from_table(op, comm, a.dtype, m, b.shape[0], b.shape[1], True)
-        if in_graph is not None and in_graph.strategy == "copy_engine":
+        if in_graph is not None and in_graph.strategy == "copy_engine" and \
+                not _copy_engine.unavailable(comm, a.device, a.dtype):
             _copy_engine.prepare(comm)  # collective: every rank makes this call with this shape
     return found
 
