@@ -33,6 +33,29 @@ def _stop(*_: Any) -> None:
     raise LauncherStop("SIGTERM: the launcher stopped this rank (another rank exited)")
 
 
+def _start_together(bound_s: float = 120.0) -> None:
+    """Wait until every rank of this torchrun job has started (bounded), on the launcher's store.
+
+    The group's timeout is the scenario's collective timeout, a few seconds, and the rendezvous
+    inside ``init`` waits under it too; ranks that take longer than that to import torch on a
+    loaded machine would fail there, before any fault is injected. Starting together keeps that
+    wait short."""
+    import torch.distributed as dist
+
+    addr, port, world = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"), os.environ.get("WORLD_SIZE")
+    if not (addr and port and world):
+        return
+    store = dist.TCPStore(addr, int(port), int(world), is_master=False,
+                          timeout=datetime.timedelta(seconds=bound_s))
+    key = "commops_fault_scenario_started"
+    store.add(key, 1)
+    deadline = time.time() + bound_s
+    while store.add(key, 0) < int(world):
+        if time.time() > deadline:
+            raise TimeoutError(f"only {store.add(key, 0)} of {world} ranks started within {bound_s:g} s")
+        time.sleep(0.02)
+
+
 def run(name: str, inject: str, expect: str, body: Callable[[C.Communicator, int, Any], Any], *, debug: bool = False,
         warmup: int = 3) -> int:
     """Start, announce, run ``warmup`` good calls, then ``body(comm, culprit, device)`` inside a
@@ -40,6 +63,7 @@ def run(name: str, inject: str, expect: str, body: Callable[[C.Communicator, int
     record the outcome."""
     timeout = float(os.environ.get("FAULT_TIMEOUT_S", "5"))
     trace = os.environ.get("COMMOPS_TRACE_DIR") or f"/tmp/commops-fault-{name}"
+    _start_together()
     comm = C.init(timeout=datetime.timedelta(seconds=timeout), trace_dir=trace, debug=debug)
     # Record a stop by the launcher as this rank's outcome (the dump below is written either way).
     signal.signal(signal.SIGTERM, _stop)
