@@ -12,20 +12,23 @@ and the token's rank reads one partial row per rank and adds them (``rows_sum``)
 (token, destination rank) crosses the link each way, however many of that rank's experts the
 token chose, and nothing is gathered or regrouped in a separate pass.
 
-The routing is known to every rank: the ranks all-gather their ``topk_idx`` (a few hundred
-kilobytes) instead of exchanging counts, so each rank plans, in numpy, both what it pulls and
-where its partial rows go (``plan``), and applies the capacity limit of every source itself.
+Every rank learns every rank's routing, in one of two ways. Dropless (the usual case), the
+routing is laid out on the GPUs (``dispatch_dense``, below). With a capacity factor, the ranks
+all-gather their ``topk_idx`` (a few hundred kilobytes) instead of exchanging counts, and each
+rank plans in numpy what it pulls and where its partial rows go (``plan``), applying every
+source's capacity limit itself.
 
 Each call (a dispatch or a combine) uses one half of this transport's own peer buffer, the
 halves alternating; a call writes its half only after a barrier (``ce_fence``) of the previous
 call, which every peer enters after it has finished reading that half two calls ago:
 
-    dispatch:  x -> my half (X)  | fence | rows_gather: peers' X -> recv_x
-    combine:   weights -> my half (W) | fence | rows_partial: rows -> my half (P) | fence | rows_sum: peers' P -> out
+    dispatch:  x -> my half (X) | fence | rows_gather: peers' X -> recv_x
+    combine:   weights -> my half (W) | fence | rows_partial: rows -> my half (P) | fence
+               | rows_sum: peers' P -> out
 
-Dropless, the routing itself is laid out on the GPUs (``dispatch_dense``: each rank copies its
-ids into its own buffer, kernels rank every token per local expert, the host learns only the
-counts), and autograd runs on the same kernels: dispatch's backward is a combine with unit
+Laid out on the GPUs (``dispatch_dense``), each rank copies its ids into its own buffer,
+kernels rank every token per local expert, and the host learns only the counts (the ``_dense``
+kernels). Autograd then runs on the same kernels: dispatch's backward is a combine with unit
 weights; combine's backward reads each token's output gradient once per rank, writes it scaled
 into every row of that rank's pairs, and takes each pair's weight gradient as a dot product where
 the rows are (one float per pair goes back).
