@@ -368,7 +368,7 @@ class MoEDispatcher:
         self.max_tokens: int = max_tokens or 0  # (transport "peer" only)
         self.top_k: int = top_k or 0
         self._peer: Any = None
-        # the copy-engine transport sizes its slot regions by the rows' bytes
+        # the peer transport sizes its buffers by the rows' bytes
         self._row_bytes = hidden * torch.empty((), dtype=dtype).element_size() if dtype is not None else 0
         self.last_chunks: tuple[int, str] | None = None
 
@@ -637,7 +637,8 @@ class MoEDispatcher:
 
         Without autograd (``torch.no_grad()``, inference) the exchanges are asynchronous: chunk
         i+1's rows travel while the experts compute chunk i, and chunk i's combine returns while
-        chunk i+1 is computed (NCCL runs them on its own stream, Gloo on its threads). With
+        chunk i+1 is computed (NCCL runs them on its own stream, Gloo on its threads, the peer
+        transport's kernels on a side stream). With
         autograd the chunks run one after another through the differentiable dispatch and
         combine (same results; overlapping the backward is not built yet).
         """
