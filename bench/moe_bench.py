@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,13 @@ class MoERecord:
     pieces: int = 1         # the dispatcher's exchange_pieces
     transport: str = "nccl"  # the dispatcher's transport
     train_us: float = 0.0   # dispatch -> experts -> combine, forward and backward (x, weights, experts)
+    # transport "peer": the low-latency (padded) dispatch and combine, eagerly and replayed from a
+    # CUDA graph, and NCCL's all-to-all of the same rows replayed from a graph
+    ll_dispatch_us: float = 0.0
+    ll_combine_us: float = 0.0
+    ll_dispatch_graph_us: float = 0.0
+    ll_combine_graph_us: float = 0.0
+    a2a_graph_us: float = 0.0
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -89,6 +97,8 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
         t_a2a = _time(lambda: dist.all_to_all_single(out, rows, plain.recv_counts, plain.send_counts,
                                                      group=comm.group), comm, device, iters, reps)
         t_seq = _time(lambda: disp.forward(x, idx, w, mlp), comm, device, iters, reps)
+        low = _low_latency(disp, mlp, x, idx, w, comm, device, iters, reps, out, rows, plain) \
+            if transport == "peer" else {}
     # a training step of the layer's exchange and experts: gradients to x, the weights, the experts
     xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
     gout = torch.randn(tokens, hidden, generator=g, device=device).to(dtype)
@@ -111,6 +121,9 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
             return int(((got - ref).abs() > 1e-4 * (ref.abs() + ref.abs().mean() + 1e-12)).sum())
 
         wrong_seq = off(disp32.forward(x.float(), idx, w.float(), mlp32))
+        if transport == "peer":  # the low-latency path against the same reference
+            rv, hl = disp32.dispatch_low_latency(x.float(), idx)
+            wrong_seq += off(disp32.combine_low_latency(mlp32.forward_padded(rv), hl, w.float()))
         records = []
         for k in chunk_counts:
             got = disp32.forward_pipelined(x.float(), idx, w.float(), mlp32, chunks=k)
@@ -121,10 +134,29 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
                 name, tokens, hidden, ffn_hidden, experts, top_k, comm.size, str(dtype).removeprefix("torch."),
                 str(device), sent_bytes, t_dispatch, sent_bytes / t_dispatch / 1e3, t_combine,
                 sent_bytes / t_combine / 1e3, t_a2a, sent_bytes / t_a2a / 1e3, t_experts, t_seq, t_pipe, k,
-                100 * (t_seq - t_pipe) / comm_us if comm_us else 0.0, wrong, pieces, transport, t_train))
+                100 * (t_seq - t_pipe) / comm_us if comm_us else 0.0, wrong, pieces, transport, t_train, **low))
     disp.close()
     disp32.close()
     return records
+
+
+def _low_latency(disp: MoEDispatcher, mlp: GroupedSwiGLU, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
+                 comm: C.Communicator, device: torch.device, iters: int, reps: int, out: torch.Tensor,
+                 rows: torch.Tensor, plain: Any) -> dict[str, float]:
+    """The low-latency dispatch and combine, eagerly and (on CUDA) replayed from a graph of an even
+    number of calls (the transport's buffer halves alternate), beside NCCL's all-to-all of the
+    same rows replayed the same way."""
+    rv, h = disp.dispatch_low_latency(x, idx)
+    y = mlp.forward_padded(rv)
+    got = {"ll_dispatch_us": _time(lambda: disp.dispatch_low_latency(x, idx), comm, device, iters, reps),
+           "ll_combine_us": _time(lambda: disp.combine_low_latency(y, h, w), comm, device, iters, reps)}
+    if device.type == "cuda":
+        n = iters + iters % 2
+        got["ll_dispatch_graph_us"] = _time(lambda: disp.dispatch_low_latency(x, idx), comm, device, n, reps, graph=True)
+        got["ll_combine_graph_us"] = _time(lambda: disp.combine_low_latency(y, h, w), comm, device, n, reps, graph=True)
+        got["a2a_graph_us"] = _time(lambda: dist.all_to_all_single(out, rows, plain.recv_counts, plain.send_counts,
+                                                                   group=comm.group), comm, device, n, reps, graph=True)
+    return got
 
 
 def format_moe_table(records: list[MoERecord]) -> str:
@@ -137,6 +169,10 @@ def format_moe_table(records: list[MoERecord]) -> str:
                      f"{r.experts_us:9.1f} us | sequential {r.sequential_us:9.1f} us | pipelined/{r.chunks} "
                      f"{r.pipelined_us:9.1f} us ({r.hidden_pct:6.1f}% hidden) | train step {r.train_us:9.1f} us "
                      f"#wrong {r.wrong}")
+        if r.ll_dispatch_us:
+            lines.append(f"{'':<14} low latency: dispatch {r.ll_dispatch_us:9.1f} us (graph {r.ll_dispatch_graph_us:9.1f}) "
+                         f"| combine {r.ll_combine_us:9.1f} us (graph {r.ll_combine_graph_us:9.1f}) | all_to_all graph "
+                         f"{r.a2a_graph_us:9.1f} us")
     return "\n".join(lines)
 
 

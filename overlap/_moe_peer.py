@@ -200,13 +200,14 @@ class DeviceLayout:
     ``ids_all [W, max_tokens, k]``: every rank's expert ids; ``ranks [W, max_tokens, E/W]``: the
     rank of each token among its source's tokens for each local expert (or -1); ``info``: the
     per-(source, local expert) counts, token counts and this rank's sends, on the device, and
-    ``counts`` the same on the host."""
+    ``counts`` the same on the host (``None`` for the padded layout, which never waits for them)."""
 
     ids_all: torch.Tensor
     ranks: torch.Tensor
     info: torch.Tensor
-    counts: np.ndarray
+    counts: np.ndarray | None
     tokens: int
+    cap: int = 0  # padded recv_x: rows per local expert (0: compact)
 
 
 class PeerRows:
@@ -329,7 +330,7 @@ class PeerRows:
         ids_all = torch.empty(W * g.t_max * k, dtype=torch.int32, device=info.device)
         ranks = torch.empty(W * g.t_max * e_loc, dtype=torch.int32, device=info.device)
         stream = _launch.current_stream(self.pm._index)
-        ke = k | (e_loc << 32)
+        ke = self._geo()
         self.pm._kernel("rows_ids", None, False, 5)(W * _IDS_PARTS, stream, g.ids, g.t_max, ke, info.data_ptr(),
                                                      ids_all.data_ptr())
         self.pm._kernel("rows_layout", None, False, 5)(W * e_loc, stream, g.t_max, ke, ranks.data_ptr(),
@@ -346,16 +347,25 @@ class PeerRows:
                 if bad[_BAD_RANGE] else ("routes a token to the same expert twice", "give each token k distinct experts")
             raise InvalidArgumentError("topk_idx" if s == self.rank else f"topk_idx of rank {s}", topk_idx, *what)
 
+    def _geo(self, cap: int = 0) -> int:
+        """The kernels' layout word (kernels.cu): k, the local experts, and ``cap`` (0: compact)."""
+        return self.top_k | (self.e_loc << 8) | (cap << 32)
+
     def _gather(self, g: _Region, layout: DeviceLayout, x: torch.Tensor) -> torch.Tensor:
+        """``recv_x``: compact (``layout.cap`` 0, its rows counted on the host) or padded."""
         from collectives.peer import _launch
 
-        total = int(layout.counts[:self.world * self.e_loc].sum())
+        if layout.cap:
+            total = self.e_loc * layout.cap
+        else:
+            assert layout.counts is not None  # the compact layout's counts are on the host
+            total = int(layout.counts[:self.world * self.e_loc].sum())
         recv = x.new_empty((total, x.shape[1]))
         if total:
             kern = self.pm._kernel("rows_gather_dense", x.dtype, self._vec(recv.data_ptr()), 8)
             kern(self._grid(self.world * g.t_max), _launch.current_stream(self.pm._index), g.x,
                  layout.ranks.data_ptr(), layout.info.data_ptr(), layout.ids_all.data_ptr(), recv.data_ptr(), g.t_max,
-                 x.shape[1], self.top_k | (self.e_loc << 32))
+                 x.shape[1], self._geo(layout.cap))
         return recv
 
     def _combine(self, g: _Region, layout: DeviceLayout, rows: torch.Tensor, weights: torch.Tensor,
@@ -365,7 +375,7 @@ class PeerRows:
 
         hidden, T, t_max = out.shape[1], layout.tokens, g.t_max
         stream = _launch.current_stream(self.pm._index)
-        ke = self.top_k | (self.e_loc << 32)
+        ke = self._geo(layout.cap)
         if T:
             self.pm.slot_view(g.w, (weights.numel(),), torch.float32).copy_(weights.reshape(-1))
         self._fence()
@@ -424,6 +434,44 @@ class PeerRows:
         self._combine(g, layout, rows, weights, out)
         return out
 
+    # -- the padded layout (low latency): nothing waits for the host, so a dispatch and its
+    # combine can be captured in one CUDA graph (an even number of calls, so that replays keep
+    # alternating the halves)
+    def dispatch_padded(self, x: torch.Tensor, topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                 DeviceLayout]:
+        """``recv_x [E/W, cap, hidden]`` (local expert e's rows first in its block, in source then
+        token order; the rest of the block undefined), the rows per local expert (``[E/W]`` on the
+        device) and the layout; ``cap`` = world x max_tokens, which no routing exceeds. The ids
+        are not checked here (that needs the host): ``check_padded`` does, waiting."""
+        self._check_rows(x, topk_idx)
+        g = self._region(self._next_half(), self.max_tokens)
+        self._post(g, x, topk_idx)
+        self._fence()
+        info = self._new_info(1, x.device)[0]
+        ids_all, ranks = self._layout(g, info)
+        cap = self.world * self.max_tokens
+        layout = DeviceLayout(ids_all, ranks, info, None, topk_idx.shape[0], cap)
+        recv = self._gather(g, layout, x).view(self.e_loc, cap, x.shape[1])
+        counts = info[:self.world * self.e_loc].view(self.world, self.e_loc).sum(0)
+        return recv, counts, layout
+
+    def combine_padded(self, layout: DeviceLayout, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``out [tokens, hidden]`` from ``rows [E/W, cap, hidden]`` in ``dispatch_padded``'s layout."""
+        hidden = self.row_bytes // rows.element_size()
+        if tuple(rows.shape) != (self.e_loc, layout.cap, hidden):
+            raise InvalidArgumentError("expert_out", rows, f"is not [{self.e_loc}, {layout.cap}, {hidden}] (the padded "
+                                       "layout of the dispatch)", "pass the experts' output in recv_x's layout")
+        flat = rows.contiguous().view(self.e_loc * layout.cap, hidden)
+        self._check_weights(flat, weights, layout.tokens)
+        g = self._region(self._next_half(), self.max_tokens)
+        out = rows.new_empty((layout.tokens, hidden))
+        self._combine(g, layout, flat, weights, out)
+        return out
+
+    def check_padded(self, layout: DeviceLayout, topk_idx: torch.Tensor) -> None:
+        """Raise what ``dispatch_dense`` would have raised for this dispatch's ids (waits for it)."""
+        self._refuse_bad(layout.info.cpu().numpy(), topk_idx)
+
     def combine_backward_dense(self, layout: DeviceLayout, grad_out: torch.Tensor, rows: torch.Tensor,
                                weights: torch.Tensor, weights_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Combine's backward over the device layout: ``grad_rows[row of (t, j)] = weights[t, j] *
@@ -433,11 +481,11 @@ class PeerRows:
         from collectives.peer import _launch
 
         hidden = self._check_weights(rows, weights, layout.tokens)
-        W, e_loc, k, T, t_max = self.world, self.e_loc, self.top_k, layout.tokens, self.max_tokens
+        W, k, T, t_max = self.world, self.top_k, layout.tokens, self.max_tokens
         g = self._region(self._next_half(), t_max)
         d_off = g.x + t_max * self.row_bytes  # D after this rank's gradient rows (dense_backward_fits)
         stream = _launch.current_stream(self.pm._index)
-        ke = k | (e_loc << 32)
+        ke = self._geo(layout.cap)
         if T:
             self.pm.slot_view(g.x, (T, hidden), grad_out.dtype).copy_(grad_out)
             self.pm.slot_view(g.w, (T * k,), torch.float32).copy_(weights.reshape(-1))
@@ -512,7 +560,7 @@ class PeerRows:
             lay, recv, ev = got[c]
             main.wait_event(ev)
             recv.record_stream(main)
-            per_expert = lay.counts[:w * e_loc].reshape(w, e_loc).sum(0).tolist()
+            per_expert = counts[c][:w * e_loc].reshape(w, e_loc).sum(0).tolist()
             y = experts(recv, per_expert).contiguous()
             done = torch.cuda.Event()
             done.record(main)

@@ -26,9 +26,11 @@ pieces' gathers and asynchronous transfers are issued first, then each arrival i
 (``index_copy_`` into ``recv_x``; for combine a weighted ``index_add_``) while later pieces are
 in flight: the two extra passes over the rows overlap the transfer instead of adding to it.
 
-With ``transport="peer"`` the ranks all-gather their routing instead of the counts, and SM
+With ``transport="peer"`` every rank learns every rank's routing instead of the counts, and SM
 kernels read each token once per destination rank straight out of the source's peer buffer into
 ``recv_x``, and return one weighted partial sum per (token, rank) (``_moe_peer.py``).
+``dispatch_low_latency`` gives each local expert a fixed block of rows instead, so that nothing
+waits for the host and a decode step's exchange can be captured in a CUDA graph.
 
 ``forward_pipelined`` splits the tokens into chunks. Without autograd it issues the exchanges
 asynchronously (chunk i+1's dispatch and chunk i-1's combine travel while the experts compute
@@ -51,7 +53,7 @@ from torch import nn
 import collectives as C
 from collectives.errors import InvalidArgumentError, UnsupportedError
 
-__all__ = ["MoEDispatcher", "DispatchHandle", "GroupedSwiGLU", "reference_moe"]
+__all__ = ["MoEDispatcher", "DispatchHandle", "LowLatencyHandle", "GroupedSwiGLU", "reference_moe"]
 
 
 @dataclass
@@ -83,6 +85,24 @@ class DispatchHandle:
     num_tokens: int
     top_k: int
     dropped: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LowLatencyHandle:
+    """The routing of one ``MoEDispatcher.dispatch_low_latency``, kept on the device.
+
+    Attributes:
+        tokens_per_expert: ``[E/W]`` int64 on the device: local expert e's rows are the first
+            ``tokens_per_expert[e]`` of its block of ``recv_x`` (the rest of the block is undefined).
+        capacity: rows per local expert block (``W * max_tokens``, more than any routing fills).
+        num_tokens, top_k: the dispatched batch's shape.
+    """
+
+    tokens_per_expert: torch.Tensor
+    capacity: int
+    num_tokens: int
+    top_k: int
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -603,6 +623,54 @@ class MoEDispatcher:
         handle.extra["peer_dense"] = (rows, layout)
         return recv, handle
 
+    def dispatch_low_latency(self, x: torch.Tensor, topk_idx: torch.Tensor) -> tuple[torch.Tensor, LowLatencyHandle]:
+        """``recv_x [E/W, capacity, hidden]`` and its handle, without waiting for the host.
+
+        The decode-time dispatch: every local expert gets a block of ``capacity`` rows (``W *
+        max_tokens``), its own rows first (``handle.tokens_per_expert``, on the device). Nothing
+        here waits for the GPUs, so a dispatch, the experts (``GroupedSwiGLU.forward_padded``)
+        and ``combine_low_latency`` can be captured in one CUDA graph and replayed. Transport
+        "peer" only, dropless, without autograd. The ids are not checked before the exchange
+        (that would wait): ``check_routing(handle, topk_idx)`` does, waiting.
+        """
+        from collectives.dispatch import recorded
+
+        self._check(x, topk_idx, None)
+        if self.transport != "peer" or self.capacity_factor is not None:
+            raise UnsupportedError("transport", self.transport, "has no low-latency dispatch here (it needs "
+                                   "transport='peer' and no capacity_factor)",
+                                   "build the dispatcher with transport='peer', max_tokens= and top_k=, dropless")
+        if torch.is_grad_enabled() and x.requires_grad:
+            raise UnsupportedError("x", "a tensor that requires grad", "cannot go through the low-latency dispatch, "
+                                   "which keeps no plan for a backward pass", "use dispatch(), or run under torch.no_grad()")
+        self._check_transport(x)
+        if not self._device_layout(topk_idx) or topk_idx.shape[1] != self.top_k:
+            raise InvalidArgumentError("topk_idx", topk_idx, f"is not [tokens, {self.top_k}] with k <= 32 (the layout "
+                                       "the low-latency kernels serve)", f"pass [tokens, {self.top_k}] expert ids")
+        rows = self._peer_rows()
+        meta = torch.empty((0, x.shape[1]), dtype=x.dtype, device="meta")
+        with recorded(self.comm, "moe_dispatch", "peer_low_latency", meta, x):
+            recv, counts, layout = rows.dispatch_padded(x.contiguous(), topk_idx)
+        return recv, LowLatencyHandle(counts, layout.cap, x.shape[0], topk_idx.shape[1],
+                                      {"peer_padded": (rows, layout)})
+
+    def combine_low_latency(self, expert_out: torch.Tensor, handle: LowLatencyHandle,
+                            topk_weights: torch.Tensor) -> torch.Tensor:
+        """``out [tokens, hidden]`` from ``expert_out [E/W, capacity, hidden]`` (``dispatch_low_latency``'s
+        layout); only each block's first ``tokens_per_expert`` rows are read."""
+        from collectives.dispatch import recorded
+
+        rows, layout = handle.extra["peer_padded"]
+        meta = torch.empty((handle.num_tokens, self.hidden), dtype=expert_out.dtype, device="meta")
+        with recorded(self.comm, "moe_combine", "peer_low_latency", meta, expert_out):
+            return rows.combine_padded(layout, expert_out, topk_weights)
+
+    def check_routing(self, handle: LowLatencyHandle, topk_idx: torch.Tensor) -> None:
+        """Raise ``InvalidArgumentError`` on every rank if any rank's ids in this low-latency
+        dispatch were out of range or repeated an expert (waits for the dispatch)."""
+        rows, layout = handle.extra["peer_padded"]
+        rows.check_padded(layout, topk_idx)
+
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor) -> torch.Tensor:
         """``out [tokens, hidden]``, ``out[t] = sum_j topk_weights[t, j] * expert_out`` of pair (t, j).
 
@@ -815,6 +883,13 @@ class GroupedSwiGLU(nn.Module):
         for e, rows in enumerate(x.split(list(tokens_per_expert))):
             outs.append((F.silu(rows @ self.w1[e]) * (rows @ self.w3[e])) @ self.w2[e])
         return torch.cat(outs) if outs else x.new_zeros((0, self.w2.shape[-1]))
+
+
+    def forward_padded(self, x: torch.Tensor) -> torch.Tensor:
+        """``[E/W, capacity, hidden]`` -> the same shape, every row of every block (the layout of
+        ``MoEDispatcher.dispatch_low_latency``; rows past an expert's count give rows nobody reads).
+        Batched GEMMs of fixed shape: nothing depends on the counts, so a CUDA graph can hold it."""
+        return torch.bmm(F.silu(torch.bmm(x, self.w1)) * torch.bmm(x, self.w3), self.w2)
 
 
 def reference_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,

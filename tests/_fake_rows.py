@@ -76,7 +76,7 @@ class FakeMemory:
 
     # -- the kernels (kernels.cu, "rows, laid out on the device") ----------------------------------
     def _geometry(self, ke: int) -> tuple[int, int]:
-        return ke & 0xFFFFFFFF, ke >> 32
+        return ke & 0xFF, (ke >> 8) & 0xFFFFFF
 
     def _k_rows_ids(self, _: Any, i_off: int, t_max: int, ke: int, info_p: int, ids_p: int) -> None:
         k, e_loc = self._geometry(ke)
@@ -116,12 +116,15 @@ class FakeMemory:
                         R[s, t, e] = -1
                 info[s * e_loc + e] = run
 
-    def _pairs_here(self, info: torch.Tensor, ids_all: torch.Tensor, R: torch.Tensor, e_loc: int) -> Any:
-        """(s, t, [(j, recv_x row)]) for every (source, token) with pairs on this rank."""
+    def _pairs_here(self, info: torch.Tensor, ids_all: torch.Tensor, R: torch.Tensor, e_loc: int, cap: int = 0) -> Any:
+        """(s, t, [(j, recv_x row)]) for every (source, token) with pairs on this rank (``cap``:
+        the padded layout)."""
         W = self.world
         cnt = info[:W * e_loc].view(W, e_loc)
         base, run = {}, 0
         for e in range(e_loc):
+            if cap:
+                run = e * cap
             for s in range(W):
                 base[(e, s)] = run
                 run += int(cnt[s, e])
@@ -145,9 +148,10 @@ class FakeMemory:
     def _k_rows_gather_dense(self, dtype: torch.dtype, x_off: int, r_p: int, info_p: int, ids_p: int, out_p: int,
                              t_max: int, row: int, ke: int) -> None:
         k, e_loc, info, ids_all, R = self._tables(r_p, info_p, ids_p, t_max, ke)
-        total = int(info[:self.world * e_loc].sum())
+        cap = ke >> 32
+        total = e_loc * cap if cap else int(info[:self.world * e_loc].sum())
         out = _at(out_p, total * row, dtype).view(total, row)
-        for s, t, here in self._pairs_here(info, ids_all, R, e_loc):
+        for s, t, here in self._pairs_here(info, ids_all, R, e_loc, cap):
             x = self._slot(s, x_off + t * row * out.element_size(), row, dtype)
             for _, d in here:
                 out[d] = x
@@ -155,10 +159,11 @@ class FakeMemory:
     def _k_rows_partial_dense(self, dtype: torch.dtype, p_off: int, w_off: int, r_p: int, info_p: int, ids_p: int,
                               rows_p: int, t_max: int, row: int, ke: int) -> None:
         k, e_loc, info, ids_all, R = self._tables(r_p, info_p, ids_p, t_max, ke)
-        total = int(info[:self.world * e_loc].sum())
+        cap = ke >> 32
+        total = e_loc * cap if cap else int(info[:self.world * e_loc].sum())
         rows = _at(rows_p, total * row, dtype).view(total, row)
         es = rows.element_size()
-        for s, t, here in self._pairs_here(info, ids_all, R, e_loc):
+        for s, t, here in self._pairs_here(info, ids_all, R, e_loc, cap):
             w = self._slot(s, w_off + t * k * 4, k, torch.float32)
             acc = torch.zeros(row, dtype=torch.float32)
             for j, d in here:
@@ -181,12 +186,13 @@ class FakeMemory:
     def _k_rows_grad_dense(self, dtype: torch.dtype, x_off: int, w_off: int, d_off: int, r_p: int, info_p: int,
                            ids_p: int, rows_p: int, grad_p: int, t_max: int, row: int, ke: int, dots: int) -> None:
         k, e_loc, info, ids_all, R = self._tables(r_p, info_p, ids_p, t_max, ke)
-        total = int(info[:self.world * e_loc].sum())
+        cap = ke >> 32
+        total = e_loc * cap if cap else int(info[:self.world * e_loc].sum())
         rows = _at(rows_p, total * row, dtype).view(total, row)
         grad = _at(grad_p, total * row, dtype).view(total, row)
         es = rows.element_size()
         D = self._slot(self.rank, d_off, self.world * t_max * k, torch.float32).view(self.world, t_max, k)
-        for s, t, here in self._pairs_here(info, ids_all, R, e_loc):
+        for s, t, here in self._pairs_here(info, ids_all, R, e_loc, cap):
             g = self._slot(s, x_off + t * row * es, row, dtype).float()
             w = self._slot(s, w_off + t * k * 4, k, torch.float32)
             for j, d in here:

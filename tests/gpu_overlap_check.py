@@ -328,6 +328,60 @@ def main() -> int:
                     close(f"peer autograd {name} {dtype} call {call}", a_.float(), b_.float(), tol=tol)
             peer.close()
 
+        # the low-latency (padded) dispatch and combine against NCCL's, eagerly and replayed from one
+        # CUDA graph holding dispatch -> experts -> combine on static inputs refilled between replays
+        El, kl, Tmax = 8 * w, 4, 48
+        for dtype, tol in ((torch.float32, TOL), (torch.bfloat16, 2e-2)):
+            plain = MoEDispatcher(El, H, dtype=dtype, device=dev)
+            peer = MoEDispatcher(El, H, dtype=dtype, device=dev, transport="peer", max_tokens=Tmax, top_k=kl)
+            experts = GroupedSwiGLU(El // w, H, 24, dtype=dtype, device=dev)
+            T = 29 + 5 * r  # fixed per rank: the graph's shapes
+            x_st = torch.empty(T, H, device=dev, dtype=dtype)
+            idx_st = torch.empty(T, kl, device=dev, dtype=torch.int64)
+            w_st = torch.empty(T, kl, device=dev, dtype=dtype)
+
+            def fill(seed: int) -> None:
+                g.manual_seed(seed)
+                x_st.copy_(torch.randn(T, H, generator=g, device=dev))
+                idx_st.copy_(torch.rand(T, El, generator=g, device=dev).topk(kl, dim=-1).indices)
+                w_st.copy_(torch.rand(T, kl, generator=g, device=dev))
+
+            def want() -> torch.Tensor:
+                rv, hd = plain.dispatch(x_st, idx_st)
+                return plain.combine(experts(rv, hd.tokens_per_expert), hd, w_st)
+
+            with torch.no_grad():
+                for call in range(3):  # eagerly, the halves alternating
+                    fill(1500 + 10 * call + r)
+                    rv, hl = peer.dispatch_low_latency(x_st, idx_st)
+                    ref_rv, ref_h = plain.dispatch(x_st, idx_st)
+                    got = torch.cat([rv[e, :n] for e, n in enumerate(hl.tokens_per_expert.tolist())])
+                    checks += 1
+                    if hl.tokens_per_expert.tolist() != ref_h.tokens_per_expert or not torch.equal(got, ref_rv):
+                        fails.append(f"rank {r} low-latency dispatch {dtype} call {call}: rows differ")
+                    out = peer.combine_low_latency(experts.forward_padded(rv), hl, w_st)
+                    close(f"low-latency forward {dtype} call {call}", out, want(), tol=tol)
+                    peer.check_routing(hl, idx_st)
+                try:
+                    side = torch.cuda.Stream()
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        rv, hl = peer.dispatch_low_latency(x_st, idx_st)  # warm up outside the capture
+                        peer.combine_low_latency(experts.forward_padded(rv), hl, w_st)
+                    torch.cuda.current_stream().wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        rv, hl = peer.dispatch_low_latency(x_st, idx_st)
+                        out_st = peer.combine_low_latency(experts.forward_padded(rv), hl, w_st)
+                    for rep in range(4):
+                        fill(1600 + 10 * rep + r)
+                        graph.replay()
+                        close(f"low-latency forward in a CUDA graph {dtype} replay {rep}", out_st, want(), tol=tol)
+                    del graph
+                except Exception as exc:  # noqa: BLE001 - reported as a failure, with what raised
+                    fails.append(f"rank {r} low-latency capture {dtype}: {type(exc).__name__}: {str(exc)[:300]}")
+            peer.close()
+
     every: list[list[str] | None] = [None] * w
     dist.all_gather_object(every, fails)
     if r == 0:

@@ -150,6 +150,9 @@ def _errors(rank: int, world: int) -> list[str]:
                      lambda: MoEDispatcher(2 * world, H, transport="peer", top_k=2),
                      lambda: MoEDispatcher(2 * world, H, transport="peer", max_tokens=8, top_k=2 * world + 1),
                      lambda: MoEDispatcher(2 * world, H, transport="peer", max_tokens=8, top_k=2).dispatch(
+                         x, torch.tensor([[0, 1]] * 3)),
+                     lambda: d.dispatch_low_latency(x, torch.tensor([[0, 1]] * 3)),
+                     lambda: MoEDispatcher(2 * world, H, transport="peer", max_tokens=8, top_k=2).dispatch_low_latency(
                          x, torch.tensor([[0, 1]] * 3))])
 
 
@@ -160,6 +163,7 @@ def test_bad_routing_is_refused_before_anything_is_sent(worlds) -> None:  # noqa
         assert "same expert twice" in msgs[2] and "outside" in msgs[3] and "integer" in msgs[4]
         assert "transport" in msgs[5]
         assert "max_tokens" in msgs[6] and "top_k" in msgs[7] and "peer" in msgs[8] and "GPUs of one node" in msgs[8]
+        assert "low-latency" in msgs[9] and "transport='peer'" in msgs[9] and "GPUs of one node" in msgs[10]
 
 
 def _layer_case(rank: int, world: int, tokens: list[int], capacity: float | None) -> float:
@@ -290,3 +294,19 @@ def test_grouped_experts_match_one_gemm_per_expert_in_float64(dtype: torch.dtype
     assert rel(y, ref) < tol and rel(x.grad, x64.grad) < tol
     for p, q in zip((m.w1, m.w3, m.w2), ws):
         assert rel(p.grad, q.grad) < tol
+
+
+def test_padded_experts_match_one_gemm_per_expert_in_float64() -> None:
+    from overlap.moe import GroupedSwiGLU
+
+    torch.manual_seed(4)
+    m = GroupedSwiGLU(3, 16, 24, dtype=torch.float32)
+    cap, tokens = 7, [5, 0, 7]  # an empty block, a full one
+    x = torch.randn(3, cap, 16)
+    got = m.forward_padded(x)
+    assert got.shape == (3, cap, 16)
+    ws = [p.detach().double() for p in (m.w1, m.w3, m.w2)]
+    for e, n in enumerate(tokens):
+        rows = x[e, :n].double()
+        want = (F.silu(rows @ ws[0][e]) * (rows @ ws[1][e])) @ ws[2][e]
+        assert torch.allclose(got[e, :n].double(), want, rtol=1e-5, atol=1e-5), e

@@ -130,3 +130,55 @@ def test_a_bad_routing_on_one_rank_raises_on_every_rank(bad: int, text: str) -> 
     msgs = run_ranks(world, P.buffer_bytes(world, 8, k, HIDDEN * 4), rank_fn)
     assert all(text in m and "Fix:" in m for m in msgs), msgs
     assert "rank 1" in msgs[0], msgs
+
+
+@pytest.mark.parametrize("world,e_loc,k,rounds", [
+    (2, 2, 2, [[5, 8], [3, 1], [6, 6]]),
+    (3, 2, 3, [[6, 0, 9], [0, 0, 2]]),
+])
+def test_padded_dispatch_and_combine(world: int, e_loc: int, k: int, rounds: list[list[int]]) -> None:
+    """The low-latency layout: expert e's rows first in its block of ``cap``, counts on the device."""
+    E = world * e_loc
+    max_tokens = max(max(r) for r in rounds) + 2
+    row_bytes = HIDDEN * 4
+
+    def rank_fn(mem: Any, r: int) -> None:
+        rows = P.PeerRows(SimpleNamespace(size=world, rank=r), max_tokens, k, row_bytes, E, memory=mem)
+        cap = world * max_tokens
+        for c, tokens in enumerate(rounds):
+            ins = _inputs(world, E, k, tokens, 50 + c, torch.float32)
+            idx, x, w, _ = ins[r]
+            want_recv, experts = _expected_recv(ins, r, e_loc)
+            recv, counts, layout = rows.dispatch_padded(x.contiguous(), idx)
+            assert recv.shape == (e_loc, cap, HIDDEN) and layout.cap == cap
+            per_expert = [int((experts == r * e_loc + e).sum()) for e in range(e_loc)]
+            assert counts.tolist() == per_expert, (r, c)
+            got = torch.cat([recv[e, :per_expert[e]] for e in range(e_loc)]).double()
+            assert torch.equal(got, want_recv), (r, c)
+            # every row of every block through the "expert" of its block: rows past the counts are
+            # never read back
+            scale = (torch.arange(e_loc, dtype=torch.float32) + r * e_loc + 1).view(e_loc, 1, 1)
+            out = rows.combine_padded(layout, recv * scale, w.float())
+            factor = (w.double() * (idx.double() + 1)).sum(1) if idx.numel() else torch.zeros(0, dtype=torch.float64)
+            assert torch.allclose(out.double(), x.double() * factor.unsqueeze(-1), rtol=1e-5, atol=1e-5), (r, c)
+
+    run_ranks(world, P.buffer_bytes(world, max_tokens, k, row_bytes), rank_fn)
+
+
+def test_padded_dispatch_checks_the_routing_only_when_asked() -> None:
+    world, E, k = 2, 4, 2
+
+    def rank_fn(mem: Any, r: int) -> str:
+        rows = P.PeerRows(SimpleNamespace(size=world, rank=r), 8, k, HIDDEN * 4, E, memory=mem)
+        idx = torch.tensor([[0, 1], [2, 3]])
+        if r == 1:
+            idx[:, 1] = idx[:, 0]  # rank 1 repeats an expert
+        _, _, layout = rows.dispatch_padded(torch.randn(2, HIDDEN), idx)
+        try:
+            rows.check_padded(layout, idx)
+        except InvalidArgumentError as exc:
+            return str(exc)
+        return "nothing raised"
+
+    msgs = run_ranks(world, P.buffer_bytes(world, 8, k, HIDDEN * 4), rank_fn)
+    assert all("same expert twice" in m for m in msgs) and "rank 1" in msgs[0], msgs

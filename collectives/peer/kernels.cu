@@ -650,7 +650,15 @@ INSTANTIATE_ROWS(__nv_bfloat16, bf16, false, scalar)
 //   and info; a warp handles one (source, token) at a time, and tokens without a pair here are
 //   skipped at once.
 //
-// `ke` packs k (low 32 bits) and the local expert count (high 32 bits).
+// `ke` packs the layout: k (bits 0-7), the local expert count (bits 8-31) and `cap` (bits
+// 32-63). cap = 0: recv_x is compact (the row of (s, t, e) is base[e][s] + R[s][t][e], base the
+// exclusive prefix sum of cnt in (local expert, source) order); cap > 0: recv_x is padded,
+// [e_loc][cap] rows, the row of (s, t, e) being e * cap + (the rows of e from sources before s)
+// + R[s][t][e], and nothing on the host needs the counts.
+
+__device__ __forceinline__ int geo_k(long ke) { return (int)(ke & 0xff); }
+__device__ __forceinline__ int geo_eloc(long ke) { return (int)((ke >> 8) & 0xffffff); }
+__device__ __forceinline__ long geo_cap(long ke) { return ke >> 32; }
 
 #define IDS_HEADER 16
 #define MAX_BASE 4096
@@ -684,7 +692,7 @@ __device__ __forceinline__ int scan_block(int flag, int* warp_sums, int* total) 
 extern "C" __global__ void __launch_bounds__(512) rows_ids(const Ctx c, long i_off, long t_max, long ke, int* info,
                                                            int* ids_all) {
   if (*(volatile int*)c.err_dev) return;
-  const int k = (int)(ke & 0xffffffffL), e_loc = (int)(ke >> 32), W = c.world;
+  const int k = geo_k(ke), e_loc = geo_eloc(ke), W = c.world;
   const int q = blockIdx.x / IDS_PARTS, part = blockIdx.x % IDS_PARTS;
   const int* head = reinterpret_cast<const int*>(c.slots.p[q] + i_off);
   const long n = __ldcg(head);
@@ -725,7 +733,7 @@ extern "C" __global__ void __launch_bounds__(512) rows_ids(const Ctx c, long i_o
 extern "C" __global__ void __launch_bounds__(512) rows_layout(const Ctx c, long t_max, long ke, int* R, int* info,
                                                               const int* ids_all) {
   if (*(volatile int*)c.err_dev) return;
-  const int k = (int)(ke & 0xffffffffL), e_loc = (int)(ke >> 32), W = c.world;
+  const int k = geo_k(ke), e_loc = geo_eloc(ke), W = c.world;
   __shared__ int warp_sums[32];
   __shared__ int total;
   const int s = blockIdx.x / e_loc, e = blockIdx.x % e_loc, target = c.rank * e_loc + e;
@@ -750,15 +758,18 @@ extern "C" __global__ void __launch_bounds__(512) rows_layout(const Ctx c, long 
   if (threadIdx.x == 0) info[s * e_loc + e] = run;
 }
 
-// base[e * W + s]: the first recv_x row of (local expert e, source s), in shared memory.
-__device__ __forceinline__ void load_base(const int* info, int W, int e_loc, int* base) {
+// base[e * W + s]: the first recv_x row of (local expert e, source s), in shared memory (`cap`:
+// see the layout above).
+__device__ __forceinline__ void load_base(const int* info, int W, int e_loc, long cap, int* base) {
   if (threadIdx.x == 0) {
     int run = 0;
-    for (int e = 0; e < e_loc; ++e)
+    for (int e = 0; e < e_loc; ++e) {
+      if (cap) run = (int)(e * cap);
       for (int s = 0; s < W; ++s) {
         base[e * W + s] = run;
         run += info[s * e_loc + e];
       }
+    }
   }
   __syncthreads();
 }
@@ -781,10 +792,10 @@ template <typename T, bool VEC>
 __device__ void rows_gather_dense(const Ctx& c, long x_off, const int* R, const int* info, const int* ids_all, T* out,
                                   long t_max, long row, long ke) {
   if (*(volatile int*)c.err_dev) return;
-  const int k = (int)(ke & 0xffffffffL), e_loc = (int)(ke >> 32), W = c.world;
+  const int k = geo_k(ke), e_loc = geo_eloc(ke), W = c.world;
   __shared__ int base[MAX_BASE];
   __shared__ int dst[16][WARP];  // each warp's destination rows (512 threads: 16 warps)
-  load_base(info, W, e_loc, base);
+  load_base(info, W, e_loc, geo_cap(ke), base);
   const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
   for (long g = warp_id(); g < W * t_max; g += n_warps()) {
     const int s = (int)(g / t_max);
@@ -827,12 +838,12 @@ template <typename T, bool VEC>
 __device__ void rows_partial_dense(const Ctx& c, long p_off, long w_off, const int* R, const int* info,
                                    const int* ids_all, const T* rows, long t_max, long row, long ke) {
   if (*(volatile int*)c.err_dev) return;
-  const int k = (int)(ke & 0xffffffffL), e_loc = (int)(ke >> 32), W = c.world;
+  const int k = geo_k(ke), e_loc = geo_eloc(ke), W = c.world;
   const int N = Pack<T>::N;
   __shared__ int base[MAX_BASE];
   __shared__ int dst[16][WARP];
   __shared__ float wt[16][WARP];
-  load_base(info, W, e_loc, base);
+  load_base(info, W, e_loc, geo_cap(ke), base);
   const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
   for (long g = warp_id(); g < W * t_max; g += n_warps()) {
     const int s = (int)(g / t_max);
@@ -884,7 +895,7 @@ template <typename T, bool VEC>
 __device__ void rows_sum_dense(const Ctx& c, long p_off, const int* ids_all, T* out, long t_max, long row, long ke,
                                long n) {
   if (*(volatile int*)c.err_dev) return;
-  const int k = (int)(ke & 0xffffffffL), e_loc = (int)(ke >> 32);
+  const int k = geo_k(ke), e_loc = geo_eloc(ke);
   const int N = Pack<T>::N;
   const int lane = threadIdx.x % WARP;
   for (long t = warp_id(); t < n; t += n_warps()) {
@@ -933,12 +944,12 @@ __device__ void rows_grad_dense(const Ctx& c, long x_off, long w_off, long d_off
                                 const int* ids_all, const T* rows, T* grad_rows, long t_max, long row, long ke,
                                 long dots) {
   if (*(volatile int*)c.err_dev) return;
-  const int k = (int)(ke & 0xffffffffL), e_loc = (int)(ke >> 32), W = c.world;
+  const int k = geo_k(ke), e_loc = geo_eloc(ke), W = c.world;
   const int N = Pack<T>::N;
   __shared__ int base[MAX_BASE];
   __shared__ int dst[16][WARP];
   __shared__ float wt[16][WARP];
-  load_base(info, W, e_loc, base);
+  load_base(info, W, e_loc, geo_cap(ke), base);
   const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
   float* D = reinterpret_cast<float*>(c.slots.p[c.rank] + d_off);
   for (long g = warp_id(); g < W * t_max; g += n_warps()) {
@@ -1007,7 +1018,7 @@ __device__ void rows_grad_dense(const Ctx& c, long x_off, long w_off, long d_off
 extern "C" __global__ void __launch_bounds__(512) rows_dots_dense(const Ctx c, long d_off, const int* ids_all,
                                                                   float* gw, long t_max, long ke, long n) {
   if (*(volatile int*)c.err_dev) return;
-  const int k = (int)(ke & 0xffffffffL), e_loc = (int)(ke >> 32);
+  const int k = geo_k(ke), e_loc = geo_eloc(ke);
   for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n * k; i += (long)gridDim.x * blockDim.x) {
     const long t = i / k;
     const int j = (int)(i % k);
