@@ -26,6 +26,9 @@ from .harness import time_fn as _time
 __all__ = ["MoERecord", "measure_config", "format_moe_table", "plot_moe"]
 
 
+LOW_LATENCY_MAX_TOKENS = 256  # configurations timed on the low-latency path too (decode)
+
+
 @dataclass
 class MoERecord:
     config: str
@@ -97,8 +100,9 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
         t_a2a = _time(lambda: dist.all_to_all_single(out, rows, plain.recv_counts, plain.send_counts,
                                                      group=comm.group), comm, device, iters, reps)
         t_seq = _time(lambda: disp.forward(x, idx, w, mlp), comm, device, iters, reps)
-        low = _low_latency(disp, mlp, x, idx, w, comm, device, iters, reps, out, rows, plain) \
-            if transport == "peer" else {}
+        # the low-latency path is for decode-sized batches: its blocks hold W x tokens rows per expert
+        decode = transport == "peer" and tokens <= LOW_LATENCY_MAX_TOKENS
+        low = _low_latency(disp, mlp, x, idx, w, comm, device, iters, reps, out, rows, plain) if decode else {}
     # a training step of the layer's exchange and experts: gradients to x, the weights, the experts
     xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
     gout = torch.randn(tokens, hidden, generator=g, device=device).to(dtype)
@@ -121,7 +125,7 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
             return int(((got - ref).abs() > 1e-4 * (ref.abs() + ref.abs().mean() + 1e-12)).sum())
 
         wrong_seq = off(disp32.forward(x.float(), idx, w.float(), mlp32))
-        if transport == "peer":  # the low-latency path against the same reference
+        if decode:  # the low-latency path against the same reference
             rv, hl = disp32.dispatch_low_latency(x.float(), idx)
             wrong_seq += off(disp32.combine_low_latency(mlp32.forward_padded(rv), hl, w.float()))
         records = []
