@@ -576,7 +576,8 @@ class MoEDispatcher:
                  ) -> tuple[torch.Tensor, DispatchHandle]:
         """``recv_x [received pairs, hidden]`` grouped by local expert, and the routing handle.
 
-        Differentiable in ``x`` (``_Dispatch``: its backward is a combine without weights).
+        Differentiable in ``x``: its backward is a combine without weights (``_Dispatch`` over a
+        host-planned handle; ``_DenseDispatch`` over the peer transport's device layout).
         ``topk_weights`` is only checked here; ``combine`` takes it.
         """
         self._check(x, topk_idx, topk_weights)
@@ -600,9 +601,12 @@ class MoEDispatcher:
                 and _moe_peer.dense_backward_fits(self.comm.size, topk_idx.shape[1], self.hidden * self._es()))
 
     def _es(self) -> int:
+        """The tokens' element size (2 until the first dispatch tells, if ``dtype`` was not given)."""
         return self._row_bytes // self.hidden if self._row_bytes else 2
 
     def _dispatch_dense(self, x: torch.Tensor, topk_idx: torch.Tensor) -> tuple[torch.Tensor, DispatchHandle]:
+        """Dispatch over the device layout; the handle carries the counts the host learned, and
+        the layout for the combine and both backward passes."""
         from collectives.dispatch import recorded
 
         w, e_loc = self.comm.size, self.local_experts
