@@ -193,6 +193,45 @@ class _Region:
     t_max: int
 
 
+class _Streams:
+    """The pipelined section's two streams: the caller's (main: the experts) and the transport's
+    side stream (the exchanges), ordered by events; a tensor used on the other stream is recorded
+    there (the caching allocator then keeps it until that stream is done with it)."""
+
+    def __init__(self, rows: Any, device: torch.device) -> None:
+        self.main = torch.cuda.current_stream(device)
+        self.side = rows._side_stream()
+        self.side.wait_stream(self.main)
+
+    def on_side(self) -> Any:
+        return torch.cuda.stream(self.side)
+
+    def side_mark(self) -> Any:
+        ev = torch.cuda.Event()
+        ev.record(self.side)
+        return ev
+
+    def main_mark(self) -> Any:
+        ev = torch.cuda.Event()
+        ev.record(self.main)
+        return ev
+
+    def main_waits(self, ev: Any, *used: torch.Tensor) -> None:
+        self.main.wait_event(ev)
+        for t in used:
+            t.record_stream(self.main)
+
+    def side_waits(self, ev: Any, *used: torch.Tensor) -> None:
+        self.side.wait_event(ev)
+        for t in used:
+            t.record_stream(self.side)
+
+    def join(self, *used: torch.Tensor) -> None:
+        self.main.wait_stream(self.side)
+        for t in used:
+            t.record_stream(self.main)
+
+
 @dataclass
 class DeviceLayout:
     """The routing of one dispatch worked out on the device (``PeerRows.dispatch_dense``).
@@ -532,11 +571,9 @@ class PeerRows:
                 raise InvalidArgumentError("chunks", n, f"makes a chunk of {hi - lo} tokens; regions hold {t_cap}",
                                            "split the tokens evenly")
         self._check_rows(x, topk_idx)
-        main = torch.cuda.current_stream(x.device)
-        side = self._side_stream()
-        side.wait_stream(main)
+        st = _Streams(self, x.device)
         regions = [self._region(r * reg, t_cap) for r in range(2 * n)]
-        with torch.cuda.stream(side):
+        with st.on_side():
             self._fence()  # every peer is done with what it read before this section
             info = self._new_info(n, x.device)
             layouts = []
@@ -551,27 +588,21 @@ class PeerRows:
             for c, (lo, hi) in enumerate(bounds):
                 lay = DeviceLayout(*layouts[c], info[c], counts[c], hi - lo)
                 recv = self._gather(regions[c], lay, x)
-                ev = torch.cuda.Event()
-                ev.record(side)
-                got.append((lay, recv, ev))
+                got.append((lay, recv, st.side_mark()))
             out = x.new_empty((x.shape[0], x.shape[1]))
         w, e_loc = self.world, self.e_loc
         for c, (lo, hi) in enumerate(bounds):
-            lay, recv, ev = got[c]
-            main.wait_event(ev)
-            recv.record_stream(main)
+            lay, recv, arrived = got[c]
+            st.main_waits(arrived, recv)
             per_expert = counts[c][:w * e_loc].reshape(w, e_loc).sum(0).tolist()
             y = experts(recv, per_expert).contiguous()
-            done = torch.cuda.Event()
-            done.record(main)
-            with torch.cuda.stream(side):
-                side.wait_event(done)
-                y.record_stream(side)
+            computed = st.main_mark()
+            with st.on_side():
+                st.side_waits(computed, y)
                 self._combine(regions[n + c], lay, y, weights[lo:hi], out[lo:hi])
-        with torch.cuda.stream(side):
+        with st.on_side():
             self._fence()  # every peer has read this section's regions
-        main.wait_stream(side)
-        out.record_stream(main)
+        st.join(out)
         self.calls += 2  # the next call starts a fresh pair of halves (after the closing barrier)
         return out
 

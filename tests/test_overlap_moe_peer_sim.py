@@ -182,3 +182,65 @@ def test_padded_dispatch_checks_the_routing_only_when_asked() -> None:
 
     msgs = run_ranks(world, P.buffer_bytes(world, 8, k, HIDDEN * 4), rank_fn)
     assert all("same expert twice" in m for m in msgs) and "rank 1" in msgs[0], msgs
+
+
+class _SameStream:
+    """``_moe_peer._Streams`` on one CPU thread: everything runs in order already."""
+
+    def __init__(self, rows: Any, device: Any) -> None:
+        pass
+
+    def on_side(self) -> Any:
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def side_mark(self) -> None:
+        return None
+
+    def main_mark(self) -> None:
+        return None
+
+    def main_waits(self, ev: Any, *used: Any) -> None:
+        pass
+
+    def side_waits(self, ev: Any, *used: Any) -> None:
+        pass
+
+    def join(self, *used: Any) -> None:
+        pass
+
+
+@pytest.mark.parametrize("world,e_loc,k,tokens,chunks", [
+    (2, 2, 2, [9, 6], 2),
+    (2, 3, 3, [10, 2], 3),    # a rank with fewer tokens than chunks: empty chunks
+    (3, 1, 2, [4, 0, 7], 4),
+])
+def test_pipelined_forward_over_the_device_layout(monkeypatch: pytest.MonkeyPatch, world: int, e_loc: int, k: int,
+                                                  tokens: list[int], chunks: int) -> None:
+    monkeypatch.setattr(P, "_Streams", _SameStream)
+    E = world * e_loc
+    max_tokens = max(tokens) + 1
+    row_bytes = HIDDEN * 4
+
+    def rank_fn(mem: Any, r: int) -> None:
+        rows = P.PeerRows(SimpleNamespace(size=world, rank=r), max_tokens, k, row_bytes, E, memory=mem)
+        ins = _inputs(world, E, k, tokens, 70 + chunks, torch.float32)
+        idx, x, w, _ = ins[r]
+
+        def experts(recv: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
+            scale = torch.repeat_interleave(torch.arange(e_loc, dtype=torch.float32) + r * e_loc + 1,
+                                            torch.tensor(per_expert))
+            return recv * scale.unsqueeze(-1)
+
+        T = x.shape[0]
+        bounds = [(T * i // chunks, T * (i + 1) // chunks) for i in range(chunks)]
+        for _ in range(2):  # twice: the section's regions reused after its closing barrier
+            out = rows.pipelined_dense(x.contiguous(), idx, w.float(), experts, bounds)
+            factor = (w.double() * (idx.double() + 1)).sum(1) if idx.numel() else torch.zeros(0, dtype=torch.float64)
+            assert torch.allclose(out.double(), x.double() * factor.unsqueeze(-1), rtol=1e-5, atol=1e-5), r
+        # and a plain dispatch after the section
+        recv, _ = rows.dispatch_dense(x.contiguous(), idx)
+        assert torch.equal(recv.double(), _expected_recv(ins, r, e_loc)[0])
+
+    run_ranks(world, P.buffer_bytes(world, max_tokens, k, row_bytes), rank_fn)
