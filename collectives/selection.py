@@ -89,13 +89,11 @@ PEER_ALL_REDUCE_ONE_PIECE_MAX_BYTES = 256 << 20
 def _two_shot_in_one_piece(comm: Any, nbytes: int, element_size: int) -> bool:
     """Whether the communicator's peer buffers (built, or as ``COMMOPS_PEER_BYTES`` will build
     them) hold a two-shot all-reduce of ``nbytes`` in one piece (``PeerMemory._plan``)."""
-    from .peer.memory import PACK_BYTES
+    from .peer.memory import two_shot_piece
 
     pm = getattr(comm, "_peer_memory", None)
     slot_bytes = pm.slot_bytes if pm is not None and not pm.closed else _env.PEER_BYTES.get()
-    pack = PACK_BYTES // element_size
-    shard_max = (slot_bytes // 2 // element_size) // (2 * comm.size) // pack * pack
-    return nbytes <= shard_max * comm.size * element_size
+    return nbytes <= two_shot_piece(slot_bytes // 2, comm.size, element_size) * element_size
 
 
 def _peer_memory(call: Call, backend: str, nbytes: int) -> tuple[Choice | None, str]:

@@ -266,10 +266,9 @@ class PeerRows:
     def __init__(self, comm: Any, max_tokens: int, top_k: int, row_bytes: int, num_experts: int,
                  timeout_s: float | None = None, memory: Any = None) -> None:
         self.max_tokens, self.top_k, self.row_bytes = max_tokens, top_k, row_bytes
-        self.max_pairs = max_tokens * top_k
         self.world, self.rank = comm.size, comm.rank
         self.e_loc = num_experts // comm.size
-        self.wb, self.ib, self.half = layout_bytes(comm.size, max_tokens, top_k, row_bytes)
+        self.half = layout_bytes(comm.size, max_tokens, top_k, row_bytes)[2]
         self.slot_bytes_needed = buffer_bytes(comm.size, max_tokens, top_k, row_bytes)
         self.pm = memory if memory is not None else PeerMemory(comm, slot_bytes=self.slot_bytes_needed,
                                                                timeout_s=timeout_s)
@@ -299,19 +298,16 @@ class PeerRows:
         """``recv_x [total, hidden]`` (``x`` contiguous ``[tokens, hidden]``)."""
         from collectives.peer import _launch
 
-        self._check_tokens(x.shape[0])
-        if x.shape[1] * x.element_size() != self.row_bytes:
-            raise InvalidArgumentError("x", x, f"has rows of {x.shape[1] * x.element_size()} B; the peer transport was "
-                                       f"built for {self.row_bytes} B", "pass dtype= to MoEDispatcher and keep it")
-        off = self._next_half()
+        self._check_rows(x)
+        g = self._region(self._next_half(), self.max_tokens)
         recv = x.new_empty((total, x.shape[1]))
         if x.shape[0]:
-            self.pm.slot_view(off + self.ib, tuple(x.shape), x.dtype).copy_(x)
+            self.pm.slot_view(g.x, tuple(x.shape), x.dtype).copy_(x)
         self._fence()
         if p.n_items:
             k = self.pm._kernel("rows_gather", x.dtype, self._vec(recv.data_ptr()), 7)
             k(self._grid(p.n_items), _launch.current_stream(self.pm._index), p.items.data_ptr(), p.ptr.data_ptr(),
-              p.dst.data_ptr(), recv.data_ptr(), p.n_items, x.shape[1], off + self.ib)
+              p.dst.data_ptr(), recv.data_ptr(), p.n_items, x.shape[1], g.x)
         return recv
 
     def combine(self, p: PeerPlan, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -321,28 +317,21 @@ class PeerRows:
 
         n = p.n_tokens
         self._check_tokens(n)
-        if weights.numel() > self.max_pairs:
-            raise InvalidArgumentError("topk_weights", weights, f"has {weights.numel()} pairs; the peer transport was "
-                                       f"built for {self.max_pairs}", "build the dispatcher with a larger max_tokens")
-        off = self._next_half()
+        hidden = self._check_weights(rows, weights, n)
+        g = self._region(self._next_half(), self.max_tokens)
         stream = _launch.current_stream(self.pm._index)
-        hidden = self.row_bytes // rows.element_size()
-        if rows.dim() != 2 or rows.shape[1] != hidden:
-            raise InvalidArgumentError("expert_out", rows, f"is not [rows, {hidden}] {rows.dtype} (the rows the peer "
-                                       f"transport was built for: {self.row_bytes} B)", "pass rows in recv_x's layout")
         if weights.numel():
-            self.pm.slot_view(off, (weights.numel(),), torch.float32).copy_(weights.reshape(-1))
+            self.pm.slot_view(g.w, (weights.numel(),), torch.float32).copy_(weights.reshape(-1))
         self._fence()
         if p.n_items:
             k = self.pm._kernel("rows_partial", rows.dtype, self._vec(rows.data_ptr()), 8)
             k(self._grid(p.n_items), stream, p.part.data_ptr(), p.ptr.data_ptr(), p.part_ent.data_ptr(),
-              rows.data_ptr(), p.n_items, hidden, off + self.ib, off)
+              rows.data_ptr(), p.n_items, hidden, g.x, g.w)
         self._fence()
         out = rows.new_empty((n, hidden))
         if n:
             k = self.pm._kernel("rows_sum", rows.dtype, self._vec(out.data_ptr()), 6)
-            k(self._grid(n), stream, p.sum_ptr.data_ptr(), p.sum_ent.data_ptr(), out.data_ptr(), n, hidden,
-              off + self.ib)
+            k(self._grid(n), stream, p.sum_ptr.data_ptr(), p.sum_ent.data_ptr(), out.data_ptr(), n, hidden, g.x)
         return out
 
     # -- the device-side layout (dropless, no autograd): no host plan, one small copy to the host
@@ -427,8 +416,8 @@ class PeerRows:
             kern = self.pm._kernel("rows_sum_dense", rows.dtype, self._vec(out.data_ptr()), 7)
             kern(self._grid(T), stream, g.x, layout.ids_all.data_ptr(), out.data_ptr(), t_max, hidden, ke, T)
 
-    def _check_rows(self, x: torch.Tensor, topk_idx: torch.Tensor) -> None:
-        self._check_tokens(topk_idx.shape[0])
+    def _check_rows(self, x: torch.Tensor) -> None:
+        self._check_tokens(x.shape[0])
         if x.shape[1] * x.element_size() != self.row_bytes:
             raise InvalidArgumentError("x", x, f"has rows of {x.shape[1] * x.element_size()} B; the peer transport was "
                                        f"built for {self.row_bytes} B", "pass dtype= to MoEDispatcher and keep it")
@@ -447,6 +436,18 @@ class PeerRows:
         size = self.world * self.e_loc + 2 * self.world + 2
         return torch.zeros((n, size), dtype=torch.int32, device=device)
 
+    def _lay_out(self, x: torch.Tensor, topk_idx: torch.Tensor) -> tuple[_Region, torch.Tensor, torch.Tensor,
+                                                                          torch.Tensor]:
+        """A dispatch's first half: this rank's tokens and ids posted, the barrier, every rank's ids
+        ranked per local expert. Returns the region, ``info`` and the two tables."""
+        self._check_rows(x)
+        g = self._region(self._next_half(), self.max_tokens)
+        self._post(g, x, topk_idx)
+        self._fence()
+        info = self._new_info(1, x.device)[0]
+        ids_all, ranks = self._layout(g, info)
+        return g, info, ids_all, ranks
+
     def dispatch_dense(self, x: torch.Tensor, topk_idx: torch.Tensor) -> tuple[torch.Tensor, DeviceLayout]:
         """``recv_x`` and the layout, from ``x [tokens, hidden]`` (contiguous) and ``topk_idx``.
 
@@ -454,12 +455,7 @@ class PeerRows:
         same copy: a bad routing raises the same ``InvalidArgumentError`` everywhere, naming the
         rank, and nothing has reached another rank's ``recv_x``.
         """
-        self._check_rows(x, topk_idx)
-        g = self._region(self._next_half(), self.max_tokens)
-        self._post(g, x, topk_idx)
-        self._fence()
-        info = self._new_info(1, x.device)[0]
-        ids_all, ranks = self._layout(g, info)
+        g, info, ids_all, ranks = self._lay_out(x, topk_idx)
         counts = info.cpu().numpy()  # the one wait: the host learns how many rows arrive
         self._refuse_bad(counts, topk_idx)
         layout = DeviceLayout(ids_all, ranks, info, counts, topk_idx.shape[0])
@@ -482,12 +478,7 @@ class PeerRows:
         token order; the rest of the block undefined), the rows per local expert (``[E/W]`` on the
         device) and the layout; ``cap`` = world x max_tokens, which no routing exceeds. The ids
         are not checked here (that needs the host): ``check_padded`` does, waiting."""
-        self._check_rows(x, topk_idx)
-        g = self._region(self._next_half(), self.max_tokens)
-        self._post(g, x, topk_idx)
-        self._fence()
-        info = self._new_info(1, x.device)[0]
-        ids_all, ranks = self._layout(g, info)
+        g, info, ids_all, ranks = self._lay_out(x, topk_idx)
         cap = self.world * self.max_tokens
         layout = DeviceLayout(ids_all, ranks, info, None, topk_idx.shape[0], cap)
         recv = self._gather(g, layout, x).view(self.e_loc, cap, x.shape[1])
@@ -570,7 +561,7 @@ class PeerRows:
             if hi - lo > t_cap:
                 raise InvalidArgumentError("chunks", n, f"makes a chunk of {hi - lo} tokens; regions hold {t_cap}",
                                            "split the tokens evenly")
-        self._check_rows(x, topk_idx)
+        self._check_rows(x)
         st = _Streams(self, x.device)
         regions = [self._region(r * reg, t_cap) for r in range(2 * n)]
         with st.on_side():

@@ -388,6 +388,7 @@ class MoEDispatcher:
         self.max_tokens: int = max_tokens or 0  # (transport "peer" only)
         self.top_k: int = top_k or 0
         self._peer: Any = None
+        self._no_plan: dict[torch.device, torch.Tensor] = {}
         # the peer transport sizes its buffers by the rows' bytes
         self._row_bytes = hidden * torch.empty((), dtype=dtype).element_size() if dtype is not None else 0
         self.last_chunks: tuple[int, str] | None = None
@@ -619,7 +620,9 @@ class MoEDispatcher:
             recv = _DenseDispatch.apply(x, topk_idx, rows, box)
         layout = box[0]
         counts = layout.counts
-        none = torch.empty(0, dtype=torch.int64, device=x.device)  # no host plan (see DispatchHandle)
+        none = self._no_plan.get(x.device)  # no host plan (see DispatchHandle): one empty tensor, shared
+        if none is None:
+            none = self._no_plan[x.device] = torch.empty(0, dtype=torch.int64, device=x.device)
         matrix = counts[:w * e_loc].reshape(w, e_loc).astype(np.int64)
         handle = DispatchHandle(matrix.sum(0).tolist(), counts[w * e_loc + w:w * e_loc + 2 * w].astype(np.int64).tolist(),
                                 matrix.sum(1).tolist(), torch.from_numpy(matrix), none, none, none, x.shape[0],

@@ -74,6 +74,45 @@ class FakeMemory:
         fn = getattr(self, "_k_" + kind)
         return lambda grid, stream, *args: fn(dtype, *args)
 
+    # -- the kernels (kernels.cu, "rows: indexed row copies and weighted row sums") --------------
+    def _k_rows_gather(self, dtype: torch.dtype, src_p: int, ptr_p: int, dst_p: int, out_p: int, n: int, row: int,
+                       off: int) -> None:
+        ptr = _at(ptr_p, n + 1, torch.int64)
+        src = _at(src_p, 2 * n, torch.int64).view(n, 2)
+        dst = _at(dst_p, int(ptr[n]), torch.int64)
+        out = _at(out_p, (int(dst.max()) + 1) * row, dtype).view(-1, row)
+        es = out.element_size()
+        for i in range(n):
+            s, r = src[i].tolist()
+            for d in dst[ptr[i]:ptr[i + 1]].tolist():
+                out[d] = self._slot(s, off + r * row * es, row, dtype)
+
+    def _k_rows_partial(self, dtype: torch.dtype, item_p: int, ptr_p: int, ent_p: int, rows_p: int, n: int, row: int,
+                        p_off: int, w_off: int) -> None:
+        ptr = _at(ptr_p, n + 1, torch.int64)
+        item = _at(item_p, 2 * n, torch.int64).view(n, 2)
+        ent = _at(ent_p, 2 * int(ptr[n]), torch.int64).view(-1, 2)
+        rows = _at(rows_p, (int(ent[:, 0].max()) + 1) * row, dtype).view(-1, row)
+        es = rows.element_size()
+        for i in range(n):
+            s, prow = item[i].tolist()
+            acc = torch.zeros(row, dtype=torch.float32)
+            for r, pair in ent[ptr[i]:ptr[i + 1]].tolist():
+                acc += self._slot(s, w_off + pair * 4, 1, torch.float32)[0] * rows[r].float()
+            self._slot(self.rank, p_off + prow * row * es, row, dtype).copy_(acc.to(dtype))
+
+    def _k_rows_sum(self, dtype: torch.dtype, ptr_p: int, ent_p: int, out_p: int, n: int, row: int,
+                    p_off: int) -> None:
+        ptr = _at(ptr_p, n + 1, torch.int64)
+        ent = _at(ent_p, 2 * int(ptr[n]), torch.int64).view(-1, 2)
+        out = _at(out_p, n * row, dtype).view(n, row)
+        es = out.element_size()
+        for t in range(n):
+            acc = torch.zeros(row, dtype=torch.float32)
+            for q, prow in ent[ptr[t]:ptr[t + 1]].tolist():
+                acc += self._slot(q, p_off + prow * row * es, row, dtype).float()
+            out[t] = acc.to(dtype)
+
     # -- the kernels (kernels.cu, "rows, laid out on the device") ----------------------------------
     def _geometry(self, ke: int) -> tuple[int, int]:
         return ke & 0xFF, (ke >> 8) & 0xFFFFFF

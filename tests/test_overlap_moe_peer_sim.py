@@ -244,3 +244,57 @@ def test_pipelined_forward_over_the_device_layout(monkeypatch: pytest.MonkeyPatc
         assert torch.equal(recv.double(), _expected_recv(ins, r, e_loc)[0])
 
     run_ranks(world, P.buffer_bytes(world, max_tokens, k, row_bytes), rank_fn)
+
+
+@pytest.mark.parametrize("cf", [None, 0.5])
+def test_host_planned_dispatch_and_combine(cf: float | None) -> None:
+    """The path a capacity factor takes: the plan worked out on the host (``plan``), the rows moved
+    by ``rows_gather``, ``rows_partial`` and ``rows_sum``; the expected rows keep each expert's
+    first pairs in token order up to the capacity."""
+    import math
+
+    import numpy as np
+
+    from overlap.moe import sorted_pairs
+
+    world, e_loc, k, tokens = 3, 2, 2, [9, 4, 7]
+    E, max_tokens, row_bytes = world * e_loc, 10, HIDDEN * 4
+
+    def kept(idx: torch.Tensor) -> set[tuple[int, int]]:
+        cap = math.inf if cf is None else math.ceil(cf * idx.numel() / E)
+        taken, out = [0] * E, set()
+        for t in range(idx.shape[0]):
+            for e in idx[t].tolist():
+                if taken[e] < cap:
+                    taken[e] += 1
+                    out.add((t, e))
+        return out
+
+    def rank_fn(mem: Any, r: int) -> None:
+        rows = P.PeerRows(SimpleNamespace(size=world, rank=r), max_tokens, k, row_bytes, E, memory=mem)
+        for c in range(2):  # twice: the halves alternate
+            ins = _inputs(world, E, k, tokens, 90 + c, torch.float32)
+            sources = [(idx.numpy(), sorted_pairs(idx.numpy(), E, cf)[0], idx.shape[0]) for idx, _, _, _ in ins]
+            scalars, arrays = P.plan(r, world, e_loc, k, max_tokens, sources)
+            plan = P.build(scalars, [torch.from_numpy(np.asarray(a, dtype=np.int64)) for a in arrays])
+            keep = [kept(idx) for idx, _, _, _ in ins]
+            want, experts = [], []
+            for e in range(r * e_loc, (r + 1) * e_loc):
+                for s_, (idx, x, _, _) in enumerate(ins):
+                    for t in range(idx.shape[0]):
+                        if (t, e) in keep[s_]:
+                            want.append(x[t].double())
+                            experts.append(e)
+            idx, x, w, _ = ins[r]
+            recv = rows.dispatch(plan, x.contiguous(), len(want))
+            assert torch.equal(recv.double(), torch.stack(want)), (r, c)
+            y = recv * (torch.tensor(experts, dtype=torch.float32) + 1).unsqueeze(-1)
+            out = rows.combine(plan, y.contiguous(), w.float())
+            expect = torch.zeros(idx.shape[0], HIDDEN, dtype=torch.float64)
+            for t in range(idx.shape[0]):
+                for j, e in enumerate(idx[t].tolist()):
+                    if (t, e) in keep[r]:
+                        expect[t] += float(w[t, j]) * (e + 1) * x[t].double()
+            assert torch.allclose(out.double(), expect, rtol=1e-5, atol=1e-5), (r, c)
+
+    run_ranks(world, P.buffer_bytes(world, max_tokens, k, row_bytes), rank_fn)

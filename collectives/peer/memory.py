@@ -22,7 +22,8 @@ from . import _launch
 if TYPE_CHECKING:
     from ..communicator import Communicator
 
-__all__ = ["PeerMemory", "peer_memory", "close_peer_memory", "peer_unavailable", "MAX_RANKS", "DTYPES"]
+__all__ = ["PeerMemory", "peer_memory", "close_peer_memory", "peer_unavailable", "two_shot_piece", "MAX_RANKS",
+           "DTYPES"]
 
 # Must match kernels.cu.
 MAX_RANKS = 8
@@ -42,6 +43,13 @@ DTYPES = frozenset(_TAGS)
 PACK_BYTES = 16
 
 _COPY_ENGINE = object()  # plan marker: the copy-engine path works out its chunks per call
+
+
+def two_shot_piece(set_bytes: int, world: int, element_size: int) -> int:
+    """Elements of the largest two-shot all-reduce piece one set of ``set_bytes`` holds (a reduce
+    slot and a gather slot per rank, shards in whole 16-byte packs)."""
+    pack = PACK_BYTES // element_size
+    return set_bytes // element_size // (2 * world) // pack * pack * world
 
 
 def peer_unavailable(comm: Communicator) -> str:
@@ -233,8 +241,7 @@ class PeerMemory:
                 m = min(slot, n - off)
                 pieces.append((self._blocks(m * es), off * es, m, slot))
         elif algorithm == "two_shot":
-            shard_max = cap // (2 * self.world) // pack * pack
-            piece = shard_max * self.world
+            piece = two_shot_piece(self._set_bytes, self.world, es)
             for off in range(0, n, piece):
                 m = min(piece, n - off)
                 shard = math.ceil(math.ceil(m / self.world) / pack) * pack
