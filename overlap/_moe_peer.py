@@ -52,6 +52,8 @@ __all__ = ["PeerPlan", "plan", "build", "PeerRows", "layout_bytes", "buffer_byte
 
 _WARPS_PER_BLOCK = 16  # 512 threads (kernels.cu's __launch_bounds__)
 _MAX_GRID = 256
+# the dense kernels split an item's row over up to this many warps when items are few (decode)
+_ROW_SLICES = 8
 
 
 @dataclass
@@ -391,7 +393,7 @@ class PeerRows:
         recv = x.new_empty((total, x.shape[1]))
         if total:
             kern = self.pm._kernel("rows_gather_dense", x.dtype, self._vec(recv.data_ptr()), 8)
-            kern(self._grid(self.world * g.t_max), _launch.current_stream(self.pm._index), g.x,
+            kern(self._grid(self.world * g.t_max * _ROW_SLICES), _launch.current_stream(self.pm._index), g.x,
                  layout.ranks.data_ptr(), layout.info.data_ptr(), layout.ids_all.data_ptr(), recv.data_ptr(), g.t_max,
                  x.shape[1], self._geo(layout.cap))
         return recv
@@ -409,12 +411,13 @@ class PeerRows:
         self._fence()
         if rows.shape[0]:
             kern = self.pm._kernel("rows_partial_dense", rows.dtype, self._vec(rows.data_ptr()), 9)
-            kern(self._grid(self.world * t_max), stream, g.x, g.w, layout.ranks.data_ptr(), layout.info.data_ptr(),
-                 layout.ids_all.data_ptr(), rows.data_ptr(), t_max, hidden, ke)
+            kern(self._grid(self.world * t_max * _ROW_SLICES), stream, g.x, g.w, layout.ranks.data_ptr(),
+                 layout.info.data_ptr(), layout.ids_all.data_ptr(), rows.data_ptr(), t_max, hidden, ke)
         self._fence()
         if T:
             kern = self.pm._kernel("rows_sum_dense", rows.dtype, self._vec(out.data_ptr()), 7)
-            kern(self._grid(T), stream, g.x, layout.ids_all.data_ptr(), out.data_ptr(), t_max, hidden, ke, T)
+            kern(self._grid(T * _ROW_SLICES), stream, g.x, layout.ids_all.data_ptr(), out.data_ptr(), t_max, hidden,
+                 ke, T)
 
     def _check_rows(self, x: torch.Tensor) -> None:
         self._check_tokens(x.shape[0])

@@ -774,6 +774,20 @@ __device__ __forceinline__ void load_base(const int* info, int W, int e_loc, lon
   __syncthreads();
 }
 
+// Row slices: with few items (decode-sized batches), the warps of the grid share each item's row
+// instead of leaving most SMs idle: slice p of S covers units [lo, hi) (whole warps' worth each),
+// S being how many warps the grid has per item, at most one per WARP units.
+__device__ __forceinline__ int row_slices(long items, long units) {
+  const long by_grid = items ? n_warps() / items : 1, by_row = units / WARP;
+  return (int)max(1L, min(by_grid, by_row));
+}
+
+__device__ __forceinline__ void slice_range(long units, int S, int p, long* lo, long* hi) {
+  const long per = ((units + S - 1) / S + WARP - 1) / WARP * WARP;
+  *lo = min(units, per * p);
+  *hi = min(units, *lo + per);
+}
+
 // The recv_x rows of (s, t) on this rank: lane j < k holds its pair's row, or -1; returns the
 // ballot of lanes that hold one.
 __device__ __forceinline__ unsigned my_rows(const Ctx& c, const int* ids_all, const int* R, const int* base, int s,
@@ -797,33 +811,37 @@ __device__ void rows_gather_dense(const Ctx& c, long x_off, const int* R, const 
   __shared__ int dst[16][WARP];  // each warp's destination rows (512 threads: 16 warps)
   load_base(info, W, e_loc, geo_cap(ke), base);
   const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
-  for (long g = warp_id(); g < W * t_max; g += n_warps()) {
+  const long units = VEC ? row / Pack<T>::N : row, items = W * t_max;
+  const int S = row_slices(items, units);
+  for (long it = warp_id(); it < items * S; it += n_warps()) {
+    const long g = it / S;
     const int s = (int)(g / t_max);
     const long t = g % t_max;
     if (t >= info[W * e_loc + s]) continue;
     int d;
     const unsigned mask = my_rows(c, ids_all, R, base, s, t, t_max, k, e_loc, &d);
     if (!mask) continue;
+    long lo, hi;
+    slice_range(units, S, (int)(it % S), &lo, &hi);
     dst[wid][lane] = d;
     __syncwarp();
     const T* src = reinterpret_cast<const T*>(c.slots.p[s] + x_off) + t * row;
     if (VEC) {
-      const long packs = row / Pack<T>::N;
       const uint4* sv = reinterpret_cast<const uint4*>(src);
-      for (long v = lane; v < packs; v += ROWS_UNROLL * WARP) {
+      for (long v = lo + lane; v < hi; v += ROWS_UNROLL * WARP) {
         uint4 x[ROWS_UNROLL];
 #pragma unroll
         for (int u = 0; u < ROWS_UNROLL; ++u)
-          if (v + u * WARP < packs) x[u] = __ldcg(sv + v + u * WARP);
+          if (v + u * WARP < hi) x[u] = __ldcg(sv + v + u * WARP);
         for (unsigned m = mask; m; m &= m - 1) {
           uint4* o = reinterpret_cast<uint4*>(out + (long)dst[wid][__ffs(m) - 1] * row);
 #pragma unroll
           for (int u = 0; u < ROWS_UNROLL; ++u)
-            if (v + u * WARP < packs) o[v + u * WARP] = x[u];
+            if (v + u * WARP < hi) o[v + u * WARP] = x[u];
         }
       }
     } else {
-      for (long j = lane; j < row; j += WARP) {
+      for (long j = lo + lane; j < hi; j += WARP) {
         const T x = src[j];
         for (unsigned m = mask; m; m &= m - 1) out[(long)dst[wid][__ffs(m) - 1] * row + j] = x;
       }
@@ -845,20 +863,24 @@ __device__ void rows_partial_dense(const Ctx& c, long p_off, long w_off, const i
   __shared__ float wt[16][WARP];
   load_base(info, W, e_loc, geo_cap(ke), base);
   const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
-  for (long g = warp_id(); g < W * t_max; g += n_warps()) {
+  const long units = VEC ? row / N : row, items = W * t_max;
+  const int S = row_slices(items, units);
+  for (long it = warp_id(); it < items * S; it += n_warps()) {
+    const long g = it / S;
     const int s = (int)(g / t_max);
     const long t = g % t_max;
     if (t >= info[W * e_loc + s]) continue;
     int d;
     const unsigned mask = my_rows(c, ids_all, R, base, s, t, t_max, k, e_loc, &d);
     if (!mask) continue;
+    long lo, hi;
+    slice_range(units, S, (int)(it % S), &lo, &hi);
     dst[wid][lane] = d;
     wt[wid][lane] = d >= 0 ? __ldcg(reinterpret_cast<const float*>(c.slots.p[s] + w_off) + t * k + lane) : 0.f;
     __syncwarp();
     T* o = reinterpret_cast<T*>(c.slots.p[c.rank] + p_off) + g * row;
     if (VEC) {
-      const long packs = row / N;
-      for (long v = lane; v < packs; v += WARP) {
+      for (long v = lo + lane; v < hi; v += WARP) {
         float acc[8];
 #pragma unroll
         for (int q = 0; q < N; ++q) acc[q] = 0.f;
@@ -876,7 +898,7 @@ __device__ void rows_partial_dense(const Ctx& c, long p_off, long w_off, const i
         __stcg(reinterpret_cast<uint4*>(o) + v, r);
       }
     } else {
-      for (long jj = lane; jj < row; jj += WARP) {
+      for (long jj = lo + lane; jj < hi; jj += WARP) {
         float acc = 0.f;
         for (unsigned m = mask; m; m &= m - 1) {
           const int j = __ffs(m) - 1;
@@ -898,7 +920,12 @@ __device__ void rows_sum_dense(const Ctx& c, long p_off, const int* ids_all, T* 
   const int k = geo_k(ke), e_loc = geo_eloc(ke);
   const int N = Pack<T>::N;
   const int lane = threadIdx.x % WARP;
-  for (long t = warp_id(); t < n; t += n_warps()) {
+  const long units = VEC ? row / N : row;
+  const int S = row_slices(n, units);
+  for (long it = warp_id(); it < n * S; it += n_warps()) {
+    const long t = it / S;
+    long lo, hi;
+    slice_range(units, S, (int)(it % S), &lo, &hi);
     const int q_lane = lane < k ? ids_all[((long)c.rank * t_max + t) * k + lane] / e_loc : -1;
     unsigned ranks = 0;
     for (int q = 0; q < c.world; ++q)
@@ -906,8 +933,7 @@ __device__ void rows_sum_dense(const Ctx& c, long p_off, const int* ids_all, T* 
     const long prow = (long)c.rank * t_max + t;
     T* o = out + t * row;
     if (VEC) {
-      const long packs = row / N;
-      for (long v = lane; v < packs; v += WARP) {
+      for (long v = lo + lane; v < hi; v += WARP) {
         float acc[8];
 #pragma unroll
         for (int q = 0; q < N; ++q) acc[q] = 0.f;
@@ -925,7 +951,7 @@ __device__ void rows_sum_dense(const Ctx& c, long p_off, const int* ids_all, T* 
         reinterpret_cast<uint4*>(o)[v] = r;
       }
     } else {
-      for (long j = lane; j < row; j += WARP) {
+      for (long j = lo + lane; j < hi; j += WARP) {
         float acc = 0.f;
         for (unsigned m = ranks; m; m &= m - 1)
           acc += to_f((reinterpret_cast<const T*>(c.slots.p[__ffs(m) - 1] + p_off) + prow * row)[j]);
