@@ -100,7 +100,7 @@ def _enable_symm_mem(group_name: str) -> None:
 
 def measure_shape(comm: C.Communicator, op: str, M: int, K: int, N: int, dtype: torch.dtype, device: torch.device,
                   *, chunk_counts: tuple[int, ...] = (2, 4, 8), iters: int = 10, reps: int = 5,
-                  seed: int = 0, graph: bool = False) -> list[OverlapRecord]:
+                  seed: int = 0, graph: bool = False, min_loop_s: float = 0.0) -> list[OverlapRecord]:
     """Every variant of ``op`` on one shape (see the module docstring); the first two records are
     the GEMM alone and the collective alone. With ``graph`` every variant is timed replayed from a
     CUDA graph (no host cost), except AsyncTP's op, which is then left out."""
@@ -161,7 +161,15 @@ def measure_shape(comm: C.Communicator, op: str, M: int, K: int, N: int, dtype: 
         if not _copy_engine.unavailable(comm, device, dtype):
             variants += [(f"copy_engine/{k}", functools.partial(run, "copy_engine", k)) for k in chunk_counts
                          if k <= M // w]
-        variants.append(("auto", lambda: run("auto", 1)))
+        in_graph: list[str] = []
+
+        def auto() -> torch.Tensor:
+            out = run("auto", 1)
+            if graph and torch.cuda.is_current_stream_capturing():  # what auto follows inside the graph
+                in_graph.append(overlap.last_choice(g).strategy)  # type: ignore[union-attr]
+            return out
+
+        variants.append(("auto", auto))
         fused = "" if graph else _asynctp(op, device)
         if fused:
             _enable_symm_mem(g.group_name)
@@ -178,7 +186,9 @@ def measure_shape(comm: C.Communicator, op: str, M: int, K: int, N: int, dtype: 
             chosen = overlap.last_choice(g).strategy if name == "auto" else None  # type: ignore[union-attr]
             checked[name] = (wrong, chosen)
         # every variant timed in the same rounds (bench/harness.py:time_interleaved)
-        times = _time_interleaved(dict(variants), comm, device, iters, reps, graph=graph)
+        times = _time_interleaved(dict(variants), comm, device, iters, reps, graph=graph, min_loop_s=min_loop_s)
+        if in_graph:  # the label is the choice the timed graph holds, not the eager check's
+            checked["auto"] = (checked["auto"][0], in_graph[-1])
         t_gemm, t_comm = times["gemm"], times["collective"]
         timed = [(name, times[name], *checked[name]) for name, _ in variants[2:]]
     seq = timed[0][1]

@@ -15,6 +15,8 @@ the pace); the record holds the median, min and max over loops.
 
 from __future__ import annotations
 
+import math
+import random
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -200,24 +202,42 @@ def time_fn(fn: Callable[[], object], comm: C.Communicator, device: torch.device
 
 
 def time_interleaved(fns: dict[str, Callable[[], object]], comm: C.Communicator, device: torch.device, iters: int,
-                     reps: int, warmup: int = 2, graph: bool = False) -> dict[str, float]:
+                     reps: int, warmup: int = 2, graph: bool = False, min_loop_s: float = 0.0) -> dict[str, float]:
     """Microseconds per call of each of ``fns``, timed like :func:`time_fn` but in rounds: each
-    round times one loop of every function in turn, and each gets the median over ``reps`` rounds.
+    round times one loop of every function in turn (each round in its own order), and each gets
+    the median over ``reps`` rounds.
     Variants compared with each other then share the machine's drift instead of each getting a
     different stretch of it (on a busy host, a loop timed a second later can be 2x off). With
-    ``graph`` (CUDA), each function's loop is captured once in a CUDA graph and the rounds replay it."""
+    ``graph`` (CUDA), each function's loop is captured once in a CUDA graph and the rounds replay it.
+    ``min_loop_s`` > 0 (eager) gives every function more than ``iters`` calls per loop where a loop
+    would be shorter (from the slowest rank's time of one call), so that fast calls are timed over
+    enough of the host's jitter for a stable median."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     _sync(device)
+    loops = dict.fromkeys(fns, iters)
+    if min_loop_s > 0 and not graph:
+        for name, fn in fns.items():
+            dist.barrier(group=comm.group)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            one = _slowest(comm, [time.perf_counter() - t0], device)[0]
+            loops[name] = max(iters, min(100 * iters, math.ceil(min_loop_s / max(one, 1e-9))))
     replays = {name: _captured(fn, iters) for name, fn in fns.items()} if graph and device.type == "cuda" else {}
     per: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
+    for i in range(reps):
+        # each round in its own order (seeded by the round: the same on every rank), so that no
+        # function always follows the same one; a GPU's clocks after a heavy loop would bias it
+        order = list(fns)
+        random.Random(i).shuffle(order)
+        for name in order:
+            fn = fns[name]
             if name in replays:
                 loop = _timed_runs(replays[name], comm, device, iters, 1)
             else:
-                loop = _time_loops(_Fn(fn, comm, device), iters, 1, False)  # type: ignore[arg-type]
+                loop = _time_loops(_Fn(fn, comm, device), loops[name], 1, False)  # type: ignore[arg-type]
             per[name] += _slowest(comm, loop, device)
     return {name: statistics.median(v) * 1e6 for name, v in per.items()}
 

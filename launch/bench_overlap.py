@@ -36,6 +36,8 @@ def main() -> int:
     p.add_argument("--chunks", default="2,4,8", help="chunk counts of the chunked and copy_engine strategies")
     p.add_argument("-n", "--iters", type=int, default=10)
     p.add_argument("-r", "--reps", type=int, default=5)
+    p.add_argument("--min-loop-ms", type=float, default=5.0,
+                   help="eager: more than --iters calls per timed loop where a loop would be shorter than this")
     p.add_argument("--graph", action="store_true",
                    help="time every variant replayed from a CUDA graph (no host cost; AsyncTP's ops left out)")
     p.add_argument("--json")
@@ -59,7 +61,7 @@ def main() -> int:
                 raise C.InvalidArgumentError("--shapes", f"{M}x{K}x{N}", f"M={M} is not divisible by {comm.size} ranks",
                                              f"use an M that is a multiple of {comm.size}")
             rs = measure_shape(comm, op, M, K, N, dtype, device, chunk_counts=chunks, iters=args.iters, reps=args.reps,
-                               graph=args.graph and cuda)
+                               graph=args.graph and cuda, min_loop_s=args.min_loop_ms / 1e3)
             records += rs
             if lead:
                 print(format_overlap_table(rs), flush=True)
