@@ -73,6 +73,9 @@ class DispatchHandle:
         (``order``, ``token_of`` and ``regroup`` are empty when the routing was laid out on the
         GPUs: transport "peer", dropless; its combine and both backward passes use that layout.)
         dropped: pairs dropped by the capacity limit on this rank (0 when dropless).
+        ungroup: the inverse of ``regroup`` (``recv_x``'s rows back to arrival order, by a gather).
+        pair_row: for each of the ``num_tokens * top_k`` pairs, its sent row (dropless only;
+            empty otherwise): the returned rows are put in pair order by a gather, not a scatter.
     """
 
     tokens_per_expert: list[int]
@@ -86,6 +89,8 @@ class DispatchHandle:
     top_k: int
     dropped: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    ungroup: torch.Tensor | None = None
+    pair_row: torch.Tensor | None = None
 
 
 @dataclass
@@ -119,11 +124,39 @@ def _route(handle: DispatchHandle, x: torch.Tensor, group: Any) -> torch.Tensor:
     return received.index_select(0, handle.regroup)
 
 
-def _return(handle: DispatchHandle, rows: torch.Tensor, group: Any) -> torch.Tensor:
-    """Rows in ``recv_x``'s layout back to their pairs' ranks, in send order."""
+def _by_source(handle: DispatchHandle, rows: torch.Tensor) -> torch.Tensor:
+    """Rows in ``recv_x``'s layout put back in arrival order (by source rank)."""
+    if handle.ungroup is not None:
+        return rows.index_select(0, handle.ungroup)  # a gather: several times faster than a scatter on GPUs
     by_source = torch.empty_like(rows)
     by_source[handle.regroup] = rows
-    return _exchange_rows(by_source, handle.recv_counts, handle.send_counts, group)
+    return by_source
+
+
+def _return(handle: DispatchHandle, rows: torch.Tensor, group: Any) -> torch.Tensor:
+    """Rows in ``recv_x``'s layout back to their pairs' ranks, in send order."""
+    return _exchange_rows(_by_source(handle, rows), handle.recv_counts, handle.send_counts, group)
+
+
+def _pair_sum(rows: torch.Tensor, h: DispatchHandle, num_tokens: int, weights: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """``out[t] = sum_j weights[t, j] * rows[i]`` over token t's kept pairs (row i holds pair
+    ``h.order[i] = t * k + j``; unit weights without ``weights``). Each pair has its own slot, so
+    the rows are placed without atomics (gathered by ``h.pair_row`` when dropless) and summed in
+    at least fp32 (a batched GEMM), rounded once."""
+    k = h.top_k
+    n = num_tokens * k
+    if h.pair_row is not None and h.pair_row.numel() == n and rows.shape[0] == n:
+        per = rows.index_select(0, h.pair_row)
+    else:
+        per = rows.new_zeros((n, *rows.shape[1:]))
+        per.index_copy_(0, h.order, rows)
+    per = per.view(num_tokens, k, math.prod(rows.shape[1:]))
+    if weights is None:
+        out = per.sum(1, dtype=torch.promote_types(rows.dtype, torch.float32)).to(rows.dtype)
+    else:
+        out = torch.bmm(weights.reshape(num_tokens, 1, k).to(rows.dtype), per)
+    return out.view(num_tokens, *rows.shape[1:])
 
 
 @dataclass
@@ -245,10 +278,9 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> Any:
-        back = _return(ctx.handle, g.contiguous(), ctx.group)
-        gx = back.new_zeros(ctx.shape)
-        gx.index_add_(0, ctx.handle.token_of, back)
-        return gx, None, None
+        h = ctx.handle
+        back = _return(h, g.contiguous(), ctx.group)
+        return _pair_sum(back, h, h.num_tokens).view(ctx.shape), None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -271,10 +303,8 @@ class _Combine(torch.autograd.Function):
             return _combine_pieces(pieces, rows.contiguous(), weights, handle.num_tokens, group)
         back = _return(handle, rows.contiguous(), group)
         w = weights.reshape(-1).index_select(0, handle.order).to(back.dtype)
-        out = back.new_zeros((handle.num_tokens, *back.shape[1:]))
-        out.index_add_(0, handle.token_of, back * w.unsqueeze(-1))
         ctx.save_for_backward(back, w)
-        return out
+        return _pair_sum(back, handle, handle.num_tokens, weights)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> Any:
@@ -531,7 +561,13 @@ class MoEDispatcher:
             # a stable sort of the received rows by their local expert.
             regroup = np.argsort(np.repeat(local_ids, matrix.reshape(-1)), kind="stable")
             send, recv = counts[c].sum(1).tolist(), matrix.sum(1).tolist()
-            pieces += [order, order // k, regroup]
+            ungroup = np.empty_like(regroup)
+            ungroup[regroup] = np.arange(regroup.size, dtype=regroup.dtype)
+            pair_row = np.empty(0, dtype=np.int64)
+            if order.size == tokens * k:  # dropless: every pair has its sent row
+                pair_row = np.empty(order.size, dtype=np.int64)
+                pair_row[order] = np.arange(order.size, dtype=np.int64)
+            pieces += [order, order // k, regroup, ungroup, pair_row]
             split_lists: Any = None
             if self.transport == "peer":
                 from . import _moe_peer
@@ -551,12 +587,16 @@ class MoEDispatcher:
         handles, at = [], 0
         for c, (matrix, dropped, tokens, send, recv, split_lists) in enumerate(layout):
             m_pairs, m_recv = local[c][0].size, sum(recv)
+            n_pair_row = m_pairs if m_pairs == tokens * k else 0
             order_t = on_dev[at:at + m_pairs]
             token_t = on_dev[at + m_pairs:at + 2 * m_pairs]
             regroup_t = on_dev[at + 2 * m_pairs:at + 2 * m_pairs + m_recv]
-            at += 2 * m_pairs + m_recv
+            ungroup_t = on_dev[at + 2 * m_pairs + m_recv:at + 2 * m_pairs + 2 * m_recv]
+            at += 2 * m_pairs + 2 * m_recv
+            pair_row_t = on_dev[at:at + n_pair_row]
+            at += n_pair_row
             h = DispatchHandle(matrix.sum(0).tolist(), send, recv, torch.from_numpy(matrix), order_t, token_t,
-                               regroup_t, tokens, k, dropped)
+                               regroup_t, tokens, k, dropped, ungroup=ungroup_t, pair_row=pair_row_t)
             if split_lists is not None:
                 kind, info, sizes = split_lists
                 views = []
@@ -776,20 +816,18 @@ class MoEDispatcher:
 
         def back(i: int, y: torch.Tensor) -> tuple[torch.Tensor, Any]:
             h = handles[i]
-            by_source = torch.empty_like(y)
-            by_source[h.regroup] = y
+            by_source = _by_source(h, y)
             out = y.new_empty((sum(h.send_counts), *y.shape[1:]))
             return out, C.all_to_all_single(out, by_source, h.send_counts, h.recv_counts, group=g, async_op=True)
 
-        result = x.new_zeros((x.shape[0], self.hidden))
+        result = x.new_empty((x.shape[0], self.hidden))
 
         def land(i: int, pending: tuple[torch.Tensor, Any]) -> None:
             rows, work = pending
             if work is not None:
                 work.wait()
             h, (lo, hi) = handles[i], bounds[i]
-            w = topk_weights[lo:hi].reshape(-1).index_select(0, h.order).to(rows.dtype)
-            result[lo:hi].index_add_(0, h.token_of, rows * w.unsqueeze(-1))
+            result[lo:hi] = _pair_sum(rows, h, hi - lo, topk_weights[lo:hi])
 
         incoming = send(0)
         returning: tuple[int, tuple[torch.Tensor, Any]] | None = None
