@@ -6,8 +6,9 @@ In order, each a named predicate with its reason:
 2. ``tuned_table``: a tuned table (``COMMOPS_TUNED``, written by the benchmark's ``--tune``) for
    this op, dtype, world and node count names the algorithm measured fastest at this size.
 3. ``peer_memory``: NCCL groups whose ranks share one node with peer access (``collectives/peer``):
-   ``one_shot``/``two_shot`` up to the sizes where they measured faster than NCCL; where peer
-   memory cannot run, the choice that follows says why.
+   ``one_shot``/``two_shot``/``copy_engine`` up to the sizes where they measured faster than NCCL
+   (for the copy engines, depending on the peer buffers' size); where peer memory cannot run, the
+   choice that follows says why.
 4. ``cost_model``: with a calibration for this machine (``COMMOPS_CALIBRATION``, or a shipped file
    in ``topology/calibrations/`` matching the backend, device and node count), the algorithm with
    the least predicted time (``topology.cost``) on this group's topology; the reason lists every
@@ -73,27 +74,39 @@ _SINGLE = Choice("native", "single_rank", "one rank: the backend's collective is
 
 # Measured 2026-11-30 on 2xH200 (NV18), bf16, eager and CUDA graphs (launch/tune_peer.py,
 # launch/bench_collectives.py): one_shot all-reduce is the fastest up to 8 MB, two_shot beats
-# NCCL up to 32 MB and ties it above; one_shot reduce-scatter beats NCCL up to 128 MB and one_shot
-# all-gather up to 512 MB. Other node sizes use the same limits until they are measured.
+# NCCL up to 32 MB and ties it above; one_shot all-gather beats NCCL up to 512 MB with the default
+# peer buffers. Other node sizes use the same limits until they are measured.
 ONE_SHOT_MAX_BYTES = 8 << 20
 PEER_ALL_REDUCE_MAX_BYTES = 32 << 20
-PEER_REDUCE_SCATTER_MAX_BYTES = 128 << 20
 PEER_ALL_GATHER_MAX_BYTES = 512 << 20
 _PEER_OPS = ("all_reduce", "reduce_scatter", "all_gather")
 # Measured 2026-11-30 on 2xH200 with 1 GiB peer buffers (bench/results/gpu_2xh200_peer_big.json):
 # two_shot run in one piece reaches 1.13-1.22x NCCL's bus bandwidth at 64-256 MB (1.02-1.05x
 # above); cut into pieces by the default 64 MiB buffers it ties NCCL (gpu_2xh200_peer.json).
 PEER_ALL_REDUCE_ONE_PIECE_MAX_BYTES = 256 << 20
+# Measured 2026-11-30 on 2xH200, bf16, 8 MB-1 GB, eager and CUDA graphs
+# (bench/results/gpu_2xh200_peer_ce_{default,1g}.json): the copy-engine reduce-scatter beats
+# one_shot above 64 MB and NCCL by 1.03-1.19x up to 1 GB with the default 64 MiB buffers (its
+# ring has 2 slots), 1.19-1.31x with 1 GiB; the copy-engine all-gather beats one_shot above
+# 128 MB only with 1 GiB buffers (1.21-1.27x NCCL; with 64 MiB it falls below NCCL at 1 GB).
+PEER_REDUCE_SCATTER_ONE_SHOT_MAX_BYTES = 64 << 20
+PEER_REDUCE_SCATTER_CE_MAX_BYTES = 1 << 30  # with smaller buffers than PEER_CE_BIG_BYTES
+PEER_ALL_GATHER_ONE_SHOT_BIG_MAX_BYTES = 128 << 20  # one_shot's limit when the copy engines take over
+PEER_CE_BIG_BYTES = 1 << 30  # peer buffers from which the copy-engine ring is deep enough
+
+
+def _peer_slot_bytes(comm: Any) -> int:
+    """The communicator's peer buffer size: built, or as ``COMMOPS_PEER_BYTES`` will build it."""
+    pm = getattr(comm, "_peer_memory", None)
+    return pm.slot_bytes if pm is not None and not pm.closed else _env.PEER_BYTES.get()
 
 
 def _two_shot_in_one_piece(comm: Any, nbytes: int, element_size: int) -> bool:
-    """Whether the communicator's peer buffers (built, or as ``COMMOPS_PEER_BYTES`` will build
-    them) hold a two-shot all-reduce of ``nbytes`` in one piece (``PeerMemory._plan``)."""
+    """Whether the communicator's peer buffers hold a two-shot all-reduce of ``nbytes`` in one
+    piece (``PeerMemory._plan``)."""
     from .peer.memory import two_shot_piece
 
-    pm = getattr(comm, "_peer_memory", None)
-    slot_bytes = pm.slot_bytes if pm is not None and not pm.closed else _env.PEER_BYTES.get()
-    return nbytes <= two_shot_piece(slot_bytes // 2, comm.size, element_size) * element_size
+    return nbytes <= two_shot_piece(_peer_slot_bytes(comm) // 2, comm.size, element_size) * element_size
 
 
 def _peer_memory(call: Call, backend: str, nbytes: int) -> tuple[Choice | None, str]:
@@ -121,11 +134,22 @@ def _peer_memory(call: Call, backend: str, nbytes: int) -> tuple[Choice | None, 
         return None, (f"{nbytes} B > {PEER_ALL_REDUCE_MAX_BYTES} B and not one piece of at most "
                       f"{PEER_ALL_REDUCE_ONE_PIECE_MAX_BYTES} B of the peer buffers (COMMOPS_PEER_BYTES): "
                       "NCCL measured faster than peer memory")
-    limit = PEER_REDUCE_SCATTER_MAX_BYTES if call.op == "reduce_scatter" else PEER_ALL_GATHER_MAX_BYTES
+    big = _peer_slot_bytes(call.comm) >= PEER_CE_BIG_BYTES
+    if call.op == "reduce_scatter":
+        limit = PEER_REDUCE_SCATTER_ONE_SHOT_MAX_BYTES
+        ce_limit = None if big else PEER_REDUCE_SCATTER_CE_MAX_BYTES
+    else:
+        limit = PEER_ALL_GATHER_ONE_SHOT_BIG_MAX_BYTES if big else PEER_ALL_GATHER_MAX_BYTES
+        ce_limit = None if big else 0
     if nbytes <= limit:
         return Choice("one_shot", "peer_memory", f"{nbytes} B <= {limit} B on one node: "
                       "pushing each peer its part beats NCCL"), ""
-    return None, f"{nbytes} B > {limit} B: NCCL measured faster than peer memory"
+    if ce_limit is None or nbytes <= ce_limit:
+        return Choice("copy_engine", "peer_memory", f"{nbytes} B > {limit} B on one node"
+                      f"{' with peer buffers of at least %d B' % PEER_CE_BIG_BYTES if big else ''}: copy-engine "
+                      "pushes (and copies) measured faster than one_shot and NCCL"), ""
+    return None, (f"{nbytes} B > {max(limit, ce_limit)} B with peer buffers under {PEER_CE_BIG_BYTES} B "
+                  "(COMMOPS_PEER_BYTES): NCCL measured faster than peer memory")
 
 
 def _device_name(device: Any) -> str:

@@ -95,28 +95,29 @@ class Checker:
             dist.all_reduce(y, dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM)
             self.expect(what + " vs NCCL", x, y.double(), 2 * tol)
 
-    def reduce_scatter(self, m: int, dtype: torch.dtype, *, pm: PeerMemory | None = None, avg: bool = False) -> None:
+    def reduce_scatter(self, m: int, dtype: torch.dtype, *, pm: PeerMemory | None = None, avg: bool = False,
+                       algorithm: str = "one_shot") -> None:
         inputs = self.fresh(m * self.w, dtype)
         want = sum(x.double() for x in inputs)[self.r * m:(self.r + 1) * m]
         if avg:
             want = want / self.w
         out = torch.full((m,), float("nan"), dtype=dtype, device=self.dev)
         if pm is None:
-            C.reduce_scatter_single(out, inputs[self.r], op="avg" if avg else "sum", algorithm="one_shot")
+            C.reduce_scatter_single(out, inputs[self.r], op="avg" if avg else "sum", algorithm=algorithm)
         else:
-            pm.reduce_scatter(out, inputs[self.r], avg)
+            pm.reduce_scatter(out, inputs[self.r], avg, algorithm)
         tol = self.bound([x[self.r * m:(self.r + 1) * m] for x in inputs], dtype, avg)
-        self.expect(f"reduce_scatter one_shot m={m} {dtype}{' pieces' if pm else ''}", out, want, tol)
+        self.expect(f"reduce_scatter {algorithm} m={m} {dtype}{' pieces' if pm else ''}", out, want, tol)
 
-    def all_gather(self, m: int, dtype: torch.dtype, *, pm: PeerMemory | None = None) -> None:
+    def all_gather(self, m: int, dtype: torch.dtype, *, pm: PeerMemory | None = None, algorithm: str = "one_shot") -> None:
         inputs = self.fresh(m, dtype)
         want = torch.cat(inputs).double()
         out = torch.full((m * self.w,), float("nan"), dtype=dtype, device=self.dev)
         if pm is None:
-            C.all_gather_single(out, inputs[self.r], algorithm="one_shot")
+            C.all_gather_single(out, inputs[self.r], algorithm=algorithm)
         else:
-            pm.all_gather(out, inputs[self.r])
-        self.expect(f"all_gather one_shot m={m} {dtype}{' pieces' if pm else ''}", out, want, torch.zeros_like(want))
+            pm.all_gather(out, inputs[self.r], algorithm)
+        self.expect(f"all_gather {algorithm} m={m} {dtype}{' pieces' if pm else ''}", out, want, torch.zeros_like(want))
 
     # -- CUDA graphs -------------------------------------------------------------------------------
     def graphs(self, n: int, dtype: torch.dtype) -> None:
@@ -139,17 +140,21 @@ class Checker:
                 torch.cuda.synchronize()
                 self.expect(f"graph all_reduce {algorithm} n={n} {dtype} replay {rep}", x,
                             sum(t.double() for t in inputs), self.bound(inputs, dtype))
+        for algorithm in ("one_shot", "copy_engine"):
+            self.graph_rs_ag(n, dtype, algorithm)
+
+    def graph_rs_ag(self, n: int, dtype: torch.dtype, algorithm: str) -> None:
         m = max(1, n // self.w)
         inp = torch.empty(m * self.w, dtype=dtype, device=self.dev)
         out_rs = torch.empty(m, dtype=dtype, device=self.dev)
         out_ag = torch.empty(m * self.w, dtype=dtype, device=self.dev)
-        C.reduce_scatter_single(out_rs, inp.normal_(), algorithm="one_shot")
-        C.all_gather_single(out_ag, out_rs, algorithm="one_shot")
+        C.reduce_scatter_single(out_rs, inp.normal_(), algorithm=algorithm)
+        C.all_gather_single(out_ag, out_rs, algorithm=algorithm)
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            C.reduce_scatter_single(out_rs, inp, algorithm="one_shot")
-            C.all_gather_single(out_ag, out_rs, algorithm="one_shot")
+            C.reduce_scatter_single(out_rs, inp, algorithm=algorithm)
+            C.all_gather_single(out_ag, out_rs, algorithm=algorithm)
         for rep in range(3):
             inputs = self.fresh(m * self.w, dtype)
             inp.copy_(inputs[self.r])
@@ -158,7 +163,7 @@ class Checker:
             torch.cuda.synchronize()
             full = sum(t.double() for t in inputs)
             # all-gather of the rounded shards: compare with the rounded full sum shard by shard
-            self.expect(f"graph reduce_scatter+all_gather m={m} {dtype} replay {rep}", out_ag, full,
+            self.expect(f"graph reduce_scatter+all_gather {algorithm} m={m} {dtype} replay {rep}", out_ag, full,
                         self.bound(inputs, dtype))
 
     # -- races -----------------------------------------------------------------------------------
@@ -320,12 +325,14 @@ def main() -> int:
         for n in sizes:
             for algorithm in ("one_shot", "two_shot", "copy_engine"):
                 ck.all_reduce(algorithm, n, dtype)
-            ck.reduce_scatter(n, dtype)
-            ck.all_gather(n, dtype)
+            for algorithm in ("one_shot", "copy_engine"):
+                ck.reduce_scatter(n, dtype, algorithm=algorithm)
+                ck.all_gather(n, dtype, algorithm=algorithm)
         for algorithm in ("one_shot", "two_shot", "copy_engine"):
             ck.all_reduce(algorithm, 1001, dtype, offset=1)  # unaligned: the scalar entry points
             ck.all_reduce(algorithm, 70_001, dtype, avg=True)
         ck.reduce_scatter(4097, dtype, avg=True)
+        ck.reduce_scatter(4097, dtype, avg=True, algorithm="copy_engine")
     if not args.quick:
         pm = PeerMemory(comm, slot_bytes=1 << 20)  # pieces: messages up to 8x the slots
         pm.ce_chunk_bytes = 64 << 10  # copy engine: many chunks, the ring wraps
@@ -333,8 +340,9 @@ def main() -> int:
             for n in (1 << 20, 2_000_003, 4 << 20):
                 for algorithm in ("one_shot", "two_shot", "copy_engine"):
                     ck.all_reduce(algorithm, n, dtype, pm=pm)
-                ck.reduce_scatter(n // comm.size + 1, dtype, pm=pm)
-                ck.all_gather(n // comm.size + 1, dtype, pm=pm)
+                for algorithm in ("one_shot", "copy_engine"):  # copy engine: the ring wraps several times
+                    ck.reduce_scatter(n // comm.size + 1, dtype, pm=pm, algorithm=algorithm)
+                    ck.all_gather(n // comm.size + 1, dtype, pm=pm, algorithm=algorithm)
         pm.close()
         for dtype in DTYPES:
             ck.graphs(100_003, dtype)

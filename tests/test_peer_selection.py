@@ -61,7 +61,8 @@ def _call(op: str, nbytes: int, dtype: torch.dtype = torch.bfloat16, reduce_op: 
 
 @pytest.mark.parametrize("op, limits", [
     ("all_reduce", [(selection.ONE_SHOT_MAX_BYTES, "one_shot"), (selection.PEER_ALL_REDUCE_MAX_BYTES, "two_shot")]),
-    ("reduce_scatter", [(selection.PEER_REDUCE_SCATTER_MAX_BYTES, "one_shot")]),
+    ("reduce_scatter", [(selection.PEER_REDUCE_SCATTER_ONE_SHOT_MAX_BYTES, "one_shot"),
+                        (selection.PEER_REDUCE_SCATTER_CE_MAX_BYTES, "copy_engine")]),
     ("all_gather", [(selection.PEER_ALL_GATHER_MAX_BYTES, "one_shot")]),
 ])
 def test_rule_picks_by_size_and_says_why(op: str, limits: list[tuple[int, str]]) -> None:
@@ -93,6 +94,30 @@ def test_large_all_reduce_takes_two_shot_only_in_one_piece() -> None:
     # 64 MiB of slots (the default) cut 64 MB into pieces: NCCL
     choice, why_not = selection._peer_memory(call(64 << 20, 64 << 20), "nccl", 64 << 20)
     assert choice is None and "COMMOPS_PEER_BYTES" in why_not
+
+
+def test_large_reduce_scatter_and_all_gather_take_the_copy_engines_with_large_buffers() -> None:
+    def pick(op: str, nbytes: int, slot_bytes: int) -> tuple[str | None, str]:
+        c = _call(op, nbytes)
+        c.comm._peer_memory = SimpleNamespace(slot_bytes=slot_bytes, closed=False)  # type: ignore[attr-defined]
+        choice, why_not = selection._peer_memory(c, "nccl", nbytes)
+        return (choice.algorithm if choice else None), (choice.reason if choice else why_not)
+
+    big, small = selection.PEER_CE_BIG_BYTES, 64 << 20
+    rs_one = selection.PEER_REDUCE_SCATTER_ONE_SHOT_MAX_BYTES
+    ag_one = selection.PEER_ALL_GATHER_ONE_SHOT_BIG_MAX_BYTES
+    assert pick("reduce_scatter", rs_one, big)[0] == "one_shot"
+    assert pick("reduce_scatter", rs_one + 16, big)[0] == "copy_engine"
+    assert pick("reduce_scatter", 8 << 30, big)[0] == "copy_engine"  # no upper limit with a deep ring
+    assert pick("all_gather", ag_one, big)[0] == "one_shot"
+    algo, why = pick("all_gather", ag_one + 16, big)
+    assert algo == "copy_engine" and str(big) in why
+    # the default buffers: the all-gather never takes the copy engines, the reduce-scatter up to its limit
+    assert pick("all_gather", ag_one + 16, small)[0] == "one_shot"
+    algo, why = pick("all_gather", selection.PEER_ALL_GATHER_MAX_BYTES + 16, small)
+    assert algo is None and "COMMOPS_PEER_BYTES" in why
+    algo, why = pick("reduce_scatter", selection.PEER_REDUCE_SCATTER_CE_MAX_BYTES + 16, small)
+    assert algo is None and "NCCL measured faster" in why
 
 
 def test_rule_steps_aside_with_the_reason_peer_memory_cannot_run() -> None:

@@ -56,7 +56,7 @@ class PeerAlgorithm(Algorithm):
         if call.op == "all_reduce":
             return lambda out, inp: pm.all_reduce(out, name, avg)
         if call.op == "reduce_scatter":
-            return lambda out, inp: pm.reduce_scatter(out, inp, avg)
+            return lambda out, inp: pm.reduce_scatter(out, inp, avg, name)
         if call.op == "all_gather":
-            return lambda out, inp: pm.all_gather(out, inp)
+            return lambda out, inp: pm.all_gather(out, inp, name)
         raise AssertionError(call.op)

@@ -435,6 +435,35 @@ __device__ void ce_reduce(const Ctx& c, const T* in, T* out, long slot_off, long
   }
 }
 
+// Reduce-scatter by copy engines, chunk j (ring slot s = j % R, use u = j / R): the peers have
+// pushed their part of my shard's chunk (`nj` elements) into my ring slot, source q's at
+// slot_off + q*C; out = the sum over ranks (mine from `in`). No result area: nobody pulls; the
+// last block tells the peers that the slot is free again (REDUCED), which their next push of
+// this slot waits for.
+template <typename T, bool VEC>
+__device__ void ce_reduce_rs(const Ctx& c, const T* in, T* out, long slot_off, long C, long nj, long j, long R) {
+  if (*(volatile int*)c.err_dev) return;
+  const int r = c.rank, w = c.world;
+  const int s = (int)(j % R);
+  const u32 u = (u32)(j / R);
+  if (!ce_wait_all(c, s, CE_PUSHED, u + 1)) return;
+  const T* mine = reinterpret_cast<const T*>(c.slots.p[r]) + slot_off;
+  long lo, hi;
+  share<T>(nj, nj, &lo, &hi);
+  const T* srcs[MAX_RANKS];
+  for (int q = 0; q < w; ++q) srcs[q] = q == r ? in : mine + q * C;
+  reduce_range<T, VEC>(out, srcs, w, nullptr, 0, lo, hi);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    if (atomicAdd(c.calls + 2, 1u) == gridDim.x - 1) {
+      c.calls[2] = 0;
+      __threadfence_system();
+      for (int d = 1; d < w; ++d) st_release_sys(ce_flag(c.flags.p[(r + d) % w], s, CE_REDUCED, r), u + 1);
+    }
+  }
+}
+
 #define INSTANTIATE(NAME, T, TAG)                                                                  \
   extern "C" __global__ void __launch_bounds__(512)                                               \
       NAME##_##TAG##_vec(const Ctx c, const T* in, T* out, long a, long b) {                       \
@@ -464,6 +493,20 @@ ALL_DTYPES(all_gather)
       const Ctx c, const T* in, T* out, long slot_off, long S, long nj, long j, long R, long S_max) { \
     ce_reduce<T, false>(c, in, out, slot_off, S, nj, j, R, S_max);                                  \
   }
+
+#define INSTANTIATE_CE_RS(T, TAG)                                                                    \
+  extern "C" __global__ void __launch_bounds__(512) ce_reduce_rs_##TAG##_vec(                       \
+      const Ctx c, const T* in, T* out, long slot_off, long C, long nj, long j, long R) {           \
+    ce_reduce_rs<T, true>(c, in, out, slot_off, C, nj, j, R);                                      \
+  }                                                                                                 \
+  extern "C" __global__ void __launch_bounds__(512) ce_reduce_rs_##TAG##_scalar(                    \
+      const Ctx c, const T* in, T* out, long slot_off, long C, long nj, long j, long R) {           \
+    ce_reduce_rs<T, false>(c, in, out, slot_off, C, nj, j, R);                                     \
+  }
+
+INSTANTIATE_CE_RS(float, f32)
+INSTANTIATE_CE_RS(__half, f16)
+INSTANTIATE_CE_RS(__nv_bfloat16, bf16)
 
 INSTANTIATE_CE(float, f32)
 INSTANTIATE_CE(__half, f16)

@@ -45,6 +45,14 @@ PACK_BYTES = 16
 _COPY_ENGINE = object()  # plan marker: the copy-engine path works out its chunks per call
 
 
+def _by_copy_engine(algorithm: str) -> bool:
+    """Whether a reduce-scatter or all-gather named ``algorithm`` runs on the copy engines."""
+    if algorithm not in ("one_shot", "copy_engine"):
+        raise UnsupportedError("algorithm", algorithm, "is not a peer-memory reduce-scatter or all-gather",
+                               "use 'one_shot' or 'copy_engine'")
+    return algorithm == "copy_engine"
+
+
 def two_shot_piece(set_bytes: int, world: int, element_size: int) -> int:
     """Elements of the largest two-shot all-reduce piece one set of ``set_bytes`` holds (a reduce
     slot and a gather slot per rank, shards in whole 16-byte packs)."""
@@ -429,15 +437,93 @@ class PeerMemory:
         """Two side streams of this rank's device for copy-engine work (push, pull)."""
         return self._copy_streams
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, average: bool = False) -> None:
-        """``output`` ([m]) = this rank's shard of the sum of every rank's ``input`` ([world * m])."""
-        self._by_shard("reduce_scatter", output, input, output.numel())
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, average: bool = False,
+                       algorithm: str = "one_shot") -> None:
+        """``output`` ([m]) = this rank's shard of the sum of every rank's ``input`` ([world * m]).
+        ``algorithm``: 'one_shot' (SM pushes) or 'copy_engine' (``_ce_by_shard``)."""
+        if _by_copy_engine(algorithm):
+            self._ce_by_shard("reduce_scatter", output, input, output.numel())
+        else:
+            self._by_shard("reduce_scatter", output, input, output.numel())
         if average:
             output.div_(self.world)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        """``output`` ([world * m]) = every rank's ``input`` ([m]) in rank order."""
-        self._by_shard("all_gather", output, input, input.numel())
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, algorithm: str = "one_shot") -> None:
+        """``output`` ([world * m]) = every rank's ``input`` ([m]) in rank order.
+        ``algorithm``: 'one_shot' (SM pushes) or 'copy_engine' (``_ce_by_shard``)."""
+        if _by_copy_engine(algorithm):
+            self._ce_by_shard("all_gather", output, input, input.numel())
+        else:
+            self._by_shard("all_gather", output, input, input.numel())
+
+    def _ce_by_shard(self, kind: str, output: torch.Tensor, input: torch.Tensor, m: int) -> None:
+        """Reduce-scatter or all-gather with every byte between GPUs moved by the copy engines.
+
+        Shards of ``m`` elements are cut into chunks that cycle through a ring of slots; each
+        slot holds one chunk per source rank. Push stream: chunk j's part for each peer into that
+        peer's slot j % R (once the peers are done with that slot's previous use), then flag
+        PUSHED. Reduce-scatter: a kernel on the caller's stream waits for PUSHED, sums my part of
+        chunk j from ``input`` and the slot into ``output`` and flags REDUCED (the slot is free).
+        All-gather: the pull stream waits for PUSHED, copies the peers' parts of chunk j out of
+        my slot into ``output`` and flags PULLED. Flags hold the slot's use count within the
+        call (see kernels.cu, "copy-engine path"); the call is bracketed by two barriers.
+        """
+        self._check(output)
+        self._check(input)
+        w, r, es = self.world, self.rank, output.element_size()
+        pack = PACK_BYTES // es
+        fits = self.slot_bytes // es // (2 * w)  # a chunk per source in each of two ring slots
+        want = max(self.ce_chunk_bytes // es, -(-m // self.ce_max_chunks))
+        chunk = max(pack, min(want, fits) // pack * pack)
+        ring = min(CE_RING, self.slot_bytes // es // (w * chunk))
+        if ring < 2:
+            raise UnsupportedError("COMMOPS_PEER_BYTES", self.slot_bytes, "leaves fewer than 2 ring slots for "
+                                   "the copy-engine path", "use a larger COMMOPS_PEER_BYTES")
+        main = _launch.current_stream(self._index)
+        push_s, pull_s = self._copy_streams
+        ps, ls = push_s.cuda_stream, pull_s.cuda_stream
+        fence = self._kernel("ce_fence", None, False, 1)
+        wait = self._kernel("ce_wait", None, False, 3)
+        src, dst = input.data_ptr(), output.data_ptr()
+        vec = src % PACK_BYTES == 0 and dst % PACK_BYTES == 0 and m % pack == 0
+        reduce = self._kernel("ce_reduce_rs", output.dtype, vec, 7) if kind == "reduce_scatter" else None
+        blocks = max(1, min(self._max_blocks, -(-chunk * es // self._block_bytes)))
+        peers = [(r + d) % w for d in range(1, w)]
+        fence(1, main, 0)
+        current = torch.cuda.current_stream(self.device)
+        start = torch.cuda.Event()
+        start.record(current)
+        push_s.wait_event(start)
+        pull_s.wait_event(start)
+        if kind == "all_gather" and m:
+            _launch.copy_async(dst + r * m * es, src, m * es, ls)  # my own shard, beside the pushes
+        free = CE_REDUCED if kind == "reduce_scatter" else CE_PULLED
+        mine = self.slot_pointers[r]
+        for j in range(-(-m // chunk)):
+            s, u = j % ring, j // ring
+            lo = j * chunk
+            nj = min(chunk, m - lo)
+            off = s * w * chunk  # elements into the slot buffer: source q's part at off + q * chunk
+            if u:
+                wait(1, ps, s, free, u)  # every peer is done with this slot's previous use
+            for q in peers:
+                at = q * m + lo if kind == "reduce_scatter" else lo
+                _launch.copy_async(self.slot_pointers[q] + (off + r * chunk) * es, src + at * es, nj * es, ps)
+            for q in peers:
+                _launch.write_value(ps, self._ce_flag(q, s, CE_PUSHED), u + 1)
+            if reduce is not None:
+                reduce(blocks, main, src + (r * m + lo) * es, dst + lo * es, off, chunk, nj, j, ring)
+            else:
+                wait(1, ls, s, CE_PUSHED, u + 1)
+                for q in peers:
+                    _launch.copy_async(dst + (q * m + lo) * es, mine + (off + q * chunk) * es, nj * es, ls)
+                for q in peers:
+                    _launch.write_value(ls, self._ce_flag(q, s, CE_PULLED), u + 1)
+        for side in (push_s, pull_s):
+            done = torch.cuda.Event()
+            done.record(side)
+            current.wait_event(done)
+        fence(1, main, 1)
 
     def _by_shard(self, kind: str, output: torch.Tensor, input: torch.Tensor, m: int) -> None:
         """Launch ``kind`` over shards of ``m`` elements, in pieces that fit one set of slots."""
