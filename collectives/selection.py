@@ -84,15 +84,17 @@ _PEER_OPS = ("all_reduce", "reduce_scatter", "all_gather")
 # two_shot run in one piece reaches 1.13-1.22x NCCL's bus bandwidth at 64-256 MB (1.02-1.05x
 # above); cut into pieces by the default 64 MiB buffers it ties NCCL (gpu_2xh200_peer.json).
 PEER_ALL_REDUCE_ONE_PIECE_MAX_BYTES = 256 << 20
+# With 1 GiB buffers (256 MB pieces) it stays ahead at 512 MB and 1 GB (1.05x, 1.01-1.02x).
+PEER_ALL_REDUCE_BIG_MAX_BYTES = 1 << 30
 # Measured 2026-11-30 on 2xH200, bf16, 8 MB-1 GB, eager and CUDA graphs
 # (bench/results/gpu_2xh200_peer_ce_{default,1g}.json): the copy-engine reduce-scatter beats
 # one_shot above 64 MB and NCCL by 1.03-1.19x up to 1 GB with the default 64 MiB buffers (its
 # ring has 2 slots), 1.19-1.31x with 1 GiB; the copy-engine all-gather beats one_shot above
 # 128 MB only with 1 GiB buffers (1.21-1.27x NCCL; with 64 MiB it falls below NCCL at 1 GB).
 PEER_REDUCE_SCATTER_ONE_SHOT_MAX_BYTES = 64 << 20
-PEER_REDUCE_SCATTER_CE_MAX_BYTES = 1 << 30  # with smaller buffers than PEER_CE_BIG_BYTES
+PEER_REDUCE_SCATTER_CE_MAX_BYTES = 1 << 30  # with smaller buffers than PEER_BIG_BUFFER_BYTES
 PEER_ALL_GATHER_ONE_SHOT_BIG_MAX_BYTES = 128 << 20  # one_shot's limit when the copy engines take over
-PEER_CE_BIG_BYTES = 1 << 30  # peer buffers from which the copy-engine ring is deep enough
+PEER_BIG_BUFFER_BYTES = 1 << 30  # peer buffers from which the rules above for 1 GiB apply
 
 
 def _peer_slot_bytes(comm: Any) -> int:
@@ -131,10 +133,14 @@ def _peer_memory(call: Call, backend: str, nbytes: int) -> tuple[Choice | None, 
                 _two_shot_in_one_piece(call.comm, nbytes, call.output.element_size()):
             return Choice("two_shot", "peer_memory", f"{nbytes} B <= {PEER_ALL_REDUCE_ONE_PIECE_MAX_BYTES} B in one "
                           "piece of the peer buffers: two_shot measured 1.13-1.22x NCCL's bus bandwidth"), ""
+        if nbytes <= PEER_ALL_REDUCE_BIG_MAX_BYTES and _peer_slot_bytes(call.comm) >= PEER_BIG_BUFFER_BYTES:
+            return Choice("two_shot", "peer_memory", f"{nbytes} B <= {PEER_ALL_REDUCE_BIG_MAX_BYTES} B with peer buffers "
+                          f"of at least {PEER_BIG_BUFFER_BYTES} B: two_shot in pieces measured 1.01-1.06x NCCL's bus "
+                          "bandwidth"), ""
         return None, (f"{nbytes} B > {PEER_ALL_REDUCE_MAX_BYTES} B and not one piece of at most "
                       f"{PEER_ALL_REDUCE_ONE_PIECE_MAX_BYTES} B of the peer buffers (COMMOPS_PEER_BYTES): "
                       "NCCL measured faster than peer memory")
-    big = _peer_slot_bytes(call.comm) >= PEER_CE_BIG_BYTES
+    big = _peer_slot_bytes(call.comm) >= PEER_BIG_BUFFER_BYTES
     if call.op == "reduce_scatter":
         limit = PEER_REDUCE_SCATTER_ONE_SHOT_MAX_BYTES
         ce_limit = None if big else PEER_REDUCE_SCATTER_CE_MAX_BYTES
@@ -146,9 +152,9 @@ def _peer_memory(call: Call, backend: str, nbytes: int) -> tuple[Choice | None, 
                       "pushing each peer its part beats NCCL"), ""
     if ce_limit is None or nbytes <= ce_limit:
         return Choice("copy_engine", "peer_memory", f"{nbytes} B > {limit} B on one node"
-                      f"{' with peer buffers of at least %d B' % PEER_CE_BIG_BYTES if big else ''}: copy-engine "
+                      f"{' with peer buffers of at least %d B' % PEER_BIG_BUFFER_BYTES if big else ''}: copy-engine "
                       "pushes (and copies) measured faster than one_shot and NCCL"), ""
-    return None, (f"{nbytes} B > {max(limit, ce_limit)} B with peer buffers under {PEER_CE_BIG_BYTES} B "
+    return None, (f"{nbytes} B > {max(limit, ce_limit)} B with peer buffers under {PEER_BIG_BUFFER_BYTES} B "
                   "(COMMOPS_PEER_BYTES): NCCL measured faster than peer memory")
 
 

@@ -88,7 +88,11 @@ def test_large_all_reduce_takes_two_shot_only_in_one_piece() -> None:
     for nbytes in (64 << 20, selection.PEER_ALL_REDUCE_ONE_PIECE_MAX_BYTES):
         choice, why_not = selection._peer_memory(call(nbytes, 1 << 30), "nccl", nbytes)
         assert choice is not None and choice.algorithm == "two_shot" and "one piece" in choice.reason, nbytes
+    # larger, in pieces of 1 GiB buffers: two_shot up to its measured limit, then NCCL
     over = selection.PEER_ALL_REDUCE_ONE_PIECE_MAX_BYTES + 16
+    choice, why_not = selection._peer_memory(call(over, 1 << 30), "nccl", over)
+    assert choice is not None and choice.algorithm == "two_shot" and "in pieces" in choice.reason
+    over = selection.PEER_ALL_REDUCE_BIG_MAX_BYTES + 16
     choice, why_not = selection._peer_memory(call(over, 4 << 30), "nccl", over)
     assert choice is None and "NCCL measured faster" in why_not
     # 64 MiB of slots (the default) cut 64 MB into pieces: NCCL
@@ -103,7 +107,7 @@ def test_large_reduce_scatter_and_all_gather_take_the_copy_engines_with_large_bu
         choice, why_not = selection._peer_memory(c, "nccl", nbytes)
         return (choice.algorithm if choice else None), (choice.reason if choice else why_not)
 
-    big, small = selection.PEER_CE_BIG_BYTES, 64 << 20
+    big, small = selection.PEER_BIG_BUFFER_BYTES, 64 << 20
     rs_one = selection.PEER_REDUCE_SCATTER_ONE_SHOT_MAX_BYTES
     ag_one = selection.PEER_ALL_GATHER_ONE_SHOT_BIG_MAX_BYTES
     assert pick("reduce_scatter", rs_one, big)[0] == "one_shot"
