@@ -109,7 +109,8 @@ class Checker:
         tol = self.bound([x[self.r * m:(self.r + 1) * m] for x in inputs], dtype, avg)
         self.expect(f"reduce_scatter {algorithm} m={m} {dtype}{' pieces' if pm else ''}", out, want, tol)
 
-    def all_gather(self, m: int, dtype: torch.dtype, *, pm: PeerMemory | None = None, algorithm: str = "one_shot") -> None:
+    def all_gather(self, m: int, dtype: torch.dtype, *, pm: PeerMemory | None = None,
+                   algorithm: str = "one_shot") -> None:
         inputs = self.fresh(m, dtype)
         want = torch.cat(inputs).double()
         out = torch.full((m * self.w,), float("nan"), dtype=dtype, device=self.dev)
@@ -346,6 +347,7 @@ def main() -> int:
         pm.close()
         for dtype in DTYPES:
             ck.graphs(100_003, dtype)
+            ck.graph_rs_ag(8192, dtype, "one_shot")  # whole packs, small: the low-latency words
         ck.back_to_back(1000, torch.bfloat16)
         ck.other_thread()
         ck.fast_path()

@@ -259,6 +259,150 @@ __device__ void one_shot(const Ctx& c, const T* in, T* out, long n, long slot) {
   end(c);
 }
 
+// ---- low-latency words: 4 bytes of data and the call's number in one 8-byte store -------------
+//
+// For small messages the flag round trip of `barrier` (a system fence, a flag, a wait) is most of
+// a call. Here every 4 data bytes travel with the call's number e in one 8-byte store (single-copy
+// atomic), and the reader spins on each word until it carries e: no fence, no separate flag.
+// Words of call e - 2 in the same set carry e - 2 and are never taken for e's. Each wait is
+// bounded like a barrier's (stage 2).
+
+#define STAGE_LL 2
+
+__device__ __forceinline__ void st_ll(u64* p, u32 data, u32 e) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(((u64)e << 32) | data) : "memory");
+}
+
+__device__ __forceinline__ u64 ld_relaxed_sys64(const u64* p) {
+  u64 v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// The data of word `p` once it carries `e`; false (recorded) on timeout.
+__device__ __forceinline__ bool ld_ll(const Ctx& c, const u64* p, u32 e, int peer, u32* data) {
+  u64 v = ld_relaxed_sys64(p);
+  if ((u32)(v >> 32) != e) {
+    const u64 start = global_ns();
+    do {
+      if (global_ns() - start > c.timeout_ns) {
+        report_timeout(c.err, c.err_dev, STAGE_LL, peer);
+        return false;
+      }
+      v = ld_relaxed_sys64(p);
+    } while ((u32)(v >> 32) != e);
+  }
+  *data = (u32)v;
+  return true;
+}
+
+// Word i of a `bytes`-long message (4-byte aligned; the last word may hold 2 bytes).
+__device__ __forceinline__ u32 word_of(const void* src, long i, long bytes) {
+  if (4 * i + 4 <= bytes) return reinterpret_cast<const u32*>(src)[i];
+  return reinterpret_cast<const unsigned short*>(src)[2 * i];
+}
+
+__device__ __forceinline__ void put_word(void* dst, long i, long bytes, u32 v) {
+  if (4 * i + 4 <= bytes) reinterpret_cast<u32*>(dst)[i] = v;
+  else reinterpret_cast<unsigned short*>(dst)[2 * i] = (unsigned short)v;
+}
+
+// All-reduce, one shot in low-latency words: push every word of the input into every peer's
+// slot `rank` (slots `slot_words` words apart); sum each word's elements over the ranks, in rank
+// order. `in` and `out` are 4-byte aligned; a thread handles the same words in both loops, so
+// in-place calls are safe.
+template <typename T>
+__device__ void one_shot_ll(const Ctx& c, const T* in, T* out, long n, long slot_words) {
+  u32 e;
+  if (!begin(c, &e)) return;
+  const int r = c.rank, w = c.world;
+  const long bytes = n * (long)sizeof(T), words = (bytes + 3) / 4;
+  const long tid = (long)blockIdx.x * blockDim.x + threadIdx.x, nt = (long)gridDim.x * blockDim.x;
+  for (long i = tid; i < words; i += nt) {
+    const u32 d = word_of(in, i, bytes);
+    for (int k = 1; k < w; ++k) {
+      const int p = (r + k) % w;
+      st_ll(slots_of<u64>(c, p, e) + r * slot_words + i, d, e);
+    }
+  }
+  const u64* mine = slots_of<u64>(c, r, e);
+  const int per = 4 / (int)sizeof(T);  // elements per word
+  for (long i = tid; i < words; i += nt) {
+    float acc[2] = {0.f, 0.f};
+    for (int q = 0; q < w; ++q) {
+      u32 d;
+      if (q == r) d = word_of(in, i, bytes);
+      else if (!ld_ll(c, mine + q * slot_words + i, e, q, &d)) return;
+      const T* x = reinterpret_cast<const T*>(&d);
+      for (int k = 0; k < per; ++k) acc[k] += to_f(x[k]);
+    }
+    u32 o = 0;
+    T* oe = reinterpret_cast<T*>(&o);
+    for (int k = 0; k < per; ++k) oe[k] = from_f<T>(acc[k]);
+    put_word(out, i, bytes, o);
+  }
+  end(c);
+}
+
+// Reduce-scatter in low-latency words: `in` holds world shards of m elements, `stride` apart;
+// push shard p's words into p's slot `rank` (slots as many words apart as a shard has); sum my
+// shard's words over the ranks, in rank order, into `out`.
+template <typename T>
+__device__ void reduce_scatter_ll(const Ctx& c, const T* in, T* out, long m, long stride) {
+  u32 e;
+  if (!begin(c, &e)) return;
+  const int r = c.rank, w = c.world;
+  const long bytes = m * (long)sizeof(T), words = (bytes + 3) / 4;
+  const long tid = (long)blockIdx.x * blockDim.x + threadIdx.x, nt = (long)gridDim.x * blockDim.x;
+  for (long i = tid; i < words; i += nt)
+    for (int k = 1; k < w; ++k) {
+      const int p = (r + k) % w;
+      st_ll(slots_of<u64>(c, p, e) + r * words + i, word_of(in + p * stride, i, bytes), e);
+    }
+  const u64* mine = slots_of<u64>(c, r, e);
+  const int per = 4 / (int)sizeof(T);
+  for (long i = tid; i < words; i += nt) {
+    float acc[2] = {0.f, 0.f};
+    for (int q = 0; q < w; ++q) {
+      u32 d;
+      if (q == r) d = word_of(in + r * stride, i, bytes);
+      else if (!ld_ll(c, mine + q * words + i, e, q, &d)) return;
+      const T* x = reinterpret_cast<const T*>(&d);
+      for (int k = 0; k < per; ++k) acc[k] += to_f(x[k]);
+    }
+    u32 o = 0;
+    T* oe = reinterpret_cast<T*>(&o);
+    for (int k = 0; k < per; ++k) oe[k] = from_f<T>(acc[k]);
+    put_word(out, i, bytes, o);
+  }
+  end(c);
+}
+
+// All-gather in low-latency words: `in` has m elements; `out` gets world shards of m, `stride`
+// apart. Push my words into every peer's slot `rank`; copy mine and the peers' words out.
+template <typename T>
+__device__ void all_gather_ll(const Ctx& c, const T* in, T* out, long m, long stride) {
+  u32 e;
+  if (!begin(c, &e)) return;
+  const int r = c.rank, w = c.world;
+  const long bytes = m * (long)sizeof(T), words = (bytes + 3) / 4;
+  const long tid = (long)blockIdx.x * blockDim.x + threadIdx.x, nt = (long)gridDim.x * blockDim.x;
+  for (long i = tid; i < words; i += nt) {
+    const u32 d = word_of(in, i, bytes);
+    for (int k = 1; k < w; ++k) st_ll(slots_of<u64>(c, (r + k) % w, e) + r * words + i, d, e);
+    put_word(out + r * stride, i, bytes, d);
+  }
+  const u64* mine = slots_of<u64>(c, r, e);
+  for (long i = tid; i < words; i += nt)
+    for (int k = 1; k < w; ++k) {
+      const int q = (r + k) % w;
+      u32 d;
+      if (!ld_ll(c, mine + q * words + i, e, q, &d)) return;
+      put_word(out + q * stride, i, bytes, d);
+    }
+  end(c);
+}
+
 // All-reduce, two shots: shard s is [s*S, s*S + len_s). Push shard p of the input into p's
 // reduce slot `rank`; reduce my shard, write it to `out` and push it into every peer's gather
 // slot `rank`; copy the peers' reduced shards out of my gather slots.
@@ -480,6 +624,28 @@ __device__ void ce_reduce_rs(const Ctx& c, const T* in, T* out, long slot_off, l
   INSTANTIATE(NAME, __nv_bfloat16, bf16)
 
 ALL_DTYPES(one_shot)
+
+#define INSTANTIATE_LL(T, TAG)                                                                         \
+  extern "C" __global__ void __launch_bounds__(512)                                                   \
+      one_shot_ll_##TAG##_vec(const Ctx c, const T* in, T* out, long n, long slot_words) {              \
+    one_shot_ll<T>(c, in, out, n, slot_words);                                                        \
+  }
+
+#define INSTANTIATE_LL_SHARD(NAME, T, TAG)                                                             \
+  extern "C" __global__ void __launch_bounds__(512)                                                   \
+      NAME##_ll_##TAG##_vec(const Ctx c, const T* in, T* out, long m, long stride) {                   \
+    NAME##_ll<T>(c, in, out, m, stride);                                                              \
+  }
+
+INSTANTIATE_LL(float, f32)
+INSTANTIATE_LL(__half, f16)
+INSTANTIATE_LL(__nv_bfloat16, bf16)
+INSTANTIATE_LL_SHARD(reduce_scatter, float, f32)
+INSTANTIATE_LL_SHARD(reduce_scatter, __half, f16)
+INSTANTIATE_LL_SHARD(reduce_scatter, __nv_bfloat16, bf16)
+INSTANTIATE_LL_SHARD(all_gather, float, f32)
+INSTANTIATE_LL_SHARD(all_gather, __half, f16)
+INSTANTIATE_LL_SHARD(all_gather, __nv_bfloat16, bf16)
 ALL_DTYPES(two_shot)
 ALL_DTYPES(reduce_scatter)
 ALL_DTYPES(all_gather)

@@ -36,11 +36,12 @@ FLAG_BYTES = (_BLOCK_FLAG_WORDS + CE_RING * CE_STAGES * MAX_RANKS) * 4
 _CTX = np.dtype([("slots", "<u8", (MAX_RANKS,)), ("flags", "<u8", (MAX_RANKS,)), ("calls", "<u8"),
                  ("err", "<u8"), ("err_dev", "<u8"), ("rank", "<i4"), ("world", "<i4"), ("timeout_ns", "<u8"),
                  ("set_bytes", "<u8")])
-_STAGES = {0: "data pushed", 1: "reduced shard pushed", 10: "chunk pushed (copy engine)",
-           11: "chunk reduced (copy engine)", 12: "chunk pulled (copy engine)"}
+_STAGES = {0: "data pushed", 1: "reduced shard pushed", 2: "low-latency words pushed",
+           10: "chunk pushed (copy engine)", 11: "chunk reduced (copy engine)", 12: "chunk pulled (copy engine)"}
 _TAGS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 DTYPES = frozenset(_TAGS)
 PACK_BYTES = 16
+ONE_SHOT_LL_MAX_BYTES = 256 << 10
 
 _COPY_ENGINE = object()  # plan marker: the copy-engine path works out its chunks per call
 
@@ -194,6 +195,10 @@ class PeerMemory:
         # need for a 16 MiB chunk (a hypothesis from the eager figures, not yet measured)
         self.ce_chunk_bytes = 16 << 20
         self.ce_max_chunks = 16
+        # one_shot all-reduces, reduce-scatters and all-gathers up to this size (16-byte aligned)
+        # send low-latency words (4 data bytes and the call's number per 8-byte store: kernels.cu,
+        # "low-latency words")
+        self.ll_max_bytes = ONE_SHOT_LL_MAX_BYTES
         self._err_dev = torch.zeros(4, dtype=torch.int32, device=self.device)
         self._err = torch.zeros(4, dtype=torch.int32).pin_memory()  # mapped: the kernel writes it
         self._err_np = self._err.numpy()
@@ -230,9 +235,10 @@ class PeerMemory:
         if plan is _COPY_ENGINE:
             self._ce_all_reduce(tensor, base % PACK_BYTES == 0)
         else:
-            k = plan[0] if base % PACK_BYTES == 0 else plan[1]
+            aligned = base % PACK_BYTES == 0
+            k = plan[0] if aligned else plan[1]
             stream = _launch.current_stream(self._index)
-            for blocks, off, a, b in plan[2]:
+            for blocks, off, a, b in (plan[2] if aligned else plan[3]):
                 k(blocks, stream, base + off, base + off, a, b)
         if average:
             tensor.div_(self.world)
@@ -260,7 +266,12 @@ class PeerMemory:
         else:
             raise UnsupportedError("algorithm", algorithm, "is not a peer-memory all-reduce",
                                    "use 'one_shot', 'two_shot' or 'copy_engine'")
-        plan = (self._kernel(algorithm, dtype, True), self._kernel(algorithm, dtype, False), tuple(pieces))
+        plan = (self._kernel(algorithm, dtype, True), self._kernel(algorithm, dtype, False), tuple(pieces),
+                tuple(pieces))
+        if algorithm == "one_shot" and n * es <= self.ll_max_bytes and 8 * -(-n * es // 4) <= slot * es:
+            # aligned calls: low-latency words, the whole message at once (slots of slot * es / 8 words)
+            ll = self._kernel("one_shot_ll", dtype, True, 4)
+            plan = (ll, plan[1], ((self._blocks(n * es), 0, n, slot * es // 8),), plan[3])
         self._plans[(algorithm, dtype, n)] = plan
         return plan
 
@@ -532,7 +543,12 @@ class PeerMemory:
         es = output.element_size()
         pack = PACK_BYTES // es
         piece = self._set_bytes // es // self.world // pack * pack
-        vec = output.data_ptr() % PACK_BYTES == 0 and input.data_ptr() % PACK_BYTES == 0 and m % pack == 0
+        aligned = output.data_ptr() % PACK_BYTES == 0 and input.data_ptr() % PACK_BYTES == 0
+        vec = aligned and m % pack == 0
+        # low-latency words: shards of whole 4-byte words, small enough for one piece
+        if aligned and m * es % 4 == 0 and m * es * self.world <= self.ll_max_bytes and 2 * m <= piece:
+            self._launch(kind + "_ll", output.dtype, True, m * es, input.data_ptr(), output.data_ptr(), m, m)
+            return
         for off in range(0, m, piece):
             k = min(piece, m - off)
             self._launch(kind, output.dtype, vec, k * es * self.world, input.data_ptr() + off * es,
