@@ -82,7 +82,8 @@ PEER_ALL_GATHER_MAX_BYTES = 512 << 20
 _PEER_OPS = ("all_reduce", "reduce_scatter", "all_gather")
 # Measured 2026-11-30 on 2xH200 with 1 GiB peer buffers (bench/results/gpu_2xh200_peer_big.json):
 # two_shot run in one piece reaches 1.13-1.22x NCCL's bus bandwidth at 64-256 MB (1.02-1.05x
-# above); cut into pieces by the default 64 MiB buffers it ties NCCL (gpu_2xh200_peer.json).
+# above); cut into pieces by the default 64 MiB buffers it ties NCCL (a run with the default
+# buffers, in the history of bench/results/gpu_2xh200_peer.json).
 PEER_ALL_REDUCE_ONE_PIECE_MAX_BYTES = 256 << 20
 # With 1 GiB buffers (256 MB pieces) it stays ahead at 512 MB (1.05-1.06x in two runs) but ties
 # NCCL at 1 GB (1.01-1.02x, then 0.99x).

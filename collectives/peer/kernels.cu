@@ -307,74 +307,47 @@ __device__ __forceinline__ void put_word(void* dst, long i, long bytes, u32 v) {
   else reinterpret_cast<unsigned short*>(dst)[2 * i] = (unsigned short)v;
 }
 
-// All-reduce, one shot in low-latency words: push every word of the input into every peer's
-// slot `rank` (slots `slot_words` words apart); sum each word's elements over the ranks, in rank
-// order. `in` and `out` are 4-byte aligned; a thread handles the same words in both loops, so
-// in-place calls are safe.
+// out's word i = the sum over ranks, in rank order, of word i: mine from `own`, each peer q's
+// from my slots (`stride` words apart) once it carries `e`. False on timeout.
 template <typename T>
-__device__ void one_shot_ll(const Ctx& c, const T* in, T* out, long n, long slot_words) {
+__device__ __forceinline__ bool sum_word(const Ctx& c, const void* own, const u64* mine, long stride, long i,
+                                         long bytes, u32 e, void* out) {
+  const int per = 4 / (int)sizeof(T);  // elements per word
+  float acc[2] = {0.f, 0.f};
+  for (int q = 0; q < c.world; ++q) {
+    u32 d;
+    if (q == c.rank) d = word_of(own, i, bytes);
+    else if (!ld_ll(c, mine + q * stride + i, e, q, &d)) return false;
+    const T* x = reinterpret_cast<const T*>(&d);
+    for (int k = 0; k < per; ++k) acc[k] += to_f(x[k]);
+  }
+  u32 o = 0;
+  T* oe = reinterpret_cast<T*>(&o);
+  for (int k = 0; k < per; ++k) oe[k] = from_f<T>(acc[k]);
+  put_word(out, i, bytes, o);
+  return true;
+}
+
+// Sums in low-latency words, for the one-shot all-reduce (stride 0: every peer gets the whole
+// input) and the reduce-scatter (`in` holds world shards of n elements, `stride` apart, and
+// peer p gets shard p): push each word into the peer's slot `rank` (slots `slot_words` words
+// apart); sum my part's words over the ranks, in rank order, into `out`. `in` and `out` are
+// 4-byte aligned; a thread handles the same words in both loops, so in-place calls are safe.
+template <typename T>
+__device__ void sum_ll(const Ctx& c, const T* in, T* out, long n, long stride, long slot_words) {
   u32 e;
   if (!begin(c, &e)) return;
   const int r = c.rank, w = c.world;
   const long bytes = n * (long)sizeof(T), words = (bytes + 3) / 4;
   const long tid = (long)blockIdx.x * blockDim.x + threadIdx.x, nt = (long)gridDim.x * blockDim.x;
-  for (long i = tid; i < words; i += nt) {
-    const u32 d = word_of(in, i, bytes);
-    for (int k = 1; k < w; ++k) {
-      const int p = (r + k) % w;
-      st_ll(slots_of<u64>(c, p, e) + r * slot_words + i, d, e);
-    }
-  }
-  const u64* mine = slots_of<u64>(c, r, e);
-  const int per = 4 / (int)sizeof(T);  // elements per word
-  for (long i = tid; i < words; i += nt) {
-    float acc[2] = {0.f, 0.f};
-    for (int q = 0; q < w; ++q) {
-      u32 d;
-      if (q == r) d = word_of(in, i, bytes);
-      else if (!ld_ll(c, mine + q * slot_words + i, e, q, &d)) return;
-      const T* x = reinterpret_cast<const T*>(&d);
-      for (int k = 0; k < per; ++k) acc[k] += to_f(x[k]);
-    }
-    u32 o = 0;
-    T* oe = reinterpret_cast<T*>(&o);
-    for (int k = 0; k < per; ++k) oe[k] = from_f<T>(acc[k]);
-    put_word(out, i, bytes, o);
-  }
-  end(c);
-}
-
-// Reduce-scatter in low-latency words: `in` holds world shards of m elements, `stride` apart;
-// push shard p's words into p's slot `rank` (slots as many words apart as a shard has); sum my
-// shard's words over the ranks, in rank order, into `out`.
-template <typename T>
-__device__ void reduce_scatter_ll(const Ctx& c, const T* in, T* out, long m, long stride) {
-  u32 e;
-  if (!begin(c, &e)) return;
-  const int r = c.rank, w = c.world;
-  const long bytes = m * (long)sizeof(T), words = (bytes + 3) / 4;
-  const long tid = (long)blockIdx.x * blockDim.x + threadIdx.x, nt = (long)gridDim.x * blockDim.x;
   for (long i = tid; i < words; i += nt)
     for (int k = 1; k < w; ++k) {
       const int p = (r + k) % w;
-      st_ll(slots_of<u64>(c, p, e) + r * words + i, word_of(in + p * stride, i, bytes), e);
+      st_ll(slots_of<u64>(c, p, e) + r * slot_words + i, word_of(in + p * stride, i, bytes), e);
     }
   const u64* mine = slots_of<u64>(c, r, e);
-  const int per = 4 / (int)sizeof(T);
-  for (long i = tid; i < words; i += nt) {
-    float acc[2] = {0.f, 0.f};
-    for (int q = 0; q < w; ++q) {
-      u32 d;
-      if (q == r) d = word_of(in + r * stride, i, bytes);
-      else if (!ld_ll(c, mine + q * words + i, e, q, &d)) return;
-      const T* x = reinterpret_cast<const T*>(&d);
-      for (int k = 0; k < per; ++k) acc[k] += to_f(x[k]);
-    }
-    u32 o = 0;
-    T* oe = reinterpret_cast<T*>(&o);
-    for (int k = 0; k < per; ++k) oe[k] = from_f<T>(acc[k]);
-    put_word(out, i, bytes, o);
-  }
+  for (long i = tid; i < words; i += nt)
+    if (!sum_word<T>(c, in + r * stride, mine, slot_words, i, bytes, e, out)) return;
   end(c);
 }
 
@@ -547,6 +520,21 @@ extern "C" __global__ void ce_wait(const Ctx c, long slot, long stage, long v) {
   ce_wait_all(c, (int)slot, (int)stage, (u32)v);
 }
 
+// The last block of a copy-engine reduction to finish tells every peer that ring slot s's use u
+// is reduced (REDUCED = u + 1).
+__device__ __forceinline__ void signal_reduced(const Ctx& c, int s, u32 u) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    if (atomicAdd(c.calls + 2, 1u) == gridDim.x - 1) {
+      c.calls[2] = 0;
+      __threadfence_system();
+      for (int d = 1; d < c.world; ++d)
+        st_release_sys(ce_flag(c.flags.p[(c.rank + d) % c.world], s, CE_REDUCED, c.rank), u + 1);
+    }
+  }
+}
+
 // Reduce chunk j (ring slot s = j % R, use u = j / R). `in`/`out` point at the chunk; shard q is
 // [q*S, q*S + len_q) of its `nj` elements; my ring slot starts `slot_off` elements into my slot
 // buffer: the peers' pushes at slot_off + q*S_max, my result at slot_off + world*S_max.
@@ -568,15 +556,7 @@ __device__ void ce_reduce(const Ctx& c, const T* in, T* out, long slot_off, long
   T* res = mine + w * S_max;
   T* also[1] = {out + r * S};
   reduce_range<T, VEC>(res, srcs, w, also, 1, lo, hi);
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence_system();
-    if (atomicAdd(c.calls + 2, 1u) == gridDim.x - 1) {
-      c.calls[2] = 0;
-      __threadfence_system();
-      for (int d = 1; d < w; ++d) st_release_sys(ce_flag(c.flags.p[(r + d) % w], s, CE_REDUCED, r), u + 1);
-    }
-  }
+  signal_reduced(c, s, u);
 }
 
 // Reduce-scatter by copy engines, chunk j (ring slot s = j % R, use u = j / R): the peers have
@@ -597,15 +577,7 @@ __device__ void ce_reduce_rs(const Ctx& c, const T* in, T* out, long slot_off, l
   const T* srcs[MAX_RANKS];
   for (int q = 0; q < w; ++q) srcs[q] = q == r ? in : mine + q * C;
   reduce_range<T, VEC>(out, srcs, w, nullptr, 0, lo, hi);
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence_system();
-    if (atomicAdd(c.calls + 2, 1u) == gridDim.x - 1) {
-      c.calls[2] = 0;
-      __threadfence_system();
-      for (int d = 1; d < w; ++d) st_release_sys(ce_flag(c.flags.p[(r + d) % w], s, CE_REDUCED, r), u + 1);
-    }
-  }
+  signal_reduced(c, s, u);
 }
 
 #define INSTANTIATE(NAME, T, TAG)                                                                  \
@@ -628,24 +600,20 @@ ALL_DTYPES(one_shot)
 #define INSTANTIATE_LL(T, TAG)                                                                         \
   extern "C" __global__ void __launch_bounds__(512)                                                   \
       one_shot_ll_##TAG##_vec(const Ctx c, const T* in, T* out, long n, long slot_words) {              \
-    one_shot_ll<T>(c, in, out, n, slot_words);                                                        \
-  }
-
-#define INSTANTIATE_LL_SHARD(NAME, T, TAG)                                                             \
+    sum_ll<T>(c, in, out, n, 0, slot_words);                                                          \
+  }                                                                                                   \
   extern "C" __global__ void __launch_bounds__(512)                                                   \
-      NAME##_ll_##TAG##_vec(const Ctx c, const T* in, T* out, long m, long stride) {                   \
-    NAME##_ll<T>(c, in, out, m, stride);                                                              \
+      reduce_scatter_ll_##TAG##_vec(const Ctx c, const T* in, T* out, long m, long stride) {           \
+    sum_ll<T>(c, in, out, m, stride, (m * (long)sizeof(T) + 3) / 4);                                  \
+  }                                                                                                   \
+  extern "C" __global__ void __launch_bounds__(512)                                                   \
+      all_gather_ll_##TAG##_vec(const Ctx c, const T* in, T* out, long m, long stride) {               \
+    all_gather_ll<T>(c, in, out, m, stride);                                                          \
   }
 
 INSTANTIATE_LL(float, f32)
 INSTANTIATE_LL(__half, f16)
 INSTANTIATE_LL(__nv_bfloat16, bf16)
-INSTANTIATE_LL_SHARD(reduce_scatter, float, f32)
-INSTANTIATE_LL_SHARD(reduce_scatter, __half, f16)
-INSTANTIATE_LL_SHARD(reduce_scatter, __nv_bfloat16, bf16)
-INSTANTIATE_LL_SHARD(all_gather, float, f32)
-INSTANTIATE_LL_SHARD(all_gather, __half, f16)
-INSTANTIATE_LL_SHARD(all_gather, __nv_bfloat16, bf16)
 ALL_DTYPES(two_shot)
 ALL_DTYPES(reduce_scatter)
 ALL_DTYPES(all_gather)

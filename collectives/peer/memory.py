@@ -9,6 +9,8 @@ splits messages into pieces that fit the slots, picks the vectorised or the scal
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -323,16 +325,9 @@ class PeerMemory:
         push_s, pull_s = self._copy_streams
         ps, ls = push_s.cuda_stream, pull_s.cuda_stream
         base = t.data_ptr()
-        fence = self._kernel("ce_fence", None, False, 1)
         wait = self._kernel("ce_wait", None, False, 3)
         reduce = self._kernel("ce_reduce", t.dtype, vec, 8)
         peers = [(r + d) % w for d in range(1, w)]
-        fence(1, main, 0)
-        current = torch.cuda.current_stream(self.device)
-        start = torch.cuda.Event()
-        start.record(current)
-        push_s.wait_event(start)
-        pull_s.wait_event(start)
         k = -(-n // chunk)
 
         def geometry(j: int) -> tuple[int, int, int]:
@@ -348,33 +343,29 @@ class PeerMemory:
         # which the pull stream's wait for chunk j - ring has established (an event, no kernel).
         reduced = [torch.cuda.Event() for _ in range(ring)]
         blocks = max(1, min(self._max_blocks, -(-s_max * es // self._block_bytes)))
-        for j in range(k):
-            nj, shard, off = geometry(j)
-            if j >= ring:
-                push_s.wait_event(reduced[j % ring])
-            for q in peers:
-                m = length(nj, shard, q)
-                if m:
-                    _launch.copy_async(self.slot_pointers[q] + (off + r * s_max) * es,
-                                       base + (j * chunk + q * shard) * es, m * es, ps)
-            for q in peers:
-                _launch.write_value(ps, self._ce_flag(q, j % ring, CE_PUSHED), j // ring + 1)
-            reduce(blocks, main, base + j * chunk * es, base + j * chunk * es, off, shard, nj, j, ring, s_max)
-            u = j // ring
-            wait(1, ls, j % ring, CE_REDUCED, u + 1)
-            reduced[j % ring].record(pull_s)
-            for q in peers:
-                m = length(nj, shard, q)
-                if m:
-                    _launch.copy_async(base + (j * chunk + q * shard) * es,
-                                       self.slot_pointers[q] + (off + w * s_max) * es, m * es, ls)
-            for q in peers:
-                _launch.write_value(ls, self._ce_flag(q, j % ring, CE_PULLED), u + 1)
-        for side in (push_s, pull_s):
-            done = torch.cuda.Event()
-            done.record(side)
-            current.wait_event(done)
-        fence(1, main, 1)
+        with self._ce_section():
+            for j in range(k):
+                nj, shard, off = geometry(j)
+                if j >= ring:
+                    push_s.wait_event(reduced[j % ring])
+                for q in peers:
+                    m = length(nj, shard, q)
+                    if m:
+                        _launch.copy_async(self.slot_pointers[q] + (off + r * s_max) * es,
+                                           base + (j * chunk + q * shard) * es, m * es, ps)
+                for q in peers:
+                    _launch.write_value(ps, self._ce_flag(q, j % ring, CE_PUSHED), j // ring + 1)
+                reduce(blocks, main, base + j * chunk * es, base + j * chunk * es, off, shard, nj, j, ring, s_max)
+                u = j // ring
+                wait(1, ls, j % ring, CE_REDUCED, u + 1)
+                reduced[j % ring].record(pull_s)
+                for q in peers:
+                    m = length(nj, shard, q)
+                    if m:
+                        _launch.copy_async(base + (j * chunk + q * shard) * es,
+                                           self.slot_pointers[q] + (off + w * s_max) * es, m * es, ls)
+                for q in peers:
+                    _launch.write_value(ls, self._ce_flag(q, j % ring, CE_PULLED), u + 1)
 
     def _ce_flag(self, q: int, slot: int, stage: int) -> int:
         """Address of rank q's copy-engine flag (slot, stage) for signals from this rank."""
@@ -491,46 +482,54 @@ class PeerMemory:
             raise UnsupportedError("COMMOPS_PEER_BYTES", self.slot_bytes, "leaves fewer than 2 ring slots for "
                                    "the copy-engine path", "use a larger COMMOPS_PEER_BYTES")
         main = _launch.current_stream(self._index)
-        push_s, pull_s = self._copy_streams
-        ps, ls = push_s.cuda_stream, pull_s.cuda_stream
-        fence = self._kernel("ce_fence", None, False, 1)
+        ps, ls = (side.cuda_stream for side in self._copy_streams)
         wait = self._kernel("ce_wait", None, False, 3)
         src, dst = input.data_ptr(), output.data_ptr()
         vec = src % PACK_BYTES == 0 and dst % PACK_BYTES == 0 and m % pack == 0
         reduce = self._kernel("ce_reduce_rs", output.dtype, vec, 7) if kind == "reduce_scatter" else None
         blocks = max(1, min(self._max_blocks, -(-chunk * es // self._block_bytes)))
         peers = [(r + d) % w for d in range(1, w)]
+        free = CE_REDUCED if kind == "reduce_scatter" else CE_PULLED
+        mine = self.slot_pointers[r]
+        with self._ce_section():
+            if kind == "all_gather" and m:
+                _launch.copy_async(dst + r * m * es, src, m * es, ls)  # my own shard, beside the pushes
+            for j in range(-(-m // chunk)):
+                s, u = j % ring, j // ring
+                lo = j * chunk
+                nj = min(chunk, m - lo)
+                off = s * w * chunk  # elements into the slot buffer: source q's part at off + q * chunk
+                if u:
+                    wait(1, ps, s, free, u)  # every peer is done with this slot's previous use
+                for q in peers:
+                    at = q * m + lo if kind == "reduce_scatter" else lo
+                    _launch.copy_async(self.slot_pointers[q] + (off + r * chunk) * es, src + at * es, nj * es, ps)
+                for q in peers:
+                    _launch.write_value(ps, self._ce_flag(q, s, CE_PUSHED), u + 1)
+                if reduce is not None:
+                    reduce(blocks, main, src + (r * m + lo) * es, dst + lo * es, off, chunk, nj, j, ring)
+                else:
+                    wait(1, ls, s, CE_PUSHED, u + 1)
+                    for q in peers:
+                        _launch.copy_async(dst + (q * m + lo) * es, mine + (off + q * chunk) * es, nj * es, ls)
+                    for q in peers:
+                        _launch.write_value(ls, self._ce_flag(q, s, CE_PULLED), u + 1)
+
+    @contextmanager
+    def _ce_section(self) -> Iterator[None]:
+        """A copy-engine call on the current stream: a barrier of every rank, the copy streams
+        ordered after the work queued so far; at the end the current stream waits for both and
+        a closing barrier clears this rank's copy-engine flags (kernels.cu, "copy-engine path")."""
+        fence = self._kernel("ce_fence", None, False, 1)
+        main = _launch.current_stream(self._index)
         fence(1, main, 0)
         current = torch.cuda.current_stream(self.device)
         start = torch.cuda.Event()
         start.record(current)
-        push_s.wait_event(start)
-        pull_s.wait_event(start)
-        if kind == "all_gather" and m:
-            _launch.copy_async(dst + r * m * es, src, m * es, ls)  # my own shard, beside the pushes
-        free = CE_REDUCED if kind == "reduce_scatter" else CE_PULLED
-        mine = self.slot_pointers[r]
-        for j in range(-(-m // chunk)):
-            s, u = j % ring, j // ring
-            lo = j * chunk
-            nj = min(chunk, m - lo)
-            off = s * w * chunk  # elements into the slot buffer: source q's part at off + q * chunk
-            if u:
-                wait(1, ps, s, free, u)  # every peer is done with this slot's previous use
-            for q in peers:
-                at = q * m + lo if kind == "reduce_scatter" else lo
-                _launch.copy_async(self.slot_pointers[q] + (off + r * chunk) * es, src + at * es, nj * es, ps)
-            for q in peers:
-                _launch.write_value(ps, self._ce_flag(q, s, CE_PUSHED), u + 1)
-            if reduce is not None:
-                reduce(blocks, main, src + (r * m + lo) * es, dst + lo * es, off, chunk, nj, j, ring)
-            else:
-                wait(1, ls, s, CE_PUSHED, u + 1)
-                for q in peers:
-                    _launch.copy_async(dst + (q * m + lo) * es, mine + (off + q * chunk) * es, nj * es, ls)
-                for q in peers:
-                    _launch.write_value(ls, self._ce_flag(q, s, CE_PULLED), u + 1)
-        for side in (push_s, pull_s):
+        for side in self._copy_streams:
+            side.wait_event(start)
+        yield
+        for side in self._copy_streams:
             done = torch.cuda.Event()
             done.record(side)
             current.wait_event(done)
