@@ -5,7 +5,8 @@
 #
 # Steps (default: all, in this order): peer_check overlap_check faults overlap_tune
 # overlap_tune_graph overlap overlap_graph tp_mlp moe peer_bench peer_big tune_peer (host cost per
-# call, with a profile).
+# call, with a profile); and, only when named, sanitize (the peer-memory checks under
+# compute-sanitizer's memcheck and racecheck).
 # Each runs under a time limit and writes STEP.log (and its JSON/plots); a failing step does not
 # stop the others. NVLink multicast stays off in every
 # process (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1).
@@ -64,6 +65,12 @@ for step in $STEPS; do
         -b 8 -e 1G -f 4 -a native,one_shot,two_shot,copy_engine,auto,symm_mem_two_shot -G both -n 20 -r 5 -w 5 \
         --json "$OUT/peer.json" --plot-vs-native "$OUT/peer.png" ;;
     tune_peer) run tune_peer 200 $R launch/tune_peer.py -b 8 -e 256K -f 8 --json "$OUT/tune_peer.json" ;;
+    sanitize)
+      CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+      for tool in memcheck racecheck; do
+        run "sanitize_$tool" 150 $R --no-python "$CS" --tool $tool --error-exitcode 9 --target-processes all \
+          python3 tests/gpu_peer_check.py --quick
+      done ;;
     peer_big) COMMOPS_PEER_BYTES=$BIG run peer_big 240 $R launch/bench_collectives.py --op all_reduce -d bf16 \
         -b 64M -e 1G -f 2 -a native,two_shot,copy_engine -G both -n 10 -r 5 -w 3 --json "$OUT/peer_big.json" ;;
     *) echo "unknown step $step"; exit 2 ;;
