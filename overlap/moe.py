@@ -234,6 +234,18 @@ def _combine_pieces(p: _Pieces, rows: torch.Tensor, weights: torch.Tensor, num_t
     return out
 
 
+_IOTA = np.arange(0, dtype=np.int64)
+
+
+def _iota(n: int) -> np.ndarray:
+    """``np.arange(n)`` (int64) from one kept array: the routing asks for several per dispatch,
+    and fresh pages cost more than the indices."""
+    global _IOTA
+    if _IOTA.size < n:
+        _IOTA = np.arange(max(n, 2 * _IOTA.size), dtype=np.int64)
+    return _IOTA[:n]
+
+
 def sorted_pairs(ids: np.ndarray, num_experts: int, capacity_factor: float | None
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
     """One range's routing ``ids [tokens, k]``: its kept pairs (flat indices into ``ids``) sorted by
@@ -561,12 +573,12 @@ class MoEDispatcher:
             # a stable sort of the received rows by their local expert.
             regroup = np.argsort(np.repeat(local_ids, matrix.reshape(-1)), kind="stable")
             send, recv = counts[c].sum(1).tolist(), matrix.sum(1).tolist()
-            ungroup = np.empty_like(regroup)
-            ungroup[regroup] = np.arange(regroup.size, dtype=regroup.dtype)
+            ungroup = np.empty(regroup.size, dtype=np.int64)
+            ungroup[regroup] = _iota(regroup.size)
             pair_row = np.empty(0, dtype=np.int64)
             if order.size == tokens * k:  # dropless: every pair has its sent row
                 pair_row = np.empty(order.size, dtype=np.int64)
-                pair_row[order] = np.arange(order.size, dtype=np.int64)
+                pair_row[order] = _iota(order.size)
             pieces += [order, order // k, regroup, ungroup, pair_row]
             split_lists: Any = None
             if self.transport == "peer":
@@ -582,7 +594,8 @@ class MoEDispatcher:
                 pieces += arrays
                 split_lists = ("pieces", (sends, recvs), [a.size for a in arrays])
             layout.append((matrix, dropped, tokens, send, recv, split_lists))
-        flat_all = torch.from_numpy(np.concatenate(pieces).astype(np.int64)) if pieces else torch.empty(0, dtype=torch.int64)
+        flat_all = torch.from_numpy(np.concatenate(pieces).astype(np.int64, copy=False)) if pieces \
+            else torch.empty(0, dtype=torch.int64)
         on_dev = flat_all.to(dev)  # one copy to the device for every index of every range
         handles, at = [], 0
         for c, (matrix, dropped, tokens, send, recv, split_lists) in enumerate(layout):
