@@ -217,6 +217,36 @@ class Checker:
         if seen != ["start", "end"]:
             self.failures.append(f"rank {self.r}: with a trace hook the call went around it ({seen})")
 
+    def stale_words(self) -> None:
+        """A larger one-shot call leaves raw data in the slots whose 8-byte words carry, in their
+        high half, the number of the low-latency call two calls later (the same set); with a
+        late peer that call must still wait for the peer's own words. (With the words in the
+        slots, it summed the stale data.)"""
+        pm = PeerMemory(self.comm, slot_bytes=8 << 20)
+        n_big, n_small = 1 << 18, 4096  # 512 KB (above the low-latency limit) and 8 KB of bf16
+        tiny = torch.ones(8, dtype=torch.bfloat16, device=self.dev)
+        pm.all_reduce(tiny, "one_shot")  # kernels compiled, the first call behind us
+        torch.cuda.synchronize()
+        target = int(pm._calls[0].item()) + 3  # the number of the third call from here
+        big = torch.randn(n_big, device=self.dev).to(torch.bfloat16)
+        words = big.view(torch.int16).view(-1, 4)
+        for col, half in ((2, target & 0xFFFF), (3, (target >> 16) & 0xFFFF)):  # bits 32-63: the number
+            words[:, col] = half - (1 << 16) if half >= 1 << 15 else half
+        pm.all_reduce(big, "one_shot")  # raw data into the peers' slots of this set
+        pm.all_reduce(tiny, "one_shot")  # the other set
+        inputs = self.fresh(n_small, torch.bfloat16)
+        x = inputs[self.r].clone()
+        torch.cuda.synchronize()
+        dist.barrier()
+        if self.r == self.w - 1:
+            torch.cuda._sleep(50_000_000)  # a late peer: tens of milliseconds
+        pm.all_reduce(x, "one_shot")
+        torch.cuda.synchronize()
+        self.expect("one_shot low-latency words after stale raw data, a late peer", x,
+                    sum(t.double() for t in inputs), self.bound(inputs, torch.bfloat16))
+        dist.barrier()
+        pm.close()
+
     # -- faults and bad arguments ------------------------------------------------------------------
     def timeout(self) -> None:
         pm = PeerMemory(self.comm, slot_bytes=1 << 20, timeout_s=0.5)
@@ -349,6 +379,7 @@ def main() -> int:
             ck.graphs(100_003, dtype)
             ck.graph_rs_ag(8192, dtype, "one_shot")  # whole packs, small: the low-latency words
         ck.back_to_back(1000, torch.bfloat16)
+        ck.stale_words()
         ck.other_thread()
         ck.fast_path()
         ck.timeout()

@@ -205,7 +205,9 @@ struct Ctx {
   int rank;
   int world;
   u64 timeout_ns;
-  u64 set_bytes;  // bytes of one set of slots
+  u64 set_bytes;     // bytes of one set of slots
+  u64 ll_off;        // the low-latency words' area in every rank's flag allocation (two sets)
+  u64 ll_set_bytes;  // bytes of one set of it
 };
 
 // The call's number; false (on every thread) if an earlier call failed.
@@ -264,8 +266,10 @@ __device__ void one_shot(const Ctx& c, const T* in, T* out, long n, long slot) {
 // For small messages the flag round trip of `barrier` (a system fence, a flag, a wait) is most of
 // a call. Here every 4 data bytes travel with the call's number e in one 8-byte store (single-copy
 // atomic), and the reader spins on each word until it carries e: no fence, no separate flag.
-// Words of call e - 2 in the same set carry e - 2 and are never taken for e's. Each wait is
-// bounded like a barrier's (stage 2).
+// The words have an area of their own (after the flags, two sets as for the slots), which no
+// other path writes: words of call e - 2 in the same set carry e - 2 and are never taken for
+// e's, while raw data there (a slot buffer's) could carry any number. Each wait is bounded like
+// a barrier's (stage 2).
 
 #define STAGE_LL 2
 
@@ -277,6 +281,11 @@ __device__ __forceinline__ u64 ld_relaxed_sys64(const u64* p) {
   u64 v;
   asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
+}
+
+// Rank q's set of low-latency words for call e.
+__device__ __forceinline__ u64* ll_slots(const Ctx& c, int q, u32 e) {
+  return reinterpret_cast<u64*>(c.flags.p[q] + c.ll_off + (e & 1u) * c.ll_set_bytes);
 }
 
 // The data of word `p` once it carries `e`; false (recorded) on timeout.
@@ -343,9 +352,9 @@ __device__ void sum_ll(const Ctx& c, const T* in, T* out, long n, long stride, l
   for (long i = tid; i < words; i += nt)
     for (int k = 1; k < w; ++k) {
       const int p = (r + k) % w;
-      st_ll(slots_of<u64>(c, p, e) + r * slot_words + i, word_of(in + p * stride, i, bytes), e);
+      st_ll(ll_slots(c, p, e) + r * slot_words + i, word_of(in + p * stride, i, bytes), e);
     }
-  const u64* mine = slots_of<u64>(c, r, e);
+  const u64* mine = ll_slots(c, r, e);
   for (long i = tid; i < words; i += nt)
     if (!sum_word<T>(c, in + r * stride, mine, slot_words, i, bytes, e, out)) return;
   end(c);
@@ -362,10 +371,10 @@ __device__ void all_gather_ll(const Ctx& c, const T* in, T* out, long m, long st
   const long tid = (long)blockIdx.x * blockDim.x + threadIdx.x, nt = (long)gridDim.x * blockDim.x;
   for (long i = tid; i < words; i += nt) {
     const u32 d = word_of(in, i, bytes);
-    for (int k = 1; k < w; ++k) st_ll(slots_of<u64>(c, (r + k) % w, e) + r * words + i, d, e);
+    for (int k = 1; k < w; ++k) st_ll(ll_slots(c, (r + k) % w, e) + r * words + i, d, e);
     put_word(out + r * stride, i, bytes, d);
   }
-  const u64* mine = slots_of<u64>(c, r, e);
+  const u64* mine = ll_slots(c, r, e);
   for (long i = tid; i < words; i += nt)
     for (int k = 1; k < w; ++k) {
       const int q = (r + k) % w;

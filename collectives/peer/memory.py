@@ -4,6 +4,12 @@ This module is the boundary between tensors and the kernels in ``kernels.cu``: i
 splits messages into pieces that fit the slots, picks the vectorised or the scalar entry point
 (16-byte packs need 16-byte aligned addresses) and launches on torch's current stream through
 ``_launch``. CuPy is imported only when peer memory is first used.
+
+Each rank allocates two IPC buffers that every peer maps: the slots (``slot_bytes``, two sets,
+where peers push data) and the flag allocation (block flags, copy-engine flags, then the
+low-latency words' own area: two sets of ``world x 2 x ONE_SHOT_LL_MAX_BYTES``). The words have
+an area of their own because a word is taken as soon as its high half holds the call's number,
+and raw data left in the slots by other calls may hold any number there.
 """
 
 from __future__ import annotations
@@ -37,13 +43,20 @@ _BLOCK_FLAG_WORDS = MAX_BLOCKS * N_STAGES * MAX_RANKS
 FLAG_BYTES = (_BLOCK_FLAG_WORDS + CE_RING * CE_STAGES * MAX_RANKS) * 4
 _CTX = np.dtype([("slots", "<u8", (MAX_RANKS,)), ("flags", "<u8", (MAX_RANKS,)), ("calls", "<u8"),
                  ("err", "<u8"), ("err_dev", "<u8"), ("rank", "<i4"), ("world", "<i4"), ("timeout_ns", "<u8"),
-                 ("set_bytes", "<u8")])
+                 ("set_bytes", "<u8"), ("ll_off", "<u8"), ("ll_set_bytes", "<u8")])
 _STAGES = {0: "data pushed", 1: "reduced shard pushed", 2: "low-latency words pushed",
            10: "chunk pushed (copy engine)", 11: "chunk reduced (copy engine)", 12: "chunk pulled (copy engine)"}
 _TAGS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 DTYPES = frozenset(_TAGS)
 PACK_BYTES = 16
 ONE_SHOT_LL_MAX_BYTES = 256 << 10
+# The low-latency words' area follows the flags in each rank's flag allocation: two sets, each
+# with a region of 2 x ONE_SHOT_LL_MAX_BYTES (a message's words) per rank (kernels.cu).
+_LL_OFF = -(-FLAG_BYTES // 4096) * 4096
+
+
+def _ll_set_bytes(world: int) -> int:
+    return world * 2 * ONE_SHOT_LL_MAX_BYTES
 
 _COPY_ENGINE = object()  # plan marker: the copy-engine path works out its chunks per call
 
@@ -171,8 +184,9 @@ class PeerMemory:
         self.closed = False
         rt = cupy.cuda.runtime
         with cupy.cuda.Device(self.device.index):
-            self._own = [rt.malloc(size), rt.malloc(FLAG_BYTES)]
-            rt.memset(self._own[1], 0, FLAG_BYTES)
+            flag_bytes = _LL_OFF + 2 * _ll_set_bytes(self.world)
+            self._own = [rt.malloc(size), rt.malloc(flag_bytes)]
+            rt.memset(self._own[1], 0, flag_bytes)
             rt.deviceSynchronize()
             handles = b"".join(bytes(rt.ipcGetMemHandle(p)) for p in self._own)
         every = _all_gather_bytes(comm, handles)
@@ -197,9 +211,9 @@ class PeerMemory:
         # need for a 16 MiB chunk (a hypothesis from the eager figures, not yet measured)
         self.ce_chunk_bytes = 16 << 20
         self.ce_max_chunks = 16
-        # one_shot all-reduces, reduce-scatters and all-gathers up to this size (16-byte aligned)
-        # send low-latency words (4 data bytes and the call's number per 8-byte store: kernels.cu,
-        # "low-latency words")
+        # one_shot all-reduces, reduce-scatters and all-gathers up to this size (16-byte aligned;
+        # at most ONE_SHOT_LL_MAX_BYTES, which sizes their area) send low-latency words (4 data
+        # bytes and the call's number per 8-byte store: kernels.cu, "low-latency words")
         self.ll_max_bytes = ONE_SHOT_LL_MAX_BYTES
         self._err_dev = torch.zeros(4, dtype=torch.int32, device=self.device)
         self._err = torch.zeros(4, dtype=torch.int32).pin_memory()  # mapped: the kernel writes it
@@ -210,6 +224,7 @@ class PeerMemory:
                                                     self._err_dev.data_ptr())
         ctx["rank"], ctx["world"], ctx["timeout_ns"] = self.rank, self.world, int(self.timeout_s * 1e9)
         ctx["set_bytes"] = self._set_bytes = size // 2
+        ctx["ll_off"], ctx["ll_set_bytes"] = _LL_OFF, _ll_set_bytes(self.world)
         self._ctx = ctx.tobytes()
         self._index = self.device.index
         self._kernels: dict[tuple[str, torch.dtype | None, bool], _launch.Kernel] = {}
@@ -270,10 +285,11 @@ class PeerMemory:
                                    "use 'one_shot', 'two_shot' or 'copy_engine'")
         plan = (self._kernel(algorithm, dtype, True), self._kernel(algorithm, dtype, False), tuple(pieces),
                 tuple(pieces))
-        if algorithm == "one_shot" and n * es <= self.ll_max_bytes and 8 * -(-n * es // 4) <= slot * es:
-            # aligned calls: low-latency words, the whole message at once (slots of slot * es / 8 words)
+        if algorithm == "one_shot" and n * es <= min(self.ll_max_bytes, ONE_SHOT_LL_MAX_BYTES):
+            # aligned calls: low-latency words, the whole message at once (each rank's region
+            # holds the words of ONE_SHOT_LL_MAX_BYTES)
             ll = self._kernel("one_shot_ll", dtype, True, 4)
-            plan = (ll, plan[1], ((self._blocks(n * es), 0, n, slot * es // 8),), plan[3])
+            plan = (ll, plan[1], ((self._blocks(n * es), 0, n, ONE_SHOT_LL_MAX_BYTES // 4),), plan[3])
         self._plans[(algorithm, dtype, n)] = plan
         return plan
 
@@ -544,8 +560,8 @@ class PeerMemory:
         piece = self._set_bytes // es // self.world // pack * pack
         aligned = output.data_ptr() % PACK_BYTES == 0 and input.data_ptr() % PACK_BYTES == 0
         vec = aligned and m % pack == 0
-        # low-latency words: shards of whole 4-byte words, small enough for one piece
-        if aligned and m * es % 4 == 0 and m * es * self.world <= self.ll_max_bytes and 2 * m <= piece:
+        # low-latency words: shards of whole 4-byte words, the whole message in their area
+        if aligned and m * es % 4 == 0 and m * es * self.world <= min(self.ll_max_bytes, ONE_SHOT_LL_MAX_BYTES):
             self._launch(kind + "_ll", output.dtype, True, m * es, input.data_ptr(), output.data_ptr(), m, m)
             return
         for off in range(0, m, piece):
