@@ -5,8 +5,12 @@
 #
 # Steps (default: all, in this order): peer_check overlap_check faults overlap_tune
 # overlap_tune_graph overlap overlap_graph tp_mlp moe peer_bench peer_big tune_peer (host cost per
-# call, with a profile); and, only when named, sanitize (the peer-memory checks under
-# compute-sanitizer's memcheck and racecheck).
+# call, with a profile); and, only when named: sanitize (the peer-memory checks under
+# compute-sanitizer's memcheck and racecheck), topology (python -m topology), a2a_bench (NCCL's
+# and our all-to-all algorithms, 8 B - 1 GB, eager and graphs) and model (a calibration of this
+# machine, then the cost model's predictions against peer_bench's and a2a_bench's measurements,
+# which run first). On 4 or 8 GPUs: NPROC=n launch/gpu_suite.sh OUT peer_check overlap_check
+# topology peer_bench a2a_bench model overlap moe.
 # Each runs under a time limit and writes STEP.log (and its JSON/plots); a failing step does not
 # stop the others. NVLink multicast stays off in every
 # process (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1).
@@ -65,6 +69,16 @@ for step in $STEPS; do
         -b 8 -e 1G -f 4 -a native,one_shot,two_shot,copy_engine,auto,symm_mem_two_shot -G both -n 20 -r 5 -w 5 \
         --json "$OUT/peer.json" --plot-vs-native "$OUT/peer.png" ;;
     tune_peer) run tune_peer 200 $R launch/tune_peer.py -b 8 -e 256K -f 8 --json "$OUT/tune_peer.json" ;;
+    topology) run topology 60 $R -m topology --json "$OUT/topology.json" ;;
+    a2a_bench) run a2a_bench 240 $R launch/bench_collectives.py --op all_to_all -d bf16 -b 8 -e 1G -f 4 \
+        -a native,pairwise,bruck,auto -G both -n 10 -r 5 -w 3 --json "$OUT/a2a.json" --plot-vs-native "$OUT/a2a.png" ;;
+    model)
+      run calibrate 240 $R launch/calibrate.py --native --name "h200x${N}-nccl" --out "$OUT/calibration.json" \
+        -b 8K -e 1G -f 4 -n 20 -r 5
+      for b in peer a2a; do
+        [ -f "$OUT/$b.json" ] && run "model_$b" 60 python3 launch/compare_model.py "$OUT/$b.json" \
+          "$OUT/calibration.json" --md "$OUT/model_vs_measured.md" --json "$OUT/model_$b.json"
+      done ;;
     sanitize)
       CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
       for tool in memcheck racecheck; do
