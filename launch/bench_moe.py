@@ -38,7 +38,7 @@ def main() -> int:
                    help="a configuration (repeatable); default: the built-in ones")
     p.add_argument("-d", "--dtype", default=None, choices=sorted(DTYPES))
     p.add_argument("--chunks", default="2,4")
-    p.add_argument("--pieces", default="1,4", help="exchange_pieces of the dispatcher, comma-separated")
+    p.add_argument("--pieces", default="1,4", help="exchange_pieces of the dispatcher, comma-separated (transport nccl)")
     p.add_argument("--transport", default=None,
                    help="comma-separated: nccl, peer (default: both on the GPUs of one node, else nccl)")
     p.add_argument("-n", "--iters", type=int, default=5)
@@ -67,7 +67,8 @@ def main() -> int:
             transports.append("peer")
     for name, tokens, hidden, ffn, experts, k in configs:
         for transport in transports:
-            for pieces in (int(x) for x in args.pieces.split(",")):
+            # the peer transport has no pieces (exchange_pieces does not apply to it): one run
+            for pieces in ([1] if transport == "peer" else [int(x) for x in args.pieces.split(",")]):
                 rs = measure_config(comm, name, tokens, hidden, ffn, experts, k, dtype, device, chunk_counts=chunks,
                                     iters=args.iters, reps=args.reps, pieces=pieces, transport=transport)
                 records += rs

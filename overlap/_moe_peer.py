@@ -322,8 +322,7 @@ class PeerRows:
         hidden = self._check_weights(rows, weights, n)
         g = self._region(self._next_half(), self.max_tokens)
         stream = _launch.current_stream(self.pm._index)
-        if weights.numel():
-            self.pm.slot_view(g.w, (weights.numel(),), torch.float32).copy_(weights.reshape(-1))
+        self._post_weights(g, weights)
         self._fence()
         if p.n_items:
             k = self.pm._kernel("rows_partial", rows.dtype, self._vec(rows.data_ptr()), 8)
@@ -335,6 +334,11 @@ class PeerRows:
             k = self.pm._kernel("rows_sum", rows.dtype, self._vec(out.data_ptr()), 6)
             k(self._grid(n), stream, p.sum_ptr.data_ptr(), p.sum_ent.data_ptr(), out.data_ptr(), n, hidden, g.x)
         return out
+
+    def _post_weights(self, g: _Region, weights: torch.Tensor) -> None:
+        """This rank's ``[tokens, k]`` weights, as fp32, into its region's W (where peers read them)."""
+        if weights.numel():
+            self.pm.slot_view(g.w, (weights.numel(),), torch.float32).copy_(weights.reshape(-1))
 
     # -- the device-side layout (dropless, no autograd): no host plan, one small copy to the host
     def _region(self, off: int, t_max: int) -> _Region:
@@ -406,8 +410,7 @@ class PeerRows:
         hidden, T, t_max = out.shape[1], layout.tokens, g.t_max
         stream = _launch.current_stream(self.pm._index)
         ke = self._geo(layout.cap)
-        if T:
-            self.pm.slot_view(g.w, (weights.numel(),), torch.float32).copy_(weights.reshape(-1))
+        self._post_weights(g, weights)
         self._fence()
         if rows.shape[0]:
             kern = self.pm._kernel("rows_partial_dense", rows.dtype, self._vec(rows.data_ptr()), 9)
@@ -521,7 +524,7 @@ class PeerRows:
         ke = self._geo(layout.cap)
         if T:
             self.pm.slot_view(g.x, (T, hidden), grad_out.dtype).copy_(grad_out)
-            self.pm.slot_view(g.w, (T * k,), torch.float32).copy_(weights.reshape(-1))
+        self._post_weights(g, weights)
         self._fence()
         grad_rows = torch.empty_like(rows)
         if rows.shape[0]:

@@ -176,13 +176,12 @@ def _cut(n: int, pieces: int, c: int) -> tuple[int, int]:
 
 
 def _plan_pieces(pieces: int, order: np.ndarray, k: int, send: list[int], recv: list[int],
-                 regroup: np.ndarray) -> tuple[list[np.ndarray], list[list[int]], list[list[int]]]:
+                 ungroup: np.ndarray) -> tuple[list[np.ndarray], list[list[int]], list[list[int]]]:
     """Per piece: the send-order positions it sends (then its tokens and pairs follow), the
-    recv_x positions of what it receives, and both split lists."""
+    recv_x positions of what it receives (``ungroup``: by-source row -> its place in recv_x),
+    and both split lists."""
     s_start = np.concatenate([[0], np.cumsum(send)]).astype(np.int64)
     r_start = np.concatenate([[0], np.cumsum(recv)]).astype(np.int64)
-    inverse = np.empty_like(regroup)
-    inverse[regroup] = np.arange(regroup.size)  # by-source row -> its place in recv_x
     arrays: list[np.ndarray] = []
     sends, recvs = [], []
     for c in range(pieces):
@@ -191,7 +190,7 @@ def _plan_pieces(pieces: int, order: np.ndarray, k: int, send: list[int], recv: 
         pos = np.concatenate([np.arange(s_start[q] + lo, s_start[q] + hi) for q, (lo, hi) in enumerate(s_ranges)])
         got = np.concatenate([np.arange(r_start[q] + lo, r_start[q] + hi) for q, (lo, hi) in enumerate(r_ranges)])
         pairs = order[pos]
-        arrays += [pairs // k, pairs, inverse[got]]
+        arrays += [pairs // k, pairs, ungroup[got]]
         sends.append([hi - lo for lo, hi in s_ranges])
         recvs.append([hi - lo for lo, hi in r_ranges])
     return arrays, sends, recvs
@@ -300,21 +299,21 @@ class _Combine(torch.autograd.Function):
     def forward(ctx: Any, rows: torch.Tensor, weights: torch.Tensor, handle: DispatchHandle, group: Any) -> torch.Tensor:
         pieces = handle.extra.get("pieces")
         ctx.handle, ctx.group, ctx.wshape, ctx.wdtype = handle, group, weights.shape, weights.dtype
+        w = weights.reshape(-1).index_select(0, handle.order).to(rows.dtype)  # each sent row's weight
         peer = handle.extra.get("peer")
         if peer is not None and not ctx.needs_input_grad[1]:
             from collectives.dispatch import recorded
 
-            ctx.save_for_backward(None, weights.reshape(-1).index_select(0, handle.order).to(rows.dtype))
+            ctx.save_for_backward(None, w)
             transport, p = peer
             with recorded(C.get_communicator(group), "moe_combine", "peer",
                           torch.empty((handle.num_tokens, *rows.shape[1:]), dtype=rows.dtype, device="meta"), rows):
                 return transport.combine(p, rows.contiguous(), weights)
         if pieces is not None and not ctx.needs_input_grad[1]:
             # (the weights' gradient needs every returned row in send order: the one-piece path)
-            ctx.save_for_backward(None, weights.reshape(-1).index_select(0, handle.order).to(rows.dtype))
+            ctx.save_for_backward(None, w)
             return _combine_pieces(pieces, rows.contiguous(), weights, handle.num_tokens, group)
         back = _return(handle, rows.contiguous(), group)
-        w = weights.reshape(-1).index_select(0, handle.order).to(back.dtype)
         ctx.save_for_backward(back, w)
         return _pair_sum(back, handle, handle.num_tokens, weights)
 
@@ -590,7 +589,7 @@ class MoEDispatcher:
                 pieces += arrays
                 split_lists = ("peer", p_scalars, [a.size for a in arrays])
             elif n_pieces > 1:
-                arrays, sends, recvs = _plan_pieces(n_pieces, order, k, send, recv, regroup)
+                arrays, sends, recvs = _plan_pieces(n_pieces, order, k, send, recv, ungroup)
                 pieces += arrays
                 split_lists = ("pieces", (sends, recvs), [a.size for a in arrays])
             layout.append((matrix, dropped, tokens, send, recv, split_lists))
@@ -816,9 +815,9 @@ class MoEDispatcher:
 
             exchange:  send 0 | send 1      | back 0, send 2 | back 1, send 3 | ...
             experts:          | experts 0   | experts 1      | experts 2      | ...
-
         """
         g = self.group
+
         def send(i: int) -> tuple[torch.Tensor, Any]:
             h = handles[i]
             lo, hi = bounds[i]
@@ -941,7 +940,6 @@ class GroupedSwiGLU(nn.Module):
         for e, rows in enumerate(x.split(list(tokens_per_expert))):
             outs.append((F.silu(rows @ self.w1[e]) * (rows @ self.w3[e])) @ self.w2[e])
         return torch.cat(outs) if outs else x.new_zeros((0, self.w2.shape[-1]))
-
 
     def forward_padded(self, x: torch.Tensor) -> torch.Tensor:
         """``[E/W, capacity, hidden]`` -> the same shape, every row of every block (the layout of

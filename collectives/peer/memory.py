@@ -285,13 +285,17 @@ class PeerMemory:
                                    "use 'one_shot', 'two_shot' or 'copy_engine'")
         plan = (self._kernel(algorithm, dtype, True), self._kernel(algorithm, dtype, False), tuple(pieces),
                 tuple(pieces))
-        if algorithm == "one_shot" and n * es <= min(self.ll_max_bytes, ONE_SHOT_LL_MAX_BYTES):
+        if algorithm == "one_shot" and n * es <= self._ll_limit():
             # aligned calls: low-latency words, the whole message at once (each rank's region
             # holds the words of ONE_SHOT_LL_MAX_BYTES)
             ll = self._kernel("one_shot_ll", dtype, True, 4)
             plan = (ll, plan[1], ((self._blocks(n * es), 0, n, ONE_SHOT_LL_MAX_BYTES // 4),), plan[3])
         self._plans[(algorithm, dtype, n)] = plan
         return plan
+
+    def _ll_limit(self) -> int:
+        """The largest message sent in low-latency words: ``ll_max_bytes``, within their area."""
+        return min(self.ll_max_bytes, ONE_SHOT_LL_MAX_BYTES)
 
     def _blocks(self, nbytes: int) -> int:
         return max(1, min(self._max_blocks, -(-nbytes // self._block_bytes)))
@@ -561,7 +565,7 @@ class PeerMemory:
         aligned = output.data_ptr() % PACK_BYTES == 0 and input.data_ptr() % PACK_BYTES == 0
         vec = aligned and m % pack == 0
         # low-latency words: shards of whole 4-byte words, the whole message in their area
-        if aligned and m * es % 4 == 0 and m * es * self.world <= min(self.ll_max_bytes, ONE_SHOT_LL_MAX_BYTES):
+        if aligned and m * es % 4 == 0 and m * es * self.world <= self._ll_limit():
             self._launch(kind + "_ll", output.dtype, True, m * es, input.data_ptr(), output.data_ptr(), m, m)
             return
         for off in range(0, m, piece):
