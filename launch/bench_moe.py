@@ -3,7 +3,9 @@
 Configurations (tokens per rank, hidden, expert inner width, experts, top-k): on GPUs a
 DeepSeek-V3-like prefill (hidden 7168, expert width 2048, 32 experts per rank, i.e. 256 on 8
 GPUs, top-8, 4096 tokens), its decode step (128 tokens) and a Qwen3-235B-A22B-like prefill
-(hidden 4096, expert width 1536, 16 experts per rank, i.e. 128 on 8 GPUs, top-8, 4096 tokens);
+(hidden 4096, expert width 1536, 16 experts per rank, i.e. 128 on 8 GPUs, top-8, 4096 tokens) and a
+Qwen3-30B-A3B-like one (hidden 2048, expert width 768, 16 experts per rank, top-8, 8192 tokens),
+where the exchange is closest to the experts' time;
 on CPUs small ones. Prints
 dispatch and combine time and GB/s beside the backend's ``all_to_all_single`` on the same rows,
 the experts' time, sequential and pipelined totals and the share of communication hidden.
@@ -28,7 +30,7 @@ from bench.report import run_meta, write_csv, write_json  # noqa: E402
 def _configs(cuda: bool, world: int) -> list[tuple[str, int, int, int, int, int]]:
     if cuda:
         return [("dsv3-prefill", 4096, 7168, 2048, 32 * world, 8), ("dsv3-decode", 128, 7168, 2048, 32 * world, 8),
-                ("qwen3-prefill", 4096, 4096, 1536, 16 * world, 8)]
+                ("qwen3-prefill", 4096, 4096, 1536, 16 * world, 8), ("qwen3-30b-prefill", 8192, 2048, 768, 16 * world, 8)]
     return [("small", 64, 32, 48, 4 * world, 2), ("small-decode", 8, 32, 48, 4 * world, 2)]
 
 

@@ -40,6 +40,7 @@ Until a machine's pipeline has been measured, ``chunks="auto"`` runs one chunk a
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -245,6 +246,48 @@ def _iota(n: int) -> np.ndarray:
     return _IOTA[:n]
 
 
+def _host_plan(order: np.ndarray, k: int, tokens: int, matrix: np.ndarray) -> list[np.ndarray]:
+    """One range's index arrays, in ``_handle_at``'s order: its kept pairs in send order, their
+    tokens, ``regroup``, ``ungroup`` and (dropless) ``pair_row``; ``matrix [W, E/W]`` the rows
+    this rank receives from each rank for each local expert."""
+    w, e_loc = matrix.shape
+    local_ids = np.tile(np.arange(e_loc, dtype=np.int16 if e_loc <= np.iinfo(np.int16).max else np.int64), w)
+    # Received rows are [source 0: expert 0.., source 1: ...]; recv_x wants [expert 0: source 0.., ...]:
+    # a stable sort of the received rows by their local expert.
+    regroup = np.argsort(np.repeat(local_ids, matrix.reshape(-1)), kind="stable")
+    ungroup = np.empty(regroup.size, dtype=np.int64)
+    ungroup[regroup] = _iota(regroup.size)
+    pair_row = np.empty(0, dtype=np.int64)
+    if order.size == tokens * k:  # dropless: every pair has its sent row
+        pair_row = np.empty(order.size, dtype=np.int64)
+        pair_row[order] = _iota(order.size)
+    return [order, order // k, regroup, ungroup, pair_row]
+
+
+def _to_device(arrays: list[np.ndarray], dev: torch.device) -> torch.Tensor:
+    """``arrays`` concatenated as one int64 tensor on ``dev``: on a GPU one copy from pinned memory
+    that the host does not wait for (the caching host allocator keeps the pages until it is done)."""
+    flat = torch.from_numpy(np.concatenate(arrays).astype(np.int64, copy=False)) if arrays \
+        else torch.empty(0, dtype=torch.int64)
+    if dev.type != "cuda":
+        return flat.to(dev)
+    return flat.pin_memory().to(dev, non_blocking=True)
+
+
+def _handle_at(on_dev: torch.Tensor, at: int, m_pairs: int, matrix: np.ndarray, send: list[int], recv: list[int],
+               tokens: int, k: int, dropped: int) -> tuple[DispatchHandle, int]:
+    """The handle whose ``_host_plan`` arrays start at ``on_dev[at]``, and where they end."""
+    m_recv = sum(recv)
+    n_pair_row = m_pairs if m_pairs == tokens * k else 0
+    views = []
+    for size in (m_pairs, m_pairs, m_recv, m_recv, n_pair_row):
+        views.append(on_dev[at:at + size])
+        at += size
+    order_t, token_t, regroup_t, ungroup_t, pair_row_t = views
+    return DispatchHandle(matrix.sum(0).tolist(), send, recv, torch.from_numpy(matrix), order_t, token_t, regroup_t,
+                          tokens, k, dropped, ungroup=ungroup_t, pair_row=pair_row_t), at
+
+
 def sorted_pairs(ids: np.ndarray, num_experts: int, capacity_factor: float | None
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
     """One range's routing ``ids [tokens, k]``: its kept pairs (flat indices into ``ids``) sorted by
@@ -433,6 +476,7 @@ class MoEDispatcher:
         # the peer transport sizes its buffers by the rows' bytes
         self._row_bytes = hidden * torch.empty((), dtype=dtype).element_size() if dtype is not None else 0
         self.last_chunks: tuple[int, str] | None = None
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     # -- routing ---------------------------------------------------------------------------------
     def _check(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None) -> None:
@@ -497,6 +541,21 @@ class MoEDispatcher:
             ranges.append([(int(rows[s, 1 + 2 * i]), int(rows[s, 2 + 2 * i])) for i in range(len(bounds))])
         return ids, ranges
 
+    def _exchange_counts(self, counts: np.ndarray, dev: torch.device) -> np.ndarray:
+        """``counts [n, W, E/W]`` (rows this rank sends, per range, rank and that rank's local
+        expert) -> ``[W, n, E/W]``: what each rank sends this one (an all-to-all; the host waits)."""
+        w, n, e_loc = self.comm.size, counts.shape[0], self.local_experts
+        send_buf = torch.from_numpy(np.ascontiguousarray(counts.transpose(1, 0, 2)).reshape(-1))
+        if dev.type == "cpu" or not self.comm.backend_for(dev.type):
+            got_t = torch.empty_like(send_buf)
+            C.all_to_all_single(got_t, send_buf, group=self.group)
+        else:
+            # GPU tokens: the counts travel over the GPU's backend, like the rows
+            got_dev = torch.empty_like(send_buf, device=dev)
+            C.all_to_all_single(got_dev, send_buf.to(dev), group=self.group)
+            got_t = got_dev.cpu()
+        return got_t.numpy().reshape(w, n, e_loc)
+
     def _peer_rows(self) -> Any:
         """The peer transport's buffers, built on first use (collective: every rank dispatches)."""
         if self._peer is None:
@@ -552,33 +611,15 @@ class MoEDispatcher:
         if self.transport == "peer":
             got = np.ascontiguousarray(every[:, :, self.comm.rank, :])  # type: ignore[index]
         else:
-            # [n, W, E/W] -> [W, n, E/W]: what each rank receives, for each range, for each local expert
-            send_buf = torch.from_numpy(np.ascontiguousarray(counts.transpose(1, 0, 2)).reshape(-1))
-            if dev.type == "cpu" or not self.comm.backend_for(dev.type):
-                got_t = torch.empty_like(send_buf)
-                C.all_to_all_single(got_t, send_buf, group=self.group)
-            else:
-                # GPU tokens: the counts travel over the GPU's backend, like the rows
-                got_dev = torch.empty_like(send_buf, device=dev)
-                C.all_to_all_single(got_dev, send_buf.to(dev), group=self.group)
-                got_t = got_dev.cpu()
-            got = got_t.numpy().reshape(w, n, e_loc)
-        local_ids = np.tile(np.arange(e_loc, dtype=np.int16 if e_loc <= np.iinfo(np.int16).max else np.int64), w)
+            got = self._exchange_counts(counts, dev)
         pieces, layout = [], []
         n_pieces = self.exchange_pieces
         for c, (order, _, _, dropped, tokens) in enumerate(local):
             matrix = np.ascontiguousarray(got[:, c, :])
-            # Received rows are [source 0: expert 0.., source 1: ...]; recv_x wants [expert 0: source 0.., ...]:
-            # a stable sort of the received rows by their local expert.
-            regroup = np.argsort(np.repeat(local_ids, matrix.reshape(-1)), kind="stable")
             send, recv = counts[c].sum(1).tolist(), matrix.sum(1).tolist()
-            ungroup = np.empty(regroup.size, dtype=np.int64)
-            ungroup[regroup] = _iota(regroup.size)
-            pair_row = np.empty(0, dtype=np.int64)
-            if order.size == tokens * k:  # dropless: every pair has its sent row
-                pair_row = np.empty(order.size, dtype=np.int64)
-                pair_row[order] = _iota(order.size)
-            pieces += [order, order // k, regroup, ungroup, pair_row]
+            arrays = _host_plan(order, k, tokens, matrix)
+            ungroup = arrays[3]
+            pieces += arrays
             split_lists: Any = None
             if self.transport == "peer":
                 from . import _moe_peer
@@ -593,22 +634,10 @@ class MoEDispatcher:
                 pieces += arrays
                 split_lists = ("pieces", (sends, recvs), [a.size for a in arrays])
             layout.append((matrix, dropped, tokens, send, recv, split_lists))
-        flat_all = torch.from_numpy(np.concatenate(pieces).astype(np.int64, copy=False)) if pieces \
-            else torch.empty(0, dtype=torch.int64)
-        on_dev = flat_all.to(dev)  # one copy to the device for every index of every range
+        on_dev = _to_device(pieces, dev)  # one copy to the device for every index of every range
         handles, at = [], 0
         for c, (matrix, dropped, tokens, send, recv, split_lists) in enumerate(layout):
-            m_pairs, m_recv = local[c][0].size, sum(recv)
-            n_pair_row = m_pairs if m_pairs == tokens * k else 0
-            order_t = on_dev[at:at + m_pairs]
-            token_t = on_dev[at + m_pairs:at + 2 * m_pairs]
-            regroup_t = on_dev[at + 2 * m_pairs:at + 2 * m_pairs + m_recv]
-            ungroup_t = on_dev[at + 2 * m_pairs + m_recv:at + 2 * m_pairs + 2 * m_recv]
-            at += 2 * m_pairs + 2 * m_recv
-            pair_row_t = on_dev[at:at + n_pair_row]
-            at += n_pair_row
-            h = DispatchHandle(matrix.sum(0).tolist(), send, recv, torch.from_numpy(matrix), order_t, token_t,
-                               regroup_t, tokens, k, dropped, ungroup=ungroup_t, pair_row=pair_row_t)
+            h, at = _handle_at(on_dev, at, local[c][0].size, matrix, send, recv, tokens, k, dropped)
             if split_lists is not None:
                 kind, info, sizes = split_lists
                 views = []
@@ -795,9 +824,9 @@ class MoEDispatcher:
         if self._device_layout(topk_idx):  # with autograd: chunk after chunk, each laid out on the GPUs
             return torch.cat([self.forward(x[lo:hi], topk_idx[lo:hi], topk_weights[lo:hi], experts)
                               for lo, hi in bounds])
-        handles = self.route_chunks(topk_idx, bounds)  # every chunk's counts in one small exchange
         if not torch.is_grad_enabled() and self.transport != "peer":
-            return self._overlapped(x, topk_weights, experts, bounds, handles)
+            return self._overlapped(x, topk_idx, topk_weights, experts, bounds)
+        handles = self.route_chunks(topk_idx, bounds)  # every chunk's counts in one small exchange
         recv = [_Dispatch.apply(x[bounds[0][0]:bounds[0][1]], handles[0], self.group)]
         outs = []
         for i, (lo, hi) in enumerate(bounds):
@@ -808,54 +837,100 @@ class MoEDispatcher:
             outs.append(_Combine.apply(rows, topk_weights[lo:hi], handles[i], self.group))
         return torch.cat(outs)
 
-    def _overlapped(self, x: torch.Tensor, topk_weights: torch.Tensor,
-                    experts: Callable[[torch.Tensor, list[int]], torch.Tensor], bounds: list[tuple[int, int]],
-                    handles: list[DispatchHandle]) -> torch.Tensor:
+    def _planner(self, topk_idx: torch.Tensor, bounds: list[tuple[int, int]]) -> Callable[[int], DispatchHandle]:
+        """Every range's counts exchanged now (one all-to-all, the host's one wait); each range's
+        handle planned on the host when asked for, so that planning range c+1 (sorts of its pairs
+        and received rows) runs while the GPU computes range c."""
+        k = topk_idx.shape[1]
+        w, e_loc, E = self.comm.size, self.local_experts, self.num_experts
+        dev = topk_idx.device
+        ids = topk_idx.detach().to("cpu", torch.int64).numpy().reshape(-1, k)
+        self._check_ids(ids, topk_idx, "topk_idx")
+        local: list[Any] = [None] * len(bounds)
+        if self.capacity_factor is None:  # dropless: the counts are a bincount; the sorts can wait
+            counts = np.stack([np.bincount(ids[lo:hi].reshape(-1), minlength=E) for lo, hi in bounds])
+        else:  # the counts follow the drops, which need the sorts
+            local = [sorted_pairs(ids[lo:hi], E, self.capacity_factor) for lo, hi in bounds]
+            counts = np.stack([c for _, _, c, _, _ in local])
+        counts = counts.reshape(len(bounds), w, e_loc)
+        got = self._exchange_counts(counts, dev)
+
+        def plan(c: int) -> DispatchHandle:
+            lo, hi = bounds[c]
+            order, _, _, dropped, tokens = local[c] or sorted_pairs(ids[lo:hi], E, None)
+            matrix = np.ascontiguousarray(got[:, c, :])
+            on_dev = _to_device(_host_plan(order, k, tokens, matrix), dev)
+            return _handle_at(on_dev, 0, order.size, matrix, counts[c].sum(1).tolist(), matrix.sum(1).tolist(),
+                              tokens, k, dropped)[0]
+
+        return plan
+
+    def _overlapped(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                    experts: Callable[[torch.Tensor, list[int]], torch.Tensor],
+                    bounds: list[tuple[int, int]]) -> torch.Tensor:
         """The no-grad pipeline: every rank issues the same exchanges in the same order.
 
-            exchange:  send 0 | send 1      | back 0, send 2 | back 1, send 3 | ...
-            experts:          | experts 0   | experts 1      | experts 2      | ...
+            host:      counts | plan 0 | plan 1      | plan 2         | ...
+            exchange:         | send 0 | send 1      | back 0, send 2 | back 1, send 3 | ...
+            experts:                   | experts 0   | experts 1      | experts 2      | ...
+
+        On GPUs the sends are issued from a side stream (``send i+1`` must not wait for ``experts
+        i``, which the caller's stream holds) and the returns from the caller's stream; NCCL runs
+        both on its own stream. Planning range i+1 on the host (``_planner``) overlaps the GPU's
+        work on range i: nothing in the loop waits for the GPU.
         """
         g = self.group
+        plan = self._planner(topk_idx, bounds)
+        cuda = x.device.type == "cuda"
+        main = torch.cuda.current_stream(x.device) if cuda else None
+        side = self._send_stream(x.device) if cuda else None
+        if side is not None and main is not None:
+            side.wait_stream(main)
 
-        def send(i: int) -> tuple[torch.Tensor, Any]:
-            h = handles[i]
-            lo, hi = bounds[i]
-            rows = x[lo:hi].index_select(0, h.token_of)
-            out = rows.new_empty((sum(h.recv_counts), *rows.shape[1:]))
-            return out, C.all_to_all_single(out, rows.contiguous(), h.recv_counts, h.send_counts, group=g,
-                                            async_op=True)
-
-        def back(i: int, y: torch.Tensor) -> tuple[torch.Tensor, Any]:
-            h = handles[i]
-            by_source = _by_source(h, y)
-            out = y.new_empty((sum(h.send_counts), *y.shape[1:]))
-            return out, C.all_to_all_single(out, by_source, h.send_counts, h.recv_counts, group=g, async_op=True)
+        def send(i: int) -> tuple[DispatchHandle, torch.Tensor, Any]:
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                h = plan(i)
+                lo, hi = bounds[i]
+                rows = x[lo:hi].index_select(0, h.token_of)
+                out = rows.new_empty((sum(h.recv_counts), *rows.shape[1:]))
+                work = C.all_to_all_single(out, rows, h.recv_counts, h.send_counts, group=g, async_op=True)
+            if main is not None:  # made on the side stream, used on the caller's
+                for t in (out, h.regroup, h.ungroup, h.pair_row, h.order):
+                    t.record_stream(main)  # type: ignore[union-attr]
+            return h, out, work
 
         result = x.new_empty((x.shape[0], self.hidden))
 
-        def land(i: int, pending: tuple[torch.Tensor, Any]) -> None:
-            rows, work = pending
+        def land(i: int, h: DispatchHandle, rows: torch.Tensor, work: Any) -> None:
             if work is not None:
                 work.wait()
-            h, (lo, hi) = handles[i], bounds[i]
+            lo, hi = bounds[i]
             result[lo:hi] = _pair_sum(rows, h, hi - lo, topk_weights[lo:hi])
 
         incoming = send(0)
-        returning: tuple[int, tuple[torch.Tensor, Any]] | None = None
+        returning: tuple[int, DispatchHandle, torch.Tensor, Any] | None = None
         for i in range(len(bounds)):
-            rows, work = incoming
-            if i + 1 < len(bounds):
-                incoming = send(i + 1)
+            h, rows, work = incoming
             if work is not None:
                 work.wait()
-            y = experts(rows.index_select(0, handles[i].regroup), handles[i].tokens_per_expert)
+            y = experts(rows.index_select(0, h.regroup), h.tokens_per_expert)
+            if i + 1 < len(bounds):
+                incoming = send(i + 1)  # planned on the host while the GPU computes range i
             if returning is not None:
                 land(*returning)
-            returning = (i, back(i, y))
+            back = y.new_empty((sum(h.send_counts), *y.shape[1:]))
+            returning = (i, h, back, C.all_to_all_single(back, _by_source(h, y), h.send_counts, h.recv_counts,
+                                                         group=g, async_op=True))
         if returning is not None:
             land(*returning)
         return result
+
+    def _send_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The pipelined forward's stream for the sends (one per device, kept)."""
+        st = self._streams.get(device)
+        if st is None:
+            st = self._streams[device] = torch.cuda.Stream(device)
+        return st
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -931,7 +1006,10 @@ class GroupedSwiGLU(nn.Module):
     def forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
         """``[rows, hidden]`` -> ``[rows, hidden]``; ``tokens_per_expert[e]`` consecutive rows per local expert."""
         if x.shape[0] and self._grouped(x):
-            ends = torch.tensor(np.cumsum(tokens_per_expert), dtype=torch.int32, device=x.device)
+            ends = torch.from_numpy(np.cumsum(tokens_per_expert, dtype=np.int32))
+            # from pinned memory, not waited for: a plain copy would stall the host until the GPU
+            # is idle, and the launches after it would then leave the GPU idle in turn
+            ends = ends.pin_memory().to(x.device, non_blocking=True) if x.is_cuda else ends
             h1 = torch._grouped_mm(x, self.w1, offs=ends)
             h3 = torch._grouped_mm(x, self.w3, offs=ends)
             act = _ContiguousGrad.apply(F.silu(h1) * h3)

@@ -267,6 +267,30 @@ def test_overlapped_pipeline_without_autograd_matches(worlds, world_size: int) -
         assert max(worlds(world_size).run(_pipelined_no_grad, chunks)) < 1e-12
 
 
+def _pipelined_drops(rank: int, world: int, chunks: int) -> float:
+    """The no-grad pipeline with a capacity (applied per chunk, like the autograd path) and a rank
+    without tokens, against the sequential forward of each chunk in turn."""
+    experts = 2 * world
+    tokens = 0 if rank == 1 else 17 + 5 * rank
+    x, idx, w = _routing(rank, tokens, experts, 2, "random", 5)
+    disp = MoEDispatcher(experts, H, dtype=torch.float64, capacity_factor=0.6)
+
+    def local(rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
+        outs = [_expert(disp.first_expert + e, r) for e, r in enumerate(rows.split(per_expert))]
+        return torch.cat(outs) if outs else rows
+
+    with torch.no_grad():
+        got = disp.forward_pipelined(x, idx, w, local, chunks=chunks)
+        want = torch.cat([disp.forward(x[lo:hi], idx[lo:hi], w[lo:hi], local) for lo, hi in
+                          ((tokens * i // chunks, tokens * (i + 1) // chunks) for i in range(chunks))])
+    assert got.shape == want.shape
+    return (got - want).abs().max().item() if got.numel() else 0.0
+
+
+def test_overlapped_pipeline_drops_per_chunk(worlds) -> None:  # noqa: ANN001
+    assert max(worlds(3).run(_pipelined_drops, 3)) < 1e-12
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 def test_grouped_experts_match_one_gemm_per_expert_in_float64(dtype: torch.dtype, tol: float) -> None:
     from overlap.moe import GroupedSwiGLU, _grouped_mm_works
