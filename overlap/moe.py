@@ -886,12 +886,17 @@ class MoEDispatcher:
         side = self._send_stream(x.device) if cuda else None
         if side is not None and main is not None:
             side.wait_stream(main)
+        # The sends' inputs live on the side stream until the end: the backend may let go of a
+        # tensor once the caller's stream has waited for the transfer, and the side stream, which
+        # has not, could then reuse its memory while the transfer still reads it.
+        sent: list[torch.Tensor] = []
 
         def send(i: int) -> tuple[DispatchHandle, torch.Tensor, Any]:
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 h = plan(i)
                 lo, hi = bounds[i]
                 rows = x[lo:hi].index_select(0, h.token_of)
+                sent.append(rows)
                 out = rows.new_empty((sum(h.recv_counts), *rows.shape[1:]))
                 work = C.all_to_all_single(out, rows, h.recv_counts, h.send_counts, group=g, async_op=True)
             if main is not None:  # made on the side stream, used on the caller's
@@ -923,6 +928,8 @@ class MoEDispatcher:
                                                          group=g, async_op=True))
         if returning is not None:
             land(*returning)
+        if side is not None and main is not None:
+            side.wait_stream(main)  # which has waited for every transfer: the inputs can go
         return result
 
     def _send_stream(self, device: torch.device) -> torch.cuda.Stream:

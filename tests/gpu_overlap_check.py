@@ -244,6 +244,25 @@ def main() -> int:
                         close(f"forward_pipelined {t}/{n} {dtype} call {call}", piped, out_ref,
                               tol=TOL if dtype == torch.float32 else 2e-2)
             others[("peer", 1)].close()
+        # the no-grad pipeline over NCCL at prefill size, many chunks (its sends come from a side
+        # stream, whose memory is reused from chunk to chunk): fp32, against the plain forward
+        Ep, kp, Hp = 16 * w, 4, 1024
+        big = MoEDispatcher(Ep, Hp, dtype=torch.float32, device=dev)
+        for call in range(3):
+            g.manual_seed(900 + 10 * call + r)
+            T = 4096 + 37 * r + call
+            xb = torch.randn(T, Hp, generator=g, device=dev)
+            idx = torch.rand(T, Ep, generator=g, device=dev).topk(kp, dim=-1).indices
+            wb = torch.rand(T, kp, generator=g, device=dev)
+
+            def scaled(rows: torch.Tensor, tpe: list[int]) -> torch.Tensor:
+                return torch.cat([t * (1 + e) for e, t in enumerate(rows.split(tpe))])
+
+            with torch.no_grad():
+                want = big.forward(xb, idx, wb, scaled)
+                for chunks in (4, 8):
+                    close(f"forward_pipelined nccl fp32 {T} tokens chunks {chunks} call {call}",
+                          big.forward_pipelined(xb, idx, wb, scaled, chunks=chunks), want)
         # the peer transport's edge cases against NCCL's: a rank without tokens, every token to
         # one expert, capacity drops, a hidden size whose rows are not whole 16-byte packs (the
         # scalar kernels), more local experts of one token than a warp has lanes
