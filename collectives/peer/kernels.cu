@@ -119,6 +119,28 @@ template <> __device__ __forceinline__ float from_f<float>(float x) { return x; 
 template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
+// One pack's elements summed in fp32 (weights optional), then rounded once: the reducing kernels'
+// inner step. A weight of 1 adds exactly (1 * x is x, fused or not).
+template <typename T> struct PackSum {
+  float v[8];
+  __device__ __forceinline__ PackSum() {
+#pragma unroll
+    for (int k = 0; k < Pack<T>::N; ++k) v[k] = 0.f;
+  }
+  __device__ __forceinline__ void add(const uint4& x, float w = 1.f) {
+    const T* e = reinterpret_cast<const T*>(&x);
+#pragma unroll
+    for (int k = 0; k < Pack<T>::N; ++k) v[k] += w * to_f(e[k]);
+  }
+  __device__ __forceinline__ uint4 packed() const {
+    uint4 r;
+    T* re = reinterpret_cast<T*>(&r);
+#pragma unroll
+    for (int k = 0; k < Pack<T>::N; ++k) re[k] = from_f<T>(v[k]);
+    return r;
+  }
+};
+
 // Copy [lo, hi) elements src -> dst; `cg` reads/writes bypass L1 (peer-visible data). Four packs
 // per thread are loaded before any is stored, so that enough bytes are in flight to fill NVLink.
 template <typename T, bool VEC>
@@ -156,21 +178,9 @@ __device__ __forceinline__ void reduce_range(T* out, const T* const* srcs, int w
   if (VEC) {
     const long vhi = lo + (hi - lo) / N * N;
     for (i = lo + (long)threadIdx.x * N; i < vhi; i += (long)blockDim.x * N) {
-      float acc[N];
-      uint4 v = __ldcg(reinterpret_cast<const uint4*>(srcs[0] + i));
-      const T* e = reinterpret_cast<const T*>(&v);
-#pragma unroll
-      for (int k = 0; k < N; ++k) acc[k] = to_f(e[k]);
-      for (int q = 1; q < world; ++q) {
-        v = __ldcg(reinterpret_cast<const uint4*>(srcs[q] + i));
-        e = reinterpret_cast<const T*>(&v);
-#pragma unroll
-        for (int k = 0; k < N; ++k) acc[k] += to_f(e[k]);
-      }
-      uint4 o;
-      T* oe = reinterpret_cast<T*>(&o);
-#pragma unroll
-      for (int k = 0; k < N; ++k) oe[k] = from_f<T>(acc[k]);
+      PackSum<T> acc;
+      for (int q = 0; q < world; ++q) acc.add(__ldcg(reinterpret_cast<const uint4*>(srcs[q] + i)));
+      const uint4 o = acc.packed();
       *reinterpret_cast<uint4*>(out + i) = o;
       for (int a = 0; a < n_also; ++a) __stcg(reinterpret_cast<uint4*>(also[a] + i), o);
     }
@@ -419,6 +429,15 @@ __device__ void two_shot(const Ctx& c, const T* in, T* out, long n, long S) {
   end(c);
 }
 
+// This block's share [lo, hi) of `src(p)` pushed into every peer p's slot `rank` (slots m apart).
+template <typename T, bool VEC, typename Src>
+__device__ __forceinline__ void push_shards(const Ctx& c, u32 e, long m, long lo, long hi, Src src) {
+  for (int d = 1; d < c.world; ++d) {
+    const int p = (c.rank + d) % c.world;
+    copy_range<T, VEC>(slots_of<T>(c, p, e) + c.rank * m, src(p), lo, hi);
+  }
+}
+
 // Reduce-scatter: `in` holds world shards of m elements, `in_stride` apart; rank r's result
 // (m elements) goes to `out`. Push shard p into p's slot `rank` (slots m apart); reduce.
 template <typename T, bool VEC>
@@ -428,10 +447,7 @@ __device__ void reduce_scatter(const Ctx& c, const T* in, T* out, long m, long i
   const int r = c.rank, w = c.world;
   long lo, hi;
   share<T>(m, m, &lo, &hi);
-  for (int d = 1; d < w; ++d) {
-    const int p = (r + d) % w;
-    copy_range<T, VEC>(slots_of<T>(c, p, e) + r * m, in + p * in_stride, lo, hi);
-  }
+  push_shards<T, VEC>(c, e, m, lo, hi, [&](int p) { return in + p * in_stride; });
   if (!barrier(c.flags, r, w, STAGE_READY, e, c.timeout_ns, c.err, c.err_dev)) return;
   const T* mine = slots_of<T>(c, r, e);
   const T* srcs[MAX_RANKS];
@@ -449,10 +465,7 @@ __device__ void all_gather(const Ctx& c, const T* in, T* out, long m, long out_s
   const int r = c.rank, w = c.world;
   long lo, hi;
   share<T>(m, m, &lo, &hi);
-  for (int d = 1; d < w; ++d) {
-    const int p = (r + d) % w;
-    copy_range<T, VEC>(slots_of<T>(c, p, e) + r * m, in, lo, hi);
-  }
+  push_shards<T, VEC>(c, e, m, lo, hi, [&](int) { return in; });
   copy_range<T, VEC>(out + r * out_stride, in, lo, hi);
   if (!barrier(c.flags, r, w, STAGE_READY, e, c.timeout_ns, c.err, c.err_dev)) return;
   const T* mine = slots_of<T>(c, r, e);
@@ -729,24 +742,13 @@ __device__ void rows_partial(const Ctx& c, const long* item, const long* ptr, co
       for (long v0 = 0; v0 < packs; v0 += WARP) {  // every lane runs every round (the shuffles)
         const long v = v0 + lane;
         const bool live = v < packs;
-        float acc[8];
-#pragma unroll
-        for (int k = 0; k < N; ++k) acc[k] = 0.f;
+        PackSum<T> acc;
         for (long e = 0; e < cnt; ++e) {
           // more entries than lanes (more than 32 local experts for one token): read directly
           const float we = cnt <= WARP ? __shfl_sync(0xffffffffu, wl, (int)e) : __ldcg(wts + ent[2 * (a + e) + 1]);
-          if (!live) continue;
-          const uint4 x = __ldg(reinterpret_cast<const uint4*>(rows + ent[2 * (a + e)] * row) + v);
-          const T* xe = reinterpret_cast<const T*>(&x);
-#pragma unroll
-          for (int k = 0; k < N; ++k) acc[k] += we * to_f(xe[k]);
+          if (live) acc.add(__ldg(reinterpret_cast<const uint4*>(rows + ent[2 * (a + e)] * row) + v), we);
         }
-        if (!live) continue;
-        uint4 r;
-        T* re = reinterpret_cast<T*>(&r);
-#pragma unroll
-        for (int k = 0; k < N; ++k) re[k] = from_f<T>(acc[k]);
-        __stcg(reinterpret_cast<uint4*>(o) + v, r);
+        if (live) __stcg(reinterpret_cast<uint4*>(o) + v, acc.packed());
       }
     } else {
       for (long j = lane; j < row; j += WARP) {
@@ -769,21 +771,12 @@ __device__ void rows_sum(const Ctx& c, const long* ptr, const long* ent, T* out,
     if (VEC) {
       const long packs = row / N;
       for (long v = lane; v < packs; v += WARP) {
-        float acc[8];
-#pragma unroll
-        for (int k = 0; k < N; ++k) acc[k] = 0.f;
+        PackSum<T> acc;
         for (long e = a; e < b; ++e) {
           const T* s = reinterpret_cast<const T*>(c.slots.p[ent[2 * e]] + p_off) + ent[2 * e + 1] * row;
-          const uint4 x = __ldcg(reinterpret_cast<const uint4*>(s) + v);
-          const T* xe = reinterpret_cast<const T*>(&x);
-#pragma unroll
-          for (int k = 0; k < N; ++k) acc[k] += to_f(xe[k]);
+          acc.add(__ldcg(reinterpret_cast<const uint4*>(s) + v));
         }
-        uint4 r;
-        T* re = reinterpret_cast<T*>(&r);
-#pragma unroll
-        for (int k = 0; k < N; ++k) re[k] = from_f<T>(acc[k]);
-        reinterpret_cast<uint4*>(o)[v] = r;
+        reinterpret_cast<uint4*>(o)[v] = acc.packed();
       }
     } else {
       for (long j = lane; j < row; j += WARP) {
@@ -1067,21 +1060,12 @@ __device__ void rows_partial_dense(const Ctx& c, long p_off, long w_off, const i
     T* o = reinterpret_cast<T*>(c.slots.p[c.rank] + p_off) + g * row;
     if (VEC) {
       for (long v = lo + lane; v < hi; v += WARP) {
-        float acc[8];
-#pragma unroll
-        for (int q = 0; q < N; ++q) acc[q] = 0.f;
+        PackSum<T> acc;
         for (unsigned m = mask; m; m &= m - 1) {
           const int j = __ffs(m) - 1;
-          const uint4 x = __ldg(reinterpret_cast<const uint4*>(rows + (long)dst[wid][j] * row) + v);
-          const T* xe = reinterpret_cast<const T*>(&x);
-#pragma unroll
-          for (int q = 0; q < N; ++q) acc[q] += wt[wid][j] * to_f(xe[q]);
+          acc.add(__ldg(reinterpret_cast<const uint4*>(rows + (long)dst[wid][j] * row) + v), wt[wid][j]);
         }
-        uint4 r;
-        T* re = reinterpret_cast<T*>(&r);
-#pragma unroll
-        for (int q = 0; q < N; ++q) re[q] = from_f<T>(acc[q]);
-        __stcg(reinterpret_cast<uint4*>(o) + v, r);
+        __stcg(reinterpret_cast<uint4*>(o) + v, acc.packed());
       }
     } else {
       for (long jj = lo + lane; jj < hi; jj += WARP) {
@@ -1120,21 +1104,12 @@ __device__ void rows_sum_dense(const Ctx& c, long p_off, const int* ids_all, T* 
     T* o = out + t * row;
     if (VEC) {
       for (long v = lo + lane; v < hi; v += WARP) {
-        float acc[8];
-#pragma unroll
-        for (int q = 0; q < N; ++q) acc[q] = 0.f;
+        PackSum<T> acc;
         for (unsigned m = ranks; m; m &= m - 1) {
           const T* src = reinterpret_cast<const T*>(c.slots.p[__ffs(m) - 1] + p_off) + prow * row;
-          const uint4 x = __ldcg(reinterpret_cast<const uint4*>(src) + v);
-          const T* xe = reinterpret_cast<const T*>(&x);
-#pragma unroll
-          for (int q = 0; q < N; ++q) acc[q] += to_f(xe[q]);
+          acc.add(__ldcg(reinterpret_cast<const uint4*>(src) + v));
         }
-        uint4 r;
-        T* re = reinterpret_cast<T*>(&r);
-#pragma unroll
-        for (int q = 0; q < N; ++q) re[q] = from_f<T>(acc[q]);
-        reinterpret_cast<uint4*>(o)[v] = r;
+        reinterpret_cast<uint4*>(o)[v] = acc.packed();
       }
     } else {
       for (long j = lo + lane; j < hi; j += WARP) {
