@@ -23,8 +23,9 @@ to the output) and counted in the handle.
 With ``exchange_pieces`` > 1 the row exchange itself is pipelined: piece c carries part c of
 every rank's rows for every other rank (cut the same way on both sides from the counts), all
 pieces' gathers and asynchronous transfers are issued first, then each arrival is put in place
-(``index_copy_`` into ``recv_x``; for combine a weighted ``index_add_``) while later pieces are
-in flight: the two extra passes over the rows overlap the transfer instead of adding to it.
+(``index_copy_`` into ``recv_x``; for combine into each pair's own slot, the weighted sums
+following in one batched GEMM) while later pieces are in flight: the extra passes over the rows
+overlap the transfer instead of adding to it.
 
 With ``transport="peer"`` every rank learns every rank's routing instead of the counts, and SM
 kernels read each token once per destination rank straight out of the source's peer buffer into
@@ -225,16 +226,17 @@ def _route_pieces(p: _Pieces, x: torch.Tensor, total: int, group: Any) -> torch.
 
 
 def _combine_pieces(p: _Pieces, rows: torch.Tensor, weights: torch.Tensor, num_tokens: int, group: Any) -> torch.Tensor:
-    """``out[t] = sum of weight x returned row`` over t's pairs, the return in pieces like
-    ``_route_pieces`` (backwards)."""
-    out = rows.new_zeros((num_tokens, *rows.shape[1:]))
-    flat_w = weights.reshape(-1)
-
-    def land(c: int, buf: torch.Tensor) -> None:
-        out.index_add_(0, p.tokens[c], buf * flat_w.index_select(0, p.pairs[c]).to(buf.dtype).unsqueeze(-1))
-
-    _exchange_pieces(rows, p.dest, p.send, p.recv, group, land)
-    return out
+    """``_pair_sum`` of the returned rows, the return in pieces like ``_route_pieces`` (backwards):
+    each arrival is put in its pairs' own slots (no two rows share one: no atomics, the same bits
+    on every run), then each token's rows are summed with its weights by one batched GEMM, as in
+    the one-piece path."""
+    k = weights.shape[1]
+    n = num_tokens * k
+    kept = sum(sum(s) for s in p.send)  # pairs that went out; the others were dropped and add nothing
+    per = rows.new_empty((n, *rows.shape[1:])) if kept == n else rows.new_zeros((n, *rows.shape[1:]))
+    _exchange_pieces(rows, p.dest, p.send, p.recv, group, lambda c, buf: per.index_copy_(0, p.pairs[c], buf))
+    out = torch.bmm(weights.reshape(num_tokens, 1, k).to(rows.dtype), per.view(num_tokens, k, math.prod(rows.shape[1:])))
+    return out.view(num_tokens, *rows.shape[1:])
 
 
 _IOTA = np.arange(0, dtype=np.int64)
