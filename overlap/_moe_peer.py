@@ -375,11 +375,11 @@ class PeerRows:
         self.check()
         bad = counts[-2:]
         if bad.any():
-            W, e_loc = self.world, self.e_loc
+            from .moe import bad_routing
+
             s = int(bad[_BAD_RANGE] or bad[_BAD_REPEAT]) - 1
-            what = (f"has expert ids outside 0..{W * e_loc - 1}", f"route to experts 0..{W * e_loc - 1}") \
-                if bad[_BAD_RANGE] else ("routes a token to the same expert twice", "give each token k distinct experts")
-            raise InvalidArgumentError("topk_idx" if s == self.rank else f"topk_idx of rank {s}", topk_idx, *what)
+            raise bad_routing("topk_idx" if s == self.rank else f"topk_idx of rank {s}", topk_idx,
+                              self.world * self.e_loc, repeated=not bad[_BAD_RANGE])
 
     def _geo(self, cap: int = 0) -> int:
         """The kernels' layout word (kernels.cu): k, the local experts, and ``cap`` (0: compact)."""

@@ -239,6 +239,16 @@ def _combine_pieces(p: _Pieces, rows: torch.Tensor, weights: torch.Tensor, num_t
     return out.view(num_tokens, *rows.shape[1:])
 
 
+def bad_routing(name: str, topk_idx: torch.Tensor, num_experts: int, repeated: bool) -> InvalidArgumentError:
+    """The error for expert ids out of range (``repeated``: an expert twice for one token), whichever
+    side found them: the host's checks or the peer transport's kernels."""
+    if repeated:
+        return InvalidArgumentError(name, topk_idx, "routes a token to the same expert twice",
+                                    "give each token k distinct experts")
+    return InvalidArgumentError(name, topk_idx, f"has expert ids outside 0..{num_experts - 1}",
+                                f"route to experts 0..{num_experts - 1}")
+
+
 _IOTA = np.arange(0, dtype=np.int64)
 
 
@@ -511,12 +521,10 @@ class MoEDispatcher:
         E, k = self.num_experts, ids.shape[1] if ids.ndim == 2 else 1
         if ids.size:
             if ids.min() < 0 or ids.max() >= E:
-                raise InvalidArgumentError(name, topk_idx, f"has expert ids outside 0..{E - 1}",
-                                           f"route to experts 0..{E - 1}")
+                raise bad_routing(name, topk_idx, E, repeated=False)
             by_row = np.sort(ids, axis=1)
             if k > 1 and (by_row[:, 1:] == by_row[:, :-1]).any():
-                raise InvalidArgumentError(name, topk_idx, "routes a token to the same expert twice",
-                                           "give each token k distinct experts")
+                raise bad_routing(name, topk_idx, E, repeated=True)
 
     def _gather_routing(self, topk_idx: torch.Tensor, bounds: list[tuple[int, int]], k: int
                         ) -> tuple[list[np.ndarray], list[list[tuple[int, int]]]]:
