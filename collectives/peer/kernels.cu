@@ -938,17 +938,52 @@ extern "C" __global__ void __launch_bounds__(512) rows_layout(const Ctx c, long 
 }
 
 // base[e * W + s]: the first recv_x row of (local expert e, source s), in shared memory (`cap`:
-// see the layout above).
+// see the layout above). Every thread loads some of the counts, then the block scans them (one
+// thread walking W * e_loc counts in global memory costs ~10 us of load latency per block,
+// most of a decode-sized gather).
 __device__ __forceinline__ void load_base(const int* info, int W, int e_loc, long cap, int* base) {
-  if (threadIdx.x == 0) {
-    int run = 0;
-    for (int e = 0; e < e_loc; ++e) {
-      if (cap) run = (int)(e * cap);
-      for (int s = 0; s < W; ++s) {
-        base[e * W + s] = run;
-        run += info[s * e_loc + e];
+  __shared__ int warp_sums[32];
+  const int n = W * e_loc, lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) base[i] = __ldcg(info + (i % W) * e_loc + i / W);
+  __syncthreads();
+  if (cap) {  // padded: expert e's rows start at e * cap, its sources' in rank order
+    for (int e = threadIdx.x; e < e_loc; e += blockDim.x) {
+      int run = (int)(e * cap);
+      for (int q = 0; q < W; ++q) {
+        const int v = base[e * W + q];
+        base[e * W + q] = run;
+        run += v;
       }
     }
+    __syncthreads();
+    return;
+  }
+  // compact: an exclusive prefix sum over all n, each thread over its own run of entries
+  const int per = (n + blockDim.x - 1) / blockDim.x, lo = min(n, (int)threadIdx.x * per), hi = min(n, lo + per);
+  int mine = 0;
+  for (int i = lo; i < hi; ++i) mine += base[i];
+  int incl = mine;  // inclusive scan of the threads' sums: within the warp, then over the warps
+  for (int o = 1; o < WARP; o *= 2) {
+    const int v = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += v;
+  }
+  if (lane == WARP - 1) warp_sums[wid] = incl;
+  __syncthreads();
+  if (wid == 0) {
+    const int nw = blockDim.x / WARP;
+    int v = lane < nw ? warp_sums[lane] : 0;
+    for (int o = 1; o < WARP; o *= 2) {
+      const int u = __shfl_up_sync(0xffffffffu, v, o);
+      if (lane >= o) v += u;
+    }
+    if (lane < nw) warp_sums[lane] = v;  // inclusive over the warps
+  }
+  __syncthreads();
+  int run = incl - mine + (wid ? warp_sums[wid - 1] : 0);
+  for (int i = lo; i < hi; ++i) {
+    const int v = base[i];
+    base[i] = run;
+    run += v;
   }
   __syncthreads();
 }
