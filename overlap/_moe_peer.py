@@ -51,6 +51,7 @@ from collectives.peer.memory import PACK_BYTES, PeerMemory
 __all__ = ["PeerPlan", "plan", "build", "PeerRows", "layout_bytes", "buffer_bytes", "dense_backward_fits"]
 
 _WARPS_PER_BLOCK = 16  # 512 threads (kernels.cu's __launch_bounds__)
+_THREADS = 32 * _WARPS_PER_BLOCK
 _MAX_GRID = 256
 # the dense kernels split an item's row over up to this many warps when items are few (decode)
 _ROW_SLICES = 8
@@ -182,6 +183,16 @@ IDS_HEADER = 16  # ints before the ids in I (kernels.cu)
 _IDS_PARTS = 16  # blocks per rank copying ids (kernels.cu)
 MAX_BASE = 4096  # local experts x ranks the device-side layout serves (kernels.cu)
 _BAD_RANGE, _BAD_REPEAT = 0, 1  # error words after info's counts
+
+
+def _errors_at(world: int, e_loc: int) -> int:
+    """Where info's two error words start (ints): after the counts, the tokens and the sends."""
+    return world * e_loc + 2 * world
+
+
+def _totals_at(world: int, e_loc: int) -> int:
+    """Where info's per-local-expert totals (int64) start, in ints (kernels.cu's totals_at)."""
+    return (_errors_at(world, e_loc) + 2 + 1) // 2 * 2
 MAX_CHUNKS = 8  # the most chunks of a pipelined forward over the device-side layout
 
 
@@ -345,15 +356,20 @@ class PeerRows:
         wb, ib, _ = layout_bytes(self.world, t_max, self.top_k, self.row_bytes)
         return _Region(off, off + wb, off + ib, t_max)
 
-    def _post(self, g: _Region, x: torch.Tensor, topk_idx: torch.Tensor) -> None:
-        """This rank's tokens (X) and token count and ids (I) into its region ``g``."""
+    def _post(self, g: _Region, x: torch.Tensor, topk_idx: torch.Tensor, info: torch.Tensor | None = None) -> None:
+        """This rank's tokens (X) and token count and ids (I) into its region ``g`` (``x``
+        contiguous), and ``info`` zeroed: one kernel (``rows_post``)."""
+        from collectives.peer import _launch
+
         T, k = topk_idx.shape
-        if T:
-            self.pm.slot_view(g.x, tuple(x.shape), x.dtype).copy_(x)
-        head = self.pm.slot_view(g.ids, (IDS_HEADER + T * k,), torch.int32)
-        head[:1].fill_(T)
-        if T:
-            head[IDS_HEADER:].copy_(topk_idx.reshape(-1))
+        ids = topk_idx if topk_idx.dtype == torch.int64 else topk_idx.to(torch.int64)
+        ids = ids.contiguous()
+        nbytes = x.numel() * x.element_size()
+        n_info = 0 if info is None else info.numel()
+        blocks = max(1, min(2 * _MAX_GRID, -(-nbytes // (16 * _THREADS))))  # a pack per thread
+        self.pm._kernel("rows_post", None, False, 9)(
+            blocks, _launch.current_stream(self.pm._index), g.x, g.ids, x.data_ptr(), nbytes, ids.data_ptr(), T * k, T,
+            0 if info is None else info.data_ptr(), n_info)
 
     def _layout(self, g: _Region, info: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """After the barrier: every rank's ids, and the ranks of the tokens per local expert (``info``
@@ -373,7 +389,7 @@ class PeerRows:
 
     def _refuse_bad(self, counts: np.ndarray, topk_idx: torch.Tensor) -> None:
         self.check()
-        bad = counts[-2:]
+        bad = counts[_errors_at(self.world, self.e_loc):][:2]
         if bad.any():
             from .moe import bad_routing
 
@@ -438,9 +454,11 @@ class PeerRows:
                                        "tokens and k)", "pass the weights of the dispatched tokens")
         return hidden
 
-    def _new_info(self, n: int, device: torch.device) -> torch.Tensor:
-        size = self.world * self.e_loc + 2 * self.world + 2
-        return torch.zeros((n, size), dtype=torch.int32, device=device)
+    def _new_info(self, n: int, device: torch.device, zeroed: bool = True) -> torch.Tensor:
+        """``[n, size]`` int32: per (source, local expert) counts, tokens and sends per rank, two
+        error words, then the rows per local expert as int64 (``rows_layout``)."""
+        size = _totals_at(self.world, self.e_loc) + 2 * self.e_loc
+        return (torch.zeros if zeroed else torch.empty)((n, size), dtype=torch.int32, device=device)
 
     def _lay_out(self, x: torch.Tensor, topk_idx: torch.Tensor) -> tuple[_Region, torch.Tensor, torch.Tensor,
                                                                           torch.Tensor]:
@@ -448,9 +466,9 @@ class PeerRows:
         ranked per local expert. Returns the region, ``info`` and the two tables."""
         self._check_rows(x)
         g = self._region(self._next_half(), self.max_tokens)
-        self._post(g, x, topk_idx)
+        info = self._new_info(1, x.device, zeroed=False)[0]
+        self._post(g, x, topk_idx, info)
         self._fence()
-        info = self._new_info(1, x.device)[0]
         ids_all, ranks = self._layout(g, info)
         return g, info, ids_all, ranks
 
@@ -488,7 +506,8 @@ class PeerRows:
         cap = self.world * self.max_tokens
         layout = DeviceLayout(ids_all, ranks, info, None, topk_idx.shape[0], cap)
         recv = self._gather(g, layout, x).view(self.e_loc, cap, x.shape[1])
-        counts = info[:self.world * self.e_loc].view(self.world, self.e_loc).sum(0)
+        at = _totals_at(self.world, self.e_loc)
+        counts = info[at:at + 2 * self.e_loc].view(torch.int64)  # summed by rows_layout
         return recv, counts, layout
 
     def combine_padded(self, layout: DeviceLayout, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -117,6 +117,14 @@ class FakeMemory:
     def _geometry(self, ke: int) -> tuple[int, int]:
         return ke & 0xFF, (ke >> 8) & 0xFFFFFF
 
+    def _k_rows_post(self, _: Any, x_off: int, i_off: int, x_p: int, x_bytes: int, ids_p: int, n_ids: int, T: int,
+                     info_p: int, n_info: int) -> None:
+        self._slot(self.rank, x_off, x_bytes, torch.uint8).copy_(_at(x_p, x_bytes, torch.uint8))
+        head = self._slot(self.rank, i_off, IDS_HEADER + n_ids, torch.int32)
+        head[IDS_HEADER:] = _at(ids_p, n_ids, torch.int64).to(torch.int32)
+        head[0] = T
+        _at(info_p, n_info, torch.int32).zero_()
+
     def _k_rows_ids(self, _: Any, i_off: int, t_max: int, ke: int, info_p: int, ids_p: int) -> None:
         k, e_loc = self._geometry(ke)
         W = self.world
@@ -154,6 +162,9 @@ class FakeMemory:
                     else:
                         R[s, t, e] = -1
                 info[s * e_loc + e] = run
+                at = (W * e_loc + 2 * W + 2 + 1) // 2 * 2  # the int64 rows per local expert (kernels.cu)
+                totals = _at(info_p + 4 * at, e_loc, torch.int64)
+                totals[e] += run
 
     def _pairs_here(self, info: torch.Tensor, ids_all: torch.Tensor, R: torch.Tensor, e_loc: int, cap: int = 0) -> Any:
         """(s, t, [(j, recv_x row)]) for every (source, token) with pairs on this rank (``cap``:

@@ -866,6 +866,31 @@ __device__ __forceinline__ int scan_block(int flag, int* warp_sums, int* total) 
 
 #define IDS_PARTS 16
 
+// Before a dispatch's barrier, this rank's own slot buffer gets its rows (X: `x_bytes` from
+// `x`, at x_off) and its routing at i_off (the token count T, then the `n_ids` int64 ids as
+// int32), and `info` (`n_info` ints, this rank's) is zeroed: one launch for what would be four
+// small copies. Grid-stride; 16-byte packs where both row pointers allow.
+extern "C" __global__ void __launch_bounds__(512) rows_post(const Ctx c, long x_off, long i_off, const char* x,
+                                                            long x_bytes, const long* ids, long n_ids, long T,
+                                                            int* info, long n_info) {
+  if (*(volatile int*)c.err_dev) return;
+  char* dst = c.slots.p[c.rank] + x_off;
+  const long tid = (long)blockIdx.x * blockDim.x + threadIdx.x, nt = (long)gridDim.x * blockDim.x;
+  long done = 0;
+  if (((reinterpret_cast<unsigned long>(x) | reinterpret_cast<unsigned long>(dst)) & 15) == 0) {
+    const long packs = x_bytes / 16;
+    const uint4* xs = reinterpret_cast<const uint4*>(x);
+    uint4* ds = reinterpret_cast<uint4*>(dst);
+    for (long i = tid; i < packs; i += nt) ds[i] = __ldg(xs + i);
+    done = packs * 16;
+  }
+  for (long i = done + tid; i < x_bytes; i += nt) dst[i] = x[i];
+  int* head = reinterpret_cast<int*>(c.slots.p[c.rank] + i_off);
+  for (long i = tid; i < n_ids; i += nt) head[IDS_HEADER + i] = (int)ids[i];
+  if (tid == 0) head[0] = (int)T;
+  for (long i = tid; i < n_info; i += nt) info[i] = 0;
+}
+
 // Block (q, part): copy part `part` of rank q's ids into ids_all[q]; part 0 also records q's token
 // count and this rank's pairs bound for q. Grid: W * IDS_PARTS.
 extern "C" __global__ void __launch_bounds__(512) rows_ids(const Ctx c, long i_off, long t_max, long ke, int* info,
@@ -908,6 +933,10 @@ extern "C" __global__ void __launch_bounds__(512) rows_ids(const Ctx c, long i_o
   }
 }
 
+// Where info's per-expert totals (int64) start, in ints: after the counts, tokens, sends and the
+// two error words, rounded up to 8 bytes.
+__device__ __forceinline__ int totals_at(int W, int e_loc) { return (W * e_loc + 2 * W + 2 + 1) / 2 * 2; }
+
 // Block (s, e) scans ids_all[s] (after rows_ids) for this rank's local expert e. Grid: W * e_loc.
 extern "C" __global__ void __launch_bounds__(512) rows_layout(const Ctx c, long t_max, long ke, int* R, int* info,
                                                               const int* ids_all) {
@@ -934,7 +963,11 @@ extern "C" __global__ void __launch_bounds__(512) rows_layout(const Ctx c, long 
     if (t < n) R[((long)s * t_max + t) * e_loc + e] = flag ? run + r : -1;
     run += total;
   }
-  if (threadIdx.x == 0) info[s * e_loc + e] = run;
+  if (threadIdx.x == 0) {
+    info[s * e_loc + e] = run;
+    // and local expert e's rows from every source, as int64 after the error words (8-byte aligned)
+    atomicAdd(reinterpret_cast<unsigned long long*>(info + totals_at(W, e_loc)) + e, (unsigned long long)run);
+  }
 }
 
 // base[e * W + s]: the first recv_x row of (local expert e, source s), in shared memory (`cap`:
