@@ -261,17 +261,32 @@ def _iota(n: int) -> np.ndarray:
     return _IOTA[:n]
 
 
+def _block_permutation(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``regroup`` and its inverse ``ungroup`` for ``matrix [W, E/W]`` received rows.
+
+    Received rows arrive in blocks (source 0: expert 0, expert 1, ...; source 1: ...); recv_x
+    wants the same blocks in (expert, source) order, each block's rows kept in order: recv_x row
+    i of block b is received row ``start_received[b] + (i - start_recv_x[b])``. Both are one
+    ``repeat`` of per-block offsets plus a range (what a stable sort by local expert gives, in
+    linear time and without the sort)."""
+    w, e_loc = matrix.shape
+    sizes = matrix.reshape(-1).astype(np.int64)           # blocks in arrival order (s, e)
+    at_in = np.cumsum(sizes) - sizes
+    sizes_t = matrix.T.reshape(-1).astype(np.int64)        # blocks in recv_x order (e, s)
+    at_out = np.cumsum(sizes_t) - sizes_t
+    at_in_t = at_in.reshape(w, e_loc).T.reshape(-1)
+    at_out_s = at_out.reshape(e_loc, w).T.reshape(-1)
+    total = int(sizes.sum())
+    regroup = np.repeat(at_in_t - at_out, sizes_t) + _iota(total)
+    ungroup = np.repeat(at_out_s - at_in, sizes) + _iota(total)
+    return regroup, ungroup
+
+
 def _host_plan(order: np.ndarray, k: int, tokens: int, matrix: np.ndarray) -> list[np.ndarray]:
     """One range's index arrays, in ``_handle_at``'s order: its kept pairs in send order, their
     tokens, ``regroup``, ``ungroup`` and (dropless) ``pair_row``; ``matrix [W, E/W]`` the rows
     this rank receives from each rank for each local expert."""
-    w, e_loc = matrix.shape
-    local_ids = np.tile(np.arange(e_loc, dtype=np.int16 if e_loc <= np.iinfo(np.int16).max else np.int64), w)
-    # Received rows are [source 0: expert 0.., source 1: ...]; recv_x wants [expert 0: source 0.., ...]:
-    # a stable sort of the received rows by their local expert.
-    regroup = np.argsort(np.repeat(local_ids, matrix.reshape(-1)), kind="stable")
-    ungroup = np.empty(regroup.size, dtype=np.int64)
-    ungroup[regroup] = _iota(regroup.size)
+    regroup, ungroup = _block_permutation(matrix)
     pair_row = np.empty(0, dtype=np.int64)
     if order.size == tokens * k:  # dropless: every pair has its sent row
         pair_row = np.empty(order.size, dtype=np.int64)

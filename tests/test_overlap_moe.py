@@ -334,3 +334,22 @@ def test_padded_experts_match_one_gemm_per_expert_in_float64() -> None:
         rows = x[e, :n].double()
         want = (F.silu(rows @ ws[0][e]) * (rows @ ws[1][e])) @ ws[2][e]
         assert torch.allclose(got[e, :n].double(), want, rtol=1e-5, atol=1e-5), e
+
+
+def test_block_permutation_is_the_stable_sort_by_local_expert() -> None:
+    """recv_x's order (by local expert, then source, then arrival) from the received blocks' sizes,
+    against its definition: a stable sort of the received rows by local expert."""
+    import numpy as np
+
+    from overlap.moe import _block_permutation
+
+    rng = np.random.default_rng(1)
+    for trial in range(200):
+        w, e_loc = int(rng.integers(1, 6)), int(rng.integers(1, 9))
+        matrix = rng.integers(0, 5, size=(w, e_loc))
+        if trial % 7 == 0:
+            matrix[:] = 0  # nothing received
+        want = np.argsort(np.repeat(np.tile(np.arange(e_loc), w), matrix.reshape(-1)), kind="stable")
+        regroup, ungroup = _block_permutation(matrix)
+        assert np.array_equal(regroup, want), matrix
+        assert np.array_equal(ungroup[want], np.arange(want.size)), matrix
