@@ -118,7 +118,8 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
         mlp32.load_state_dict({n: t.float() for n, t in mlp.state_dict().items()})
         disp32 = MoEDispatcher(experts, hidden, comm.group, dtype=torch.float32, device=device, exchange_pieces=pieces,
                                transport=transport, **bounds)
-        one_piece = MoEDispatcher(experts, hidden, comm.group, dtype=torch.float32, device=device)
+        # the reference plans its routing on the host, whatever the others do
+        one_piece = MoEDispatcher(experts, hidden, comm.group, dtype=torch.float32, device=device, routing="host")
         ref = one_piece.forward(x.float(), idx, w.float(), mlp32)
 
         def off(got: torch.Tensor) -> int:

@@ -36,10 +36,10 @@ waits for the host and a decode step's exchange can be captured in a CUDA graph.
 ``forward_pipelined`` splits the tokens into chunks. Without autograd it issues the exchanges
 asynchronously (chunk i+1's dispatch and chunk i-1's combine travel while the experts compute
 chunk i); with autograd the chunks run one after another through the differentiable halves.
-``chunks="auto"`` runs one chunk and says why: on 2xH200 the pipeline gained at most 5% over
-NCCL (a transfer's CTAs hold back the experts' persistent GEMM, whose tail then waits for it)
-and lost over the peer transport (its exchanges are 17-40% of the layer, and token chunks
-shrink every expert's GEMM).
+``chunks="auto"`` runs one chunk and says why: on 2xH200 the pipeline took 0.78-1.05x the
+sequential time over NCCL (a transfer's CTAs hold back the experts' persistent GEMM, whose
+tail then waits for it) and lost over the peer transport (its exchanges are 17-40% of the
+layer, and token chunks shrink every expert's GEMM).
 """
 
 from __future__ import annotations
@@ -248,6 +248,12 @@ def bad_routing(name: str, topk_idx: torch.Tensor, num_experts: int, repeated: b
     return InvalidArgumentError(name, topk_idx, f"has expert ids outside 0..{num_experts - 1}",
                                 f"route to experts 0..{num_experts - 1}")
 
+
+# routing="auto" works out CUDA ids' routing on their device from this many (token, expert)
+# pairs: on 2xH200 (bench/results/README.md, 14:47 run) the device took 2.8-3.1 ms per prefill
+# dispatch of 32768-65536 pairs where numpy took 3.3-4.9 ms, and 2.0 ms at 1024 pairs (decode)
+# where numpy took 1.3 ms; the crossover lies between, not measured
+DEVICE_ROUTING_MIN_PAIRS = 8192
 
 _IOTA = np.arange(0, dtype=np.int64)
 
@@ -464,6 +470,11 @@ class MoEDispatcher:
         max_tokens, top_k: transport "peer" only (required there): the most tokens one dispatch
             takes on any rank, and the k of every ``topk_idx``; they size its peer buffers, which
             :meth:`close` releases (collective).
+        routing: where transport "nccl" works out a dispatch's routing: "host" (numpy, from one
+            copy of the ids), "device" (torch operations on the ids' device, one wait for the
+            counts; one piece only) or "auto" (the device for CUDA ids of at least
+            ``DEVICE_ROUTING_MIN_PAIRS`` pairs when ``exchange_pieces`` is 1, else the host). Over the device, the ids are checked on every rank after the
+            counts exchange, so a bad routing raises the same error everywhere, naming the rank.
 
     Every rank calls ``dispatch`` and ``combine`` the same number of times, in the same order
     (they communicate); token counts may differ between ranks, and may be zero.
@@ -471,7 +482,8 @@ class MoEDispatcher:
 
     def __init__(self, num_experts: int, hidden: int, group: Any = None, *, dtype: torch.dtype | None = None,
                  device: Any = None, capacity_factor: float | None = None, exchange_pieces: int = 1,
-                 transport: str = "nccl", max_tokens: int | None = None, top_k: int | None = None) -> None:
+                 transport: str = "nccl", max_tokens: int | None = None, top_k: int | None = None,
+                 routing: str = "auto") -> None:
         comm = C.get_communicator(group)
         if not isinstance(num_experts, int) or num_experts < 1 or num_experts % comm.size:
             raise InvalidArgumentError("num_experts", num_experts, f"is not a positive multiple of the group's {comm.size} ranks",
@@ -491,6 +503,12 @@ class MoEDispatcher:
         if transport not in ("nccl", "peer"):
             raise InvalidArgumentError("transport", transport, "is not 'nccl' or 'peer'", "pass 'nccl'")
         self.transport = transport
+        if routing not in ("auto", "host", "device"):
+            raise InvalidArgumentError("routing", routing, "is not 'auto', 'host' or 'device'", "pass 'auto'")
+        if routing == "device" and (transport != "nccl" or exchange_pieces != 1):
+            raise UnsupportedError("routing", routing, "applies to transport='nccl' with exchange_pieces=1",
+                                   "pass routing='auto' (or 'host')")
+        self.routing = routing
         if transport == "peer":
             # the peer buffers are sized once, from these bounds (like any buffer-owning object)
             for name, v in (("max_tokens", max_tokens), ("top_k", top_k)):
@@ -607,13 +625,17 @@ class MoEDispatcher:
     def route_chunks(self, topk_idx: torch.Tensor, bounds: list[tuple[int, int]]) -> list[DispatchHandle]:
         """One handle per token range of ``bounds``, with one exchange of every range's counts.
 
-        The routing is worked out on the host, in numpy, from one copy of ``topk_idx``: the host
-        must learn the counts anyway (the row exchange's splits are host integers), and a few
-        numpy calls on ``tokens * k`` small integers (a radix sort, a count) cost far less than
-        the dozens of small kernel launches the same steps take on a GPU (about 1 ms of host time
-        per dispatch on 2xH200, launch/bench_moe.py). The checks of the expert ids come with it,
-        before anything is sent. The results go back to the device in one copy.
+        With ``routing`` "host" (and for CPU ids, or several exchange pieces, under "auto") the
+        routing is worked out on the host, in numpy, from one copy of ``topk_idx``: the host must
+        learn the counts anyway (the row exchange's splits are host integers). The checks of the
+        expert ids come with it, before anything is sent; the results go back to the device in
+        one copy. Numpy's cost grows with the pairs: 2-4 ms per prefill dispatch on the 2xH200
+        machine's CPUs (bench/results/README.md), while the GPU idles. So CUDA ids of a large
+        batch are routed on their device by default (``_route_on_device``): a few dozen small
+        operations whatever the batch, which at decode sizes cost more than numpy.
         """
+        if self._routes_on_device(topk_idx):
+            return self._route_on_device(topk_idx, bounds)
         k = topk_idx.shape[1] if topk_idx.dim() == 2 else 1
         w, e_loc = self.comm.size, self.local_experts
         dev = topk_idx.device
@@ -679,6 +701,88 @@ class MoEDispatcher:
                 else:
                     h.extra["pieces"] = _Pieces(views[0::3], views[1::3], views[2::3], *info)
             handles.append(h)
+        return handles
+
+    def _routes_on_device(self, topk_idx: torch.Tensor) -> bool:
+        if self.transport != "nccl" or self.exchange_pieces != 1:
+            return False
+        return self.routing == "device" or (self.routing == "auto" and topk_idx.is_cuda
+                                            and topk_idx.numel() >= DEVICE_ROUTING_MIN_PAIRS)
+
+    def _route_on_device(self, topk_idx: torch.Tensor, bounds: list[tuple[int, int]]) -> list[DispatchHandle]:
+        """``route_chunks`` by torch operations on the ids' device (transport "nccl", one piece).
+
+        Each range's pairs are sorted by expert there (stably: ties in token order) and counted;
+        the counts go out in one all-to-all with two words per rank saying whether its ids are
+        out of range or repeat an expert, and come back to the host in the one wait. A bad
+        routing then raises on every rank, naming the rank, before any row is sent. The received
+        blocks' permutation is worked out on the host from the counts (``_block_permutation``).
+        A few dozen small operations: on a slow host they cost less than sorting a prefill's
+        pairs in numpy, and nothing scales with the pairs on the host.
+        """
+        k = topk_idx.shape[1] if topk_idx.dim() == 2 else 1
+        w, e_loc, E, n, me = self.comm.size, self.local_experts, self.num_experts, len(bounds), self.comm.rank
+        dev = topk_idx.device
+        ids = topk_idx.detach().reshape(-1, k).to(torch.int64)
+        flags = torch.zeros(2, dtype=torch.int64, device=dev)
+        if ids.numel():
+            flags[0] = ((ids < 0) | (ids >= E)).any()
+            if k > 1:
+                by_row = ids.sort(dim=1).values
+                flags[1] = (by_row[:, 1:] == by_row[:, :-1]).any()
+        flat = ids.clamp(0, E - 1).reshape(-1)  # (a bad routing raises before its counts are used)
+        sorted_ids, orders, counts, full = [], [], [], []
+        caps: list[int | None] = []
+        for lo, hi in bounds:
+            part = flat[lo * k:hi * k]
+            values, order = torch.sort(part, stable=True)
+            cnt = torch.zeros(E, dtype=torch.int64, device=dev).index_add_(0, part, torch.ones_like(part))
+            cap = None if self.capacity_factor is None or not part.numel() else \
+                math.ceil(self.capacity_factor * part.numel() / E)
+            caps.append(cap)
+            full.append(cnt)
+            sorted_ids.append(values)
+            orders.append(order)
+            counts.append(cnt if cap is None else cnt.clamp(max=cap))  # what each expert keeps
+        kept = torch.stack(counts).view(n, w, e_loc) if n else torch.zeros((0, w, e_loc), dtype=torch.int64, device=dev)
+        row = n * e_loc + 2  # what this rank sends each rank: its kept counts there, then its flags
+        send = torch.cat([kept.transpose(0, 1).reshape(w, n * e_loc), flags.expand(w, 2)], 1).reshape(-1)
+        if dev.type == "cpu" or not self.comm.backend_for(dev.type):
+            send = send.cpu()
+        got = torch.empty_like(send)
+        C.all_to_all_single(got, send, group=self.group)
+        host = torch.cat([got.to(dev), kept.reshape(-1)]).cpu().numpy()  # the one wait
+        from_each = host[:w * row].reshape(w, row)
+        bad = np.flatnonzero(from_each[:, -2:].any(1))
+        if bad.size:
+            s = int(bad[0])
+            raise bad_routing("topk_idx" if s == me else f"topk_idx of rank {s}", topk_idx, E,
+                              repeated=not from_each[s, -2])
+        matrices = from_each[:, :-2].reshape(w, n, e_loc)
+        mine = host[w * row:].reshape(n, w, e_loc)
+        handles = []
+        for c, (lo, hi) in enumerate(bounds):
+            tokens, pairs = hi - lo, (hi - lo) * k
+            order = orders[c]
+            n_kept = int(mine[c].sum())
+            if n_kept < pairs:  # each expert keeps its first `cap` pairs in token order
+                start = torch.cumsum(full[c], 0) - full[c]
+                rank_in = torch.arange(pairs, device=dev) - start.index_select(0, sorted_ids[c])
+                cap = caps[c]
+                assert cap is not None  # pairs were dropped: there is a capacity
+                drop = (rank_in >= cap).to(torch.int8)
+                order = order.index_select(0, torch.sort(drop, stable=True).indices[:n_kept])
+            matrix = np.ascontiguousarray(matrices[:, c, :])
+            regroup, ungroup = _block_permutation(matrix)
+            on_dev = _to_device([regroup, ungroup], dev)
+            pair_row = order.new_empty(0)
+            if n_kept == pairs:  # dropless: every pair has its sent row
+                pair_row = torch.empty_like(order)
+                pair_row[order] = torch.arange(pairs, device=dev)
+            handles.append(DispatchHandle(matrix.sum(0).tolist(), mine[c].sum(1).tolist(), matrix.sum(1).tolist(),
+                                          torch.from_numpy(matrix), order, torch.div(order, k, rounding_mode="floor"),
+                                          on_dev[:regroup.size], tokens, k, pairs - n_kept,
+                                          ungroup=on_dev[regroup.size:], pair_row=pair_row))
         return handles
 
     # -- the two halves --------------------------------------------------------------------------
@@ -827,8 +931,8 @@ class MoEDispatcher:
         combine (same results; overlapping the backward is not built yet).
         """
         if chunks == "auto":
-            # 2xH200 (bench/results/README.md, gpu_2xh200_moe): chunks gained at most 5% over NCCL
-            # and lost over the peer transport at every measured configuration
+            # 2xH200 (bench/results/README.md, gpu_2xh200_moe): 0.78-1.05x the sequential time
+            # over NCCL across the day's runs, and a loss over the peer transport everywhere
             n, why = 1, "one chunk: the pipeline measured no real gain on 2xH200 (bench/results/README.md)"
         elif isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1:
             n, why = chunks, "requested by the caller"
@@ -871,6 +975,9 @@ class MoEDispatcher:
         """Every range's counts exchanged now (one all-to-all, the host's one wait); each range's
         handle planned on the host when asked for, so that planning range c+1 (sorts of its pairs
         and received rows) runs while the GPU computes range c."""
+        if self._routes_on_device(topk_idx):  # every range at once: nothing of it scales on the host
+            handles = self._route_on_device(topk_idx, bounds)
+            return handles.__getitem__
         k = topk_idx.shape[1]
         w, e_loc, E = self.comm.size, self.local_experts, self.num_experts
         dev = topk_idx.device

@@ -320,6 +320,45 @@ def main() -> int:
                 fails.append(f"rank {r}: dispatch after a refused one ({planned} plan) is wrong")
             peer.combine(recv, h, torch.ones(4, 2, device=dev))
             peer.close()
+        # the routing worked out on the GPUs against the host's plan: fresh random routings,
+        # uneven tokens (none on rank 1 once), with and without a capacity
+        for cf in (None, 0.5):
+            on_host = MoEDispatcher(8 * w, H, dtype=torch.float32, device=dev, capacity_factor=cf, routing="host")
+            on_dev = MoEDispatcher(8 * w, H, dtype=torch.float32, device=dev, capacity_factor=cf, routing="device")
+            for call in range(4):
+                g.manual_seed(1300 + 10 * call + r)
+                T = 0 if (call == 3 and r == 1) else 40 + 17 * r + 5 * call
+                xh = torch.randn(T, H, generator=g, device=dev)
+                idx = torch.rand(T, 8 * w, generator=g, device=dev).topk(3, dim=-1).indices
+                wh = torch.rand(T, 3, generator=g, device=dev)
+                with torch.no_grad():
+                    rh, hh = on_host.dispatch(xh, idx)
+                    rd, hd = on_dev.dispatch(xh, idx)
+                    checks += 1
+                    if not torch.equal(rh, rd) or hh.dropped != hd.dropped or hh.tokens_per_expert != hd.tokens_per_expert:
+                        fails.append(f"rank {r} device routing, capacity {cf}, call {call}: rows, counts or drops differ")
+                    close(f"device routing combine, capacity {cf}, call {call}", on_dev.combine(rd * 1.5, hd, wh),
+                          on_host.combine(rh * 1.5, hh, wh))
+        # the same over NCCL with the routing worked out on the GPUs (the default for CUDA ids):
+        # the counts exchange carries every rank's check, so every rank raises
+        for cf in (None, 8.0):
+            plain = MoEDispatcher(8 * w, H, dtype=torch.float32, device=dev, capacity_factor=cf, routing="device")
+            for what, fill, text in (("a repeated expert", 0, "same expert twice"), ("an expert id out of range", 99,
+                                                                                         "outside")):
+                bad = torch.zeros(4, 2, dtype=torch.int64, device=dev)
+                bad[:, 1] = 1 if r == 0 else fill  # rank 1's routing is bad
+                checks += 1
+                try:
+                    plain.dispatch(torch.randn(4, H, device=dev), bad)
+                    fails.append(f"rank {r}: {what} on rank 1 raised nothing (nccl, device routing, capacity {cf})")
+                except InvalidArgumentError as exc:
+                    if text not in str(exc) or (r != 1 and "rank 1" not in str(exc)):
+                        fails.append(f"rank {r}: {what} on rank 1 (nccl, device routing, capacity {cf}): {exc}")
+            good = torch.stack([torch.arange(4, device=dev) % (8 * w), (torch.arange(4, device=dev) + 3) % (8 * w)], 1)
+            recv, h = plain.dispatch(torch.ones(4, H, device=dev), good)
+            checks += 1
+            if recv.shape[0] != sum(h.tokens_per_expert) or not bool((recv == 1).all()):
+                fails.append(f"rank {r}: nccl dispatch after a refused one (capacity {cf}) is wrong")
         # gradients through the peer transport's device layout against NCCL's, x and weights
         Eg, kg = 6 * w, 3
         for dtype, tol in ((torch.float32, TOL), (torch.bfloat16, 3e-2)):

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import collectives as C
+from collectives.errors import InvalidArgumentError
 from overlap.moe import MoEDispatcher, reference_moe
 from tests.mp import messages
 
@@ -57,10 +58,12 @@ def _kept_mask(idx: torch.Tensor, experts: int, cap: int) -> torch.Tensor:
 
 
 def _case(rank: int, world: int, case: str, e_per_rank: int, k: int, tokens: list[int], seed: int,
-          capacity: float | None, chunks: int | str, pieces: int = 1, weights_grad: bool = True) -> dict[str, float]:
+          capacity: float | None, chunks: int | str, pieces: int = 1, weights_grad: bool = True,
+          routing: str = "auto") -> dict[str, float]:
     experts = e_per_rank * world
     x, idx, w = _routing(rank, tokens[rank], experts, k, case, seed)
-    disp = MoEDispatcher(experts, H, dtype=torch.float64, capacity_factor=capacity, exchange_pieces=pieces)
+    disp = MoEDispatcher(experts, H, dtype=torch.float64, capacity_factor=capacity, exchange_pieces=pieces,
+                         routing=routing)
 
     def local(rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
         outs = [_expert(disp.first_expert + e, r) for e, r in enumerate(rows.split(per_expert))]
@@ -94,8 +97,10 @@ def _case(rank: int, world: int, case: str, e_per_rank: int, k: int, tokens: lis
     return {"err": err, "dropped": float(dropped), "want_dropped": float(want_dropped if chunks == 1 else 0)}
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_dispatch_combine_match_the_single_process_moe(worlds, world_size: int) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("world_size,routing", [(2, "auto"), (3, "auto"), (4, "auto"), (2, "device"), (3, "device")])
+def test_dispatch_combine_match_the_single_process_moe(worlds, world_size: int, routing: str) -> None:  # noqa: ANN001
+    """Every case with the routing worked out on the host (numpy: "auto" on CPU) and by torch
+    operations ("device", here on the CPU: the code the GPUs run)."""
     w = worlds(world_size)
     uneven = [5 + 3 * r for r in range(world_size)]
     zero_on_one = [7] * world_size
@@ -111,11 +116,12 @@ def test_dispatch_combine_match_the_single_process_moe(worlds, world_size: int) 
         ("random", 2, 2, uneven, None, 3),       # chunked forward
     ]
     for seed, (case, e_per_rank, k, tokens, capacity, chunks) in enumerate(cases):
-        for res in w.run(_case, case, e_per_rank, k, tokens, seed, capacity, chunks):
-            assert res["err"] < 1e-12, (case, e_per_rank, k, tokens, capacity, chunks, res)
-            assert res["dropped"] == res["want_dropped"], (case, capacity, res)
+        results = w.run(_case, case, e_per_rank, k, tokens, seed, capacity, chunks, 1, True, routing)
+        for res in results:
+            assert res["err"] < 1e-12, (case, e_per_rank, k, tokens, capacity, chunks, routing, res)
+            assert res["dropped"] == res["want_dropped"], (case, capacity, routing, res)
         if capacity is not None:
-            assert sum(r["dropped"] for r in w.run(_case, case, e_per_rank, k, tokens, seed, capacity, chunks)) > 0
+            assert sum(r["dropped"] for r in results) > 0
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -153,7 +159,9 @@ def _errors(rank: int, world: int) -> list[str]:
                          x, torch.tensor([[0, 1]] * 3)),
                      lambda: d.dispatch_low_latency(x, torch.tensor([[0, 1]] * 3)),
                      lambda: MoEDispatcher(2 * world, H, transport="peer", max_tokens=8, top_k=2).dispatch_low_latency(
-                         x, torch.tensor([[0, 1]] * 3))])
+                         x, torch.tensor([[0, 1]] * 3)),
+                     lambda: MoEDispatcher(2 * world, H, routing="gpu"),
+                     lambda: MoEDispatcher(2 * world, H, routing="device", exchange_pieces=2)])
 
 
 def test_bad_routing_is_refused_before_anything_is_sent(worlds) -> None:  # noqa: ANN001
@@ -164,6 +172,7 @@ def test_bad_routing_is_refused_before_anything_is_sent(worlds) -> None:  # noqa
         assert "transport" in msgs[5]
         assert "max_tokens" in msgs[6] and "top_k" in msgs[7] and "peer" in msgs[8] and "GPUs of one node" in msgs[8]
         assert "low-latency" in msgs[9] and "transport='peer'" in msgs[9] and "GPUs of one node" in msgs[10]
+        assert "routing" in msgs[11] and "'gpu'" in msgs[11] and "exchange_pieces=1" in msgs[12]
 
 
 def _layer_case(rank: int, world: int, tokens: list[int], capacity: float | None) -> float:
@@ -247,10 +256,10 @@ def test_moe_benchmark_smoke(worlds) -> None:  # noqa: ANN001
         assert recs == [(2, 0, (6 + rank) * 2 * 8 * 4)]  # tokens * k rows of 8 floats sent
 
 
-def _pipelined_no_grad(rank: int, world: int, chunks: int) -> float:
+def _pipelined_no_grad(rank: int, world: int, chunks: int, routing: str = "auto") -> float:
     experts = 2 * world
     x, idx, w = _routing(rank, 11 + 3 * rank, experts, 2, "random", 99)
-    disp = MoEDispatcher(experts, H, dtype=torch.float64)
+    disp = MoEDispatcher(experts, H, dtype=torch.float64, routing=routing)
 
     def local(rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
         outs = [_expert(disp.first_expert + e, r) for e, r in enumerate(rows.split(per_expert))]
@@ -261,10 +270,32 @@ def _pipelined_no_grad(rank: int, world: int, chunks: int) -> float:
     return (got - reference_moe(x, idx, w, _expert)).abs().max().item()
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_overlapped_pipeline_without_autograd_matches(worlds, world_size: int) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("world_size,routing", [(2, "auto"), (3, "auto"), (3, "device")])
+def test_overlapped_pipeline_without_autograd_matches(worlds, world_size: int, routing: str) -> None:  # noqa: ANN001
     for chunks in (2, 4):
-        assert max(worlds(world_size).run(_pipelined_no_grad, chunks)) < 1e-12
+        assert max(worlds(world_size).run(_pipelined_no_grad, chunks, routing)) < 1e-12
+
+
+def _bad_on_rank_1(rank: int, world: int, what: str) -> str:
+    d = MoEDispatcher(2 * world, H, routing="device")
+    idx = torch.tensor([[0, 1], [2, 3], [1, 0]])
+    if rank == 1:
+        idx[1, 1] = 2 if what == "repeat" else 99
+    try:
+        d.dispatch(torch.randn(3, H), idx)
+    except InvalidArgumentError as exc:
+        # and the dispatcher still works: the refused call sent no rows
+        recv, h = d.dispatch(torch.ones(3, H), torch.tensor([[0, 1], [2, 3], [1, 0]]))
+        assert recv.shape[0] == sum(h.tokens_per_expert) and bool((recv == 1).all())
+        return str(exc)
+    return "raised nothing"
+
+
+@pytest.mark.parametrize("what,text", [("repeat", "same expert twice"), ("range", "outside")])
+def test_device_routing_refuses_a_bad_routing_on_every_rank(worlds, what: str, text: str) -> None:  # noqa: ANN001
+    msgs = worlds(3).run(_bad_on_rank_1, what)
+    assert all(text in m and "Fix:" in m for m in msgs), msgs
+    assert "rank 1" in msgs[0] and "rank 1" in msgs[2] and "rank 1" not in msgs[1], msgs
 
 
 def _pipelined_drops(rank: int, world: int, chunks: int) -> float:
