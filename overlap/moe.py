@@ -235,7 +235,8 @@ def _combine_pieces(p: _Pieces, rows: torch.Tensor, weights: torch.Tensor, num_t
     kept = sum(sum(s) for s in p.send)  # pairs that went out; the others were dropped and add nothing
     per = rows.new_empty((n, *rows.shape[1:])) if kept == n else rows.new_zeros((n, *rows.shape[1:]))
     _exchange_pieces(rows, p.dest, p.send, p.recv, group, lambda c, buf: per.index_copy_(0, p.pairs[c], buf))
-    out = torch.bmm(weights.reshape(num_tokens, 1, k).to(rows.dtype), per.view(num_tokens, k, math.prod(rows.shape[1:])))
+    per = per.view(num_tokens, k, math.prod(rows.shape[1:]))
+    out = torch.bmm(weights.reshape(num_tokens, 1, k).to(rows.dtype), per)
     return out.view(num_tokens, *rows.shape[1:])
 
 
@@ -250,9 +251,9 @@ def bad_routing(name: str, topk_idx: torch.Tensor, num_experts: int, repeated: b
 
 
 # routing="auto" works out CUDA ids' routing on their device from this many (token, expert)
-# pairs: on 2xH200 (bench/results/README.md, 14:47 run) the device took 2.8-3.1 ms per prefill
-# dispatch of 32768-65536 pairs where numpy took 3.3-4.9 ms, and 2.0 ms at 1024 pairs (decode)
-# where numpy took 1.3 ms; the crossover lies between, not measured
+# pairs: on 2xH200 (launch/bench_moe.py, 2026-11-30) a prefill dispatch of 32768-65536 pairs
+# took 2.1-3.1 ms routed on the device and 3.3-4.9 ms in numpy, a decode one of 1024 pairs 2.0
+# ms on the device and 1.3 ms in numpy; the crossover lies between, not measured
 DEVICE_ROUTING_MIN_PAIRS = 8192
 
 _IOTA = np.arange(0, dtype=np.int64)
@@ -473,8 +474,9 @@ class MoEDispatcher:
         routing: where transport "nccl" works out a dispatch's routing: "host" (numpy, from one
             copy of the ids), "device" (torch operations on the ids' device, one wait for the
             counts; one piece only) or "auto" (the device for CUDA ids of at least
-            ``DEVICE_ROUTING_MIN_PAIRS`` pairs when ``exchange_pieces`` is 1, else the host). Over the device, the ids are checked on every rank after the
-            counts exchange, so a bad routing raises the same error everywhere, naming the rank.
+            ``DEVICE_ROUTING_MIN_PAIRS`` pairs when ``exchange_pieces`` is 1, else the host).
+            Over the device, the ids are checked on every rank after the counts exchange, so a
+            bad routing raises the same error everywhere, naming the rank.
 
     Every rank calls ``dispatch`` and ``combine`` the same number of times, in the same order
     (they communicate); token counts may differ between ranks, and may be zero.
