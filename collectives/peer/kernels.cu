@@ -821,8 +821,10 @@ INSTANTIATE_ROWS(__nv_bfloat16, bf16, false, scalar)
 //                counts, and counts this rank's pairs bound for each rank (send);
 //   rows_layout  block (s, e) scans source s's tokens for local expert e: R[s][t][e] = the rank
 //                of token t among s's tokens that chose e (or -1), cnt[s][e] = their number.
-//                info = [cnt (W * e_loc), tokens (W), send (W), bad range, bad repeat]: the last
-//                two hold 1 + a rank whose ids are out of range, resp. repeat an expert (else 0).
+//                info = [cnt (W * e_loc), tokens (W), send (W), bad range, bad repeat, then
+//                from totals_at() each local expert's rows from all sources as int64]: the two
+//                error words hold 1 + a rank whose ids are out of range, resp. repeat an expert
+//                (else 0). info starts zeroed (rows_post does it, or the pipelined section).
 //   recv_x row of (s, t, e) = base[e][s] + R[s][t][e], base being the exclusive prefix sum of
 //   cnt in (local expert, source) order: recv_x is grouped by local expert, then source, then
 //   token, as over the all-to-all. Each kernel below works this out per token from ids_all, R
