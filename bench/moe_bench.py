@@ -63,6 +63,7 @@ class MoERecord:
     ll_dispatch_graph_us: float = 0.0
     ll_combine_graph_us: float = 0.0
     a2a_graph_us: float = 0.0
+    routing: str = ""       # where the dispatcher's routing was worked out: "host" (numpy) or "device"
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -71,18 +72,19 @@ class MoERecord:
 def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ffn_hidden: int, experts: int,
                    top_k: int, dtype: torch.dtype, device: torch.device, *, chunk_counts: tuple[int, ...] = (2, 4),
                    iters: int = 5, reps: int = 3, seed: int = 0, pieces: int = 1,
-                   transport: str = "nccl") -> list[MoERecord]:
+                   transport: str = "nccl", routing: str = "auto") -> list[MoERecord]:
     """One record per chunk count (the sequential figures repeat in each); the dispatcher moves its
-    rows in ``pieces`` (``MoEDispatcher(exchange_pieces=...)``) over ``transport``, checked
-    against one piece over NCCL (or Gloo)."""
+    rows in ``pieces`` (``MoEDispatcher(exchange_pieces=...)``) over ``transport`` (over NCCL
+    with its ``routing``), checked against one piece over NCCL (or Gloo) planned on the host."""
     g = torch.Generator(device=device)
     g.manual_seed(seed * 7919 + comm.rank)
     x = torch.randn(tokens, hidden, generator=g, device=device).to(dtype)
     idx = torch.rand(tokens, experts, generator=g, device=device).topk(top_k, dim=-1).indices
     w = torch.rand(tokens, top_k, generator=g, device=device).to(dtype)
-    bounds = {"max_tokens": tokens, "top_k": top_k} if transport == "peer" else {}
+    bounds: dict[str, Any] = {"max_tokens": tokens, "top_k": top_k} if transport == "peer" else {"routing": routing}
     disp = MoEDispatcher(experts, hidden, comm.group, dtype=dtype, device=device, exchange_pieces=pieces,
                          transport=transport, **bounds)
+    where = disp._device_layout(idx) if transport == "peer" else disp._routes_on_device(idx)
     mlp = GroupedSwiGLU(disp.local_experts, hidden, ffn_hidden, dtype=dtype, device=device)
     with torch.no_grad():
         recv, handle = disp.dispatch(x, idx, w)
@@ -139,7 +141,8 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
                 name, tokens, hidden, ffn_hidden, experts, top_k, comm.size, str(dtype).removeprefix("torch."),
                 str(device), sent_bytes, t_dispatch, sent_bytes / t_dispatch / 1e3, t_combine,
                 sent_bytes / t_combine / 1e3, t_a2a, sent_bytes / t_a2a / 1e3, t_experts, t_seq, t_pipe, k,
-                100 * (t_seq - t_pipe) / comm_us if comm_us else 0.0, wrong, pieces, transport, t_train, **low))
+                100 * (t_seq - t_pipe) / comm_us if comm_us else 0.0, wrong, pieces, transport, t_train, **low,
+                routing="device" if where else "host"))
     disp.close()
     disp32.close()
     return records
@@ -168,7 +171,7 @@ def format_moe_table(records: list[MoERecord]) -> str:
     lines = []
     for r in records:
         lines.append(f"{r.config:<14} tokens {r.tokens:>6} h {r.hidden:>5} E {r.experts:>4} k {r.top_k} "
-                     f"{r.transport} pieces {r.pieces} | dispatch "
+                     f"{r.transport} pieces {r.pieces} routing {r.routing} | dispatch "
                      f"{r.dispatch_us:9.1f} us {r.dispatch_GBps:7.2f} GB/s | combine {r.combine_us:9.1f} us "
                      f"{r.combine_GBps:7.2f} GB/s | all_to_all {r.a2a_us:9.1f} us {r.a2a_GBps:7.2f} GB/s | experts "
                      f"{r.experts_us:9.1f} us | sequential {r.sequential_us:9.1f} us | pipelined/{r.chunks} "

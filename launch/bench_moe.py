@@ -43,12 +43,16 @@ def main() -> int:
     p.add_argument("--pieces", default="1,4", help="exchange_pieces of the dispatcher, comma-separated (transport nccl)")
     p.add_argument("--transport", default=None,
                    help="comma-separated: nccl, peer (default: both on the GPUs of one node, else nccl)")
+    p.add_argument("--routing", default="auto", choices=("auto", "host", "device"),
+                   help="where transport nccl works out the routing (MoEDispatcher(routing=...))")
     p.add_argument("-n", "--iters", type=int, default=5)
     p.add_argument("-r", "--reps", type=int, default=3)
     p.add_argument("--json")
     p.add_argument("--csv")
     p.add_argument("--plot")
     args = p.parse_args()
+    if args.routing == "device" and any(int(x) != 1 for x in args.pieces.split(",")):
+        p.error(f"--routing device works out the routing of one piece only; pass --pieces 1 (got {args.pieces})")
     comm = C.init()
     cuda = bool(comm.backend_for("cuda")) and torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -72,7 +76,8 @@ def main() -> int:
             # the peer transport has no pieces (exchange_pieces does not apply to it): one run
             for pieces in ([1] if transport == "peer" else [int(x) for x in args.pieces.split(",")]):
                 rs = measure_config(comm, name, tokens, hidden, ffn, experts, k, dtype, device, chunk_counts=chunks,
-                                    iters=args.iters, reps=args.reps, pieces=pieces, transport=transport)
+                                    iters=args.iters, reps=args.reps, pieces=pieces, transport=transport,
+                                    routing=args.routing)
                 records += rs
                 if comm.rank == 0:
                     print(format_moe_table(rs), flush=True)

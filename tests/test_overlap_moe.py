@@ -248,12 +248,15 @@ def _moe_bench_smoke(rank: int, world: int) -> list[tuple[int, int, float]]:
 
     recs = measure_config(C.get_communicator(), "tiny", 6 + rank, 8, 12, 2 * world, 2, torch.float32,
                           torch.device("cpu"), chunk_counts=(2,), iters=1, reps=1)
-    return [(r.chunks, r.wrong, r.bytes_sent) for r in recs]
+    recs += measure_config(C.get_communicator(), "tiny", 6 + rank, 8, 12, 2 * world, 2, torch.float32,
+                           torch.device("cpu"), chunk_counts=(2,), iters=1, reps=1, routing="device")
+    return [(r.chunks, r.wrong, r.bytes_sent, r.routing) for r in recs]
 
 
 def test_moe_benchmark_smoke(worlds) -> None:  # noqa: ANN001
     for rank, recs in enumerate(worlds(2).run(_moe_bench_smoke)):
-        assert recs == [(2, 0, (6 + rank) * 2 * 8 * 4)]  # tokens * k rows of 8 floats sent
+        sent = (6 + rank) * 2 * 8 * 4  # tokens * k rows of 8 floats
+        assert recs == [(2, 0, sent, "host"), (2, 0, sent, "device")]
 
 
 def _pipelined_no_grad(rank: int, world: int, chunks: int, routing: str = "auto") -> float:
