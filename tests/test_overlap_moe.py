@@ -175,7 +175,7 @@ def test_bad_routing_is_refused_before_anything_is_sent(worlds) -> None:  # noqa
         assert "routing" in msgs[11] and "'gpu'" in msgs[11] and "exchange_pieces=1" in msgs[12]
 
 
-def _layer_case(rank: int, world: int, tokens: list[int], capacity: float | None) -> float:
+def _layer_case(rank: int, world: int, tokens: list[int], capacity: float | None, routing: str = "auto") -> float:
     import torch.nn.functional as F
 
     from overlap.layers import MoELayer
@@ -185,7 +185,7 @@ def _layer_case(rank: int, world: int, tokens: list[int], capacity: float | None
     E, k, FF = 2 * world, 2, 10
     router = torch.nn.Linear(H, E, bias=False).double()
     full = GroupedSwiGLU(E, H, FF, dtype=torch.float64)
-    layer = MoELayer(H, FF, E, k, dtype=torch.float64, capacity_factor=capacity)
+    layer = MoELayer(H, FF, E, k, dtype=torch.float64, capacity_factor=capacity, routing=routing)
     lo = rank * (E // world)
     with torch.no_grad():
         layer.router.weight.copy_(router.weight)
@@ -241,6 +241,9 @@ def test_moe_layer_matches_the_single_process_layer(worlds, world_size: int) -> 
         assert max(w.run(_layer_case, tokens, capacity)) < 1e-10, capacity
     tokens[0] = 0  # a rank without tokens still takes part in every exchange
     assert max(w.run(_layer_case, tokens, None)) < 1e-10
+    # the routing worked out by torch operations (what CUDA ids of a prefill get), drops included
+    for capacity in (None, 0.75):
+        assert max(w.run(_layer_case, tokens, capacity, "device")) < 1e-10, capacity
 
 
 def _moe_bench_smoke(rank: int, world: int) -> list[tuple[int, int, float]]:
