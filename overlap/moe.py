@@ -526,6 +526,7 @@ class MoEDispatcher:
         # the peer transport sizes its buffers by the rows' bytes
         self._row_bytes = hidden * torch.empty((), dtype=dtype).element_size() if dtype is not None else 0
         self.last_chunks: tuple[int, str] | None = None
+        self.last_routing: tuple[str, str] | None = None  # transport "nccl": (where, why) of the last routing
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     # -- routing ---------------------------------------------------------------------------------
@@ -706,10 +707,23 @@ class MoEDispatcher:
         return handles
 
     def _routes_on_device(self, topk_idx: torch.Tensor) -> bool:
-        if self.transport != "nccl" or self.exchange_pieces != 1:
-            return False
-        return self.routing == "device" or (self.routing == "auto" and topk_idx.is_cuda
-                                            and topk_idx.numel() >= DEVICE_ROUTING_MIN_PAIRS)
+        """Whether transport "nccl" works this routing out by torch operations on the ids' device;
+        ``last_routing`` records the choice and why."""
+        if self.transport != "nccl":
+            return False  # the peer transport lays its routing out with its own kernels
+        if self.exchange_pieces != 1:
+            self.last_routing = ("host", "exchange_pieces > 1: the pieces are planned in numpy")
+        elif self.routing != "auto":
+            self.last_routing = (self.routing, "requested by the caller")
+        elif not topk_idx.is_cuda:
+            self.last_routing = ("host", f"ids on {topk_idx.device.type}: numpy is faster there")
+        elif topk_idx.numel() < DEVICE_ROUTING_MIN_PAIRS:  # measured: see DEVICE_ROUTING_MIN_PAIRS
+            self.last_routing = ("host", f"{topk_idx.numel()} pairs < {DEVICE_ROUTING_MIN_PAIRS}: numpy costs "
+                                 "less than the device's launches")
+        else:
+            self.last_routing = ("device", f"{topk_idx.numel()} pairs >= {DEVICE_ROUTING_MIN_PAIRS}: sorting "
+                                 "them in numpy costs more than the device's launches")
+        return self.last_routing[0] == "device"
 
     def _route_on_device(self, topk_idx: torch.Tensor, bounds: list[tuple[int, int]]) -> list[DispatchHandle]:
         """``route_chunks`` by torch operations on the ids' device (transport "nccl", one piece).

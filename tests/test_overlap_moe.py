@@ -273,6 +273,8 @@ def _pipelined_no_grad(rank: int, world: int, chunks: int, routing: str = "auto"
 
     with torch.no_grad():
         got = disp.forward_pipelined(x, idx, w, local, chunks=chunks)
+    want = "device" if routing == "device" else "host"  # CPU ids: numpy under "auto"
+    assert disp.last_routing is not None and disp.last_routing[0] == want, disp.last_routing
     return (got - reference_moe(x, idx, w, _expert)).abs().max().item()
 
 
