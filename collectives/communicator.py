@@ -276,7 +276,9 @@ def destroy(group: dist.ProcessGroup | None = None) -> None:
             comms += _WORLD
             _WORLD.clear()
     from .peer import close_peer_memory
+    from .recorder import RECORDER
 
+    RECORDER.stop_progress()  # no thread may touch a store once the groups (and their stores) go
     for c in comms:
         close_peer_memory(c)  # collective, like destroy itself
         c.close()

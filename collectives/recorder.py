@@ -66,6 +66,7 @@ class FlightRecorder:
         self._progress: dict[Any, list[Any]] = {}  # group -> [store, rank, last seq]
         self._published: dict[Any, int] = {}
         self._thread: threading.Thread | None = None
+        self._stop = threading.Event()  # set by stop_progress: the publishing thread returns
         from . import _env
 
         self.enabled = _env.RECORDER.get()
@@ -144,13 +145,25 @@ class FlightRecorder:
 
     def _ensure_thread(self) -> None:
         if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._publish_loop, name="commops-progress", daemon=True)
+            self._thread = threading.Thread(target=self._publish_loop, args=(self._stop,), name="commops-progress",
+                                            daemon=True)
             self._thread.start()
 
-    def _publish_loop(self) -> None:
-        while True:
-            time.sleep(PROGRESS_PERIOD_S)
+    def _publish_loop(self, stop: threading.Event) -> None:
+        while not stop.wait(PROGRESS_PERIOD_S):
             self.publish()
+
+    def stop_progress(self) -> None:
+        """Stop the publishing thread and let go of the stores (``collectives.destroy`` calls this
+        before the groups go). A daemon thread still inside a store call while the interpreter
+        tears the process down can abort it ("terminate called without an active exception")."""
+        thread, self._thread = self._thread, None
+        self._stop.set()
+        if thread is not None and thread.is_alive():
+            thread.join(timeout=10 * PROGRESS_PERIOD_S)  # bounded: one store write at most is in flight
+        self._stop = threading.Event()  # a later init publishes again
+        self._progress.clear()
+        self._published.clear()
 
     def publish(self) -> None:
         """Write every group's last entered sequence number to its store (only what changed)."""

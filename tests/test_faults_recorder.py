@@ -204,3 +204,24 @@ def test_communication_outside_the_verbs_is_counted_and_recorded(worlds) -> None
         assert ops == [(1, "gemm_all_reduce", "copy_engine", "enqueued"), (2, "moe_dispatch", "copy_engine", "failed"),
                        (3, "all_reduce", ops[2][2], "completed")], res
         assert list(res["entries"][0][4]) == [4, 5]
+
+
+def _progress_thread(rank: int, world: int) -> list[bool]:
+    import threading
+
+    def alive() -> bool:
+        return any(t.name == "commops-progress" and t.is_alive() for t in threading.enumerate())
+
+    C.all_reduce(torch.ones(2))  # the default store is there: progress is published
+    seen = [alive()]
+    recorder.RECORDER.stop_progress()  # what collectives.destroy() does before the groups go
+    seen.append(alive())
+    C.all_reduce(torch.ones(2))  # a later call publishes again
+    seen.append(alive())
+    return seen
+
+
+def test_progress_thread_stops_before_the_groups_go(worlds) -> None:  # noqa: ANN001
+    """No thread may be inside a store call while the process tears the store down."""
+    for seen in worlds(2).run(_progress_thread):
+        assert seen == [True, False, True], seen
