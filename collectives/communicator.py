@@ -278,7 +278,8 @@ def destroy(group: dist.ProcessGroup | None = None) -> None:
     from .peer import close_peer_memory
     from .recorder import RECORDER
 
-    RECORDER.stop_progress()  # no thread may touch a store once the groups (and their stores) go
+    if group is None:  # every group, and with them the default store its progress goes to
+        RECORDER.stop_progress()  # no thread may touch a store once it goes
     for c in comms:
         close_peer_memory(c)  # collective, like destroy itself
         c.close()
