@@ -183,6 +183,7 @@ IDS_HEADER = 16  # ints before the ids in I (kernels.cu)
 _IDS_PARTS = 16  # blocks per rank copying ids (kernels.cu)
 MAX_BASE = 4096  # local experts x ranks the device-side layout serves (kernels.cu)
 _BAD_RANGE, _BAD_REPEAT = 0, 1  # error words after info's counts
+MAX_CHUNKS = 8  # the most chunks of a pipelined forward over the device-side layout
 
 
 def _errors_at(world: int, e_loc: int) -> int:
@@ -193,7 +194,6 @@ def _errors_at(world: int, e_loc: int) -> int:
 def _totals_at(world: int, e_loc: int) -> int:
     """Where info's per-local-expert totals (int64) start, in ints (kernels.cu's totals_at)."""
     return (_errors_at(world, e_loc) + 2 + 1) // 2 * 2
-MAX_CHUNKS = 8  # the most chunks of a pipelined forward over the device-side layout
 
 
 @dataclass(frozen=True)
@@ -391,10 +391,10 @@ class PeerRows:
         self.check()
         bad = counts[_errors_at(self.world, self.e_loc):][:2]
         if bad.any():
-            from .moe import bad_routing
+            from .moe import _bad_routing
 
             s = int(bad[_BAD_RANGE] or bad[_BAD_REPEAT]) - 1
-            raise bad_routing("topk_idx" if s == self.rank else f"topk_idx of rank {s}", topk_idx,
+            raise _bad_routing("topk_idx" if s == self.rank else f"topk_idx of rank {s}", topk_idx,
                               self.world * self.e_loc, repeated=not bad[_BAD_RANGE])
 
     def _geo(self, cap: int = 0) -> int:

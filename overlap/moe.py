@@ -154,14 +154,27 @@ def _pair_sum(rows: torch.Tensor, h: DispatchHandle, num_tokens: int, weights: t
     if h.pair_row is not None and h.pair_row.numel() == n and rows.shape[0] == n:
         per = rows.index_select(0, h.pair_row)
     else:
-        per = rows.new_zeros((n, *rows.shape[1:]))
+        per = _pair_slots(rows, n, rows.shape[0])
         per.index_copy_(0, h.order, rows)
-    per = per.view(num_tokens, k, math.prod(rows.shape[1:]))
+    return _sum_pairs(per, num_tokens, k, weights)
+
+
+def _pair_slots(rows: torch.Tensor, n: int, kept: int) -> torch.Tensor:
+    """One row per pair, ``n`` of them, for rows placed by pair; zeros where pairs were dropped
+    (fewer ``kept`` than pairs), which then add nothing."""
+    return (rows.new_empty if kept == n else rows.new_zeros)((n, *rows.shape[1:]))
+
+
+def _sum_pairs(per: torch.Tensor, num_tokens: int, k: int, weights: torch.Tensor | None) -> torch.Tensor:
+    """``out[t] = sum_j weights[t, j] * per[t * k + j]`` (unit weights without ``weights``), in at
+    least fp32 (a batched GEMM), rounded once."""
+    shape = per.shape[1:]
+    per = per.view(num_tokens, k, math.prod(shape))
     if weights is None:
-        out = per.sum(1, dtype=torch.promote_types(rows.dtype, torch.float32)).to(rows.dtype)
+        out = per.sum(1, dtype=torch.promote_types(per.dtype, torch.float32)).to(per.dtype)
     else:
-        out = torch.bmm(weights.reshape(num_tokens, 1, k).to(rows.dtype), per)
-    return out.view(num_tokens, *rows.shape[1:])
+        out = torch.bmm(weights.reshape(num_tokens, 1, k).to(per.dtype), per)
+    return out.view(num_tokens, *shape)
 
 
 @dataclass
@@ -231,16 +244,12 @@ def _combine_pieces(p: _Pieces, rows: torch.Tensor, weights: torch.Tensor, num_t
     on every run), then each token's rows are summed with its weights by one batched GEMM, as in
     the one-piece path."""
     k = weights.shape[1]
-    n = num_tokens * k
-    kept = sum(sum(s) for s in p.send)  # pairs that went out; the others were dropped and add nothing
-    per = rows.new_empty((n, *rows.shape[1:])) if kept == n else rows.new_zeros((n, *rows.shape[1:]))
+    per = _pair_slots(rows, num_tokens * k, sum(sum(s) for s in p.send))  # what went out comes back
     _exchange_pieces(rows, p.dest, p.send, p.recv, group, lambda c, buf: per.index_copy_(0, p.pairs[c], buf))
-    per = per.view(num_tokens, k, math.prod(rows.shape[1:]))
-    out = torch.bmm(weights.reshape(num_tokens, 1, k).to(rows.dtype), per)
-    return out.view(num_tokens, *rows.shape[1:])
+    return _sum_pairs(per, num_tokens, k, weights)
 
 
-def bad_routing(name: str, topk_idx: torch.Tensor, num_experts: int, repeated: bool) -> InvalidArgumentError:
+def _bad_routing(name: str, topk_idx: torch.Tensor, num_experts: int, repeated: bool) -> InvalidArgumentError:
     """The error for expert ids out of range (``repeated``: an expert twice for one token), whichever
     side found them: the host's checks or the peer transport's kernels."""
     if repeated:
@@ -557,10 +566,10 @@ class MoEDispatcher:
         E, k = self.num_experts, ids.shape[1] if ids.ndim == 2 else 1
         if ids.size:
             if ids.min() < 0 or ids.max() >= E:
-                raise bad_routing(name, topk_idx, E, repeated=False)
+                raise _bad_routing(name, topk_idx, E, repeated=False)
             by_row = np.sort(ids, axis=1)
             if k > 1 and (by_row[:, 1:] == by_row[:, :-1]).any():
-                raise bad_routing(name, topk_idx, E, repeated=True)
+                raise _bad_routing(name, topk_idx, E, repeated=True)
 
     def _gather_routing(self, topk_idx: torch.Tensor, bounds: list[tuple[int, int]], k: int
                         ) -> tuple[list[np.ndarray], list[list[tuple[int, int]]]]:
@@ -772,7 +781,7 @@ class MoEDispatcher:
         bad = np.flatnonzero(from_each[:, -2:].any(1))
         if bad.size:
             s = int(bad[0])
-            raise bad_routing("topk_idx" if s == me else f"topk_idx of rank {s}", topk_idx, E,
+            raise _bad_routing("topk_idx" if s == me else f"topk_idx of rank {s}", topk_idx, E,
                               repeated=not from_each[s, -2])
         matrices = from_each[:, :-2].reshape(w, n, e_loc)
         mine = host[w * row:].reshape(n, w, e_loc)

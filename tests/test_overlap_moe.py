@@ -308,7 +308,8 @@ def test_device_routing_refuses_a_bad_routing_on_every_rank(worlds, what: str, t
 
 def _pipelined_drops(rank: int, world: int, chunks: int) -> float:
     """The no-grad pipeline with a capacity (applied per chunk, like the autograd path) and a rank
-    without tokens, against the sequential forward of each chunk in turn."""
+    without tokens, against the float64 definition of each chunk with the pairs its capacity
+    keeps (each expert's first ``cap`` of this rank's chunk, in token order)."""
     experts = 2 * world
     tokens = 0 if rank == 1 else 17 + 5 * rank
     x, idx, w = _routing(rank, tokens, experts, 2, "random", 5)
@@ -320,8 +321,11 @@ def _pipelined_drops(rank: int, world: int, chunks: int) -> float:
 
     with torch.no_grad():
         got = disp.forward_pipelined(x, idx, w, local, chunks=chunks)
-        want = torch.cat([disp.forward(x[lo:hi], idx[lo:hi], w[lo:hi], local) for lo, hi in
-                          ((tokens * i // chunks, tokens * (i + 1) // chunks) for i in range(chunks))])
+        parts = []
+        for lo, hi in ((tokens * i // chunks, tokens * (i + 1) // chunks) for i in range(chunks)):
+            keep = _kept_mask(idx[lo:hi], experts, math.ceil(0.6 * (hi - lo) * 2 / experts))
+            parts.append(reference_moe(x[lo:hi], idx[lo:hi], w[lo:hi] * keep, _expert))
+        want = torch.cat(parts)
     assert got.shape == want.shape
     return (got - want).abs().max().item() if got.numel() else 0.0
 
