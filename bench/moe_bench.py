@@ -11,6 +11,7 @@ rows a rank sends, its own included. ``hidden_pct`` is ``(sequential - pipelined
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -64,6 +65,7 @@ class MoERecord:
     ll_combine_graph_us: float = 0.0
     a2a_graph_us: float = 0.0
     routing: str = ""       # where the dispatcher's routing was worked out: "host" (numpy) or "device"
+    pipeline: str = ""      # how the pipelined forward moved rows: "copy_engine" or "sm" (peer), "nccl"
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -72,16 +74,21 @@ class MoERecord:
 def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ffn_hidden: int, experts: int,
                    top_k: int, dtype: torch.dtype, device: torch.device, *, chunk_counts: tuple[int, ...] = (2, 4),
                    iters: int = 5, reps: int = 3, seed: int = 0, pieces: int = 1,
-                   transport: str = "nccl", routing: str = "auto") -> list[MoERecord]:
-    """One record per chunk count (the sequential figures repeat in each); the dispatcher moves its
-    rows in ``pieces`` (``MoEDispatcher(exchange_pieces=...)``) over ``transport`` (over NCCL
-    with its ``routing``), checked against one piece over NCCL (or Gloo) planned on the host."""
+                   transport: str = "nccl", routing: str = "auto", transfers: tuple[str, ...] = ("auto",)
+                   ) -> list[MoERecord]:
+    """One record per chunk count, and over the peer transport per ``transfers`` setting of its
+    pipeline (``MoEDispatcher(pipeline_transfers=...)``); the sequential figures repeat in each.
+    The dispatcher moves its rows in ``pieces`` (``MoEDispatcher(exchange_pieces=...)``) over
+    ``transport`` (over NCCL with its ``routing``), checked against one piece over NCCL (or Gloo)
+    planned on the host."""
     g = torch.Generator(device=device)
     g.manual_seed(seed * 7919 + comm.rank)
     x = torch.randn(tokens, hidden, generator=g, device=device).to(dtype)
     idx = torch.rand(tokens, experts, generator=g, device=device).topk(top_k, dim=-1).indices
     w = torch.rand(tokens, top_k, generator=g, device=device).to(dtype)
     bounds: dict[str, Any] = {"max_tokens": tokens, "top_k": top_k} if transport == "peer" else {"routing": routing}
+    if transport == "peer" and "copy_engine" in transfers:  # its buffers sized for that pipeline too
+        bounds["pipeline_transfers"] = "copy_engine"
     disp = MoEDispatcher(experts, hidden, comm.group, dtype=dtype, device=device, exchange_pieces=pieces,
                          transport=transport, **bounds)
     where = disp._device_layout(idx) if transport == "peer" else disp._routes_on_device(idx)
@@ -132,17 +139,19 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
             rv, hl = disp32.dispatch_low_latency(x.float(), idx)
             wrong_seq += off(disp32.combine_low_latency(mlp32.forward_padded(rv), hl, w.float()))
         records = []
-        for k in chunk_counts:
+        for k, tr in itertools.product(chunk_counts, transfers if transport == "peer" else ("auto",)):
+            disp.pipeline_transfers = disp32.pipeline_transfers = tr
             got = disp32.forward_pipelined(x.float(), idx, w.float(), mlp32, chunks=k)
             wrong = off(got) + wrong_seq
             t_pipe = _time(functools.partial(disp.forward_pipelined, x, idx, w, mlp, chunks=k), comm, device, iters, reps)
             comm_us = t_dispatch + t_combine
+            how = disp.last_pipeline[0] if transport == "peer" and disp.last_pipeline else transport
             records.append(MoERecord(
                 name, tokens, hidden, ffn_hidden, experts, top_k, comm.size, str(dtype).removeprefix("torch."),
                 str(device), sent_bytes, t_dispatch, sent_bytes / t_dispatch / 1e3, t_combine,
                 sent_bytes / t_combine / 1e3, t_a2a, sent_bytes / t_a2a / 1e3, t_experts, t_seq, t_pipe, k,
                 100 * (t_seq - t_pipe) / comm_us if comm_us else 0.0, wrong, pieces, transport, t_train, **low,
-                routing="device" if where else "host"))
+                routing="device" if where else "host", pipeline=how))
     disp.close()
     disp32.close()
     return records
@@ -174,7 +183,7 @@ def format_moe_table(records: list[MoERecord]) -> str:
                      f"{r.transport} pieces {r.pieces} routing {r.routing} | dispatch "
                      f"{r.dispatch_us:9.1f} us {r.dispatch_GBps:7.2f} GB/s | combine {r.combine_us:9.1f} us "
                      f"{r.combine_GBps:7.2f} GB/s | all_to_all {r.a2a_us:9.1f} us {r.a2a_GBps:7.2f} GB/s | experts "
-                     f"{r.experts_us:9.1f} us | sequential {r.sequential_us:9.1f} us | pipelined/{r.chunks} "
+                     f"{r.experts_us:9.1f} us | sequential {r.sequential_us:9.1f} us | pipelined/{r.chunks} {r.pipeline} "
                      f"{r.pipelined_us:9.1f} us ({r.hidden_pct:6.1f}% hidden) | train step {r.train_us:9.1f} us "
                      f"#wrong {r.wrong}")
         if r.ll_dispatch_us:
@@ -209,12 +218,15 @@ def plot_moe(records: list[MoERecord], path: str, title: str = "") -> None:
     def sequential(c: str) -> float:
         return next(r for r in records if label(r) == c).sequential_us
 
-    def pipelined(k: int, c: str) -> float:
-        return next(r.pipelined_us for r in records if label(r) == c and r.chunks == k)
+    def kind(r: MoERecord) -> str:  # how the pipeline moved rows, where there is a choice
+        return "" if r.pipeline in ("", "nccl") else r.pipeline
+
+    def pipelined(k: int, how: str, c: str) -> float:
+        return next((r.pipelined_us for r in records if label(r) == c and r.chunks == k and kind(r) == how), 0.0)
 
     bars: list[tuple[str, Callable[[str], float]]] = [("sequential", sequential)]
-    for k in dict.fromkeys(r.chunks for r in records):
-        bars.append((f"pipelined/{k}", functools.partial(pipelined, k)))
+    for k, how in dict.fromkeys((r.chunks, kind(r)) for r in records):
+        bars.append((f"pipelined/{k}" + (f" {how}" if how else ""), functools.partial(pipelined, k, how)))
     width = 0.8 / len(bars)
     for i, (name, value) in enumerate(bars):
         ax_t.bar([x + i * width for x in xs], [value(c) for c in configs], width, label=name)

@@ -88,6 +88,12 @@ PEER_ALL_REDUCE_ONE_PIECE_MAX_BYTES = 256 << 20
 # With 1 GiB buffers (256 MB pieces) it stays ahead at 512 MB (1.05-1.06x in two runs) but ties
 # NCCL at 1 GB (1.01-1.02x, then 0.99x).
 PEER_ALL_REDUCE_BIG_MAX_BYTES = 512 << 20
+# Measured 2026-11-30 on 2xH200 with 1 GiB peer buffers (bench/results/gpu_2xh200_peer_ce_ar.json,
+# eager and graph): at two ranks the copy-engine all-reduce (one shot: each tensor crosses once,
+# summed where it lands) beats two_shot and NCCL above 256 MB (512 MB: 345 GB/s against 330-331
+# and 312-313; 1 GB: 358 against 333-334 and 326-332); at 256 MB two_shot in one piece stays
+# ahead (327-330 against 294-298).
+PEER_ALL_REDUCE_CE_WORLD = 2
 # Measured 2026-11-30 on 2xH200, bf16, 8 MB-1 GB, eager and CUDA graphs
 # (bench/results/gpu_2xh200_peer_ce_{default,1g}.json): the copy-engine reduce-scatter beats
 # one_shot above 64 MB and NCCL by 1.03-1.19x up to 1 GB with the default 64 MiB buffers (its
@@ -113,6 +119,15 @@ def _two_shot_in_one_piece(comm: Any, nbytes: int, element_size: int) -> bool:
     return nbytes <= two_shot_piece(_peer_slot_bytes(comm) // 2, comm.size, element_size) * element_size
 
 
+def _copy_engine_all_reduce(comm: Any, nbytes: int) -> bool:
+    # one shot moves as much over the link as two shot at two ranks only (w - 1 copies of the tensor)
+    return (comm.size == PEER_ALL_REDUCE_CE_WORLD
+            # two_shot in one piece measured faster up to here
+            and nbytes > PEER_ALL_REDUCE_ONE_PIECE_MAX_BYTES
+            # 128 MiB chunks in a ring of 4 slots: measured with 1 GiB buffers only
+            and _peer_slot_bytes(comm) >= PEER_BIG_BUFFER_BYTES)
+
+
 def _peer_memory(call: Call, backend: str, nbytes: int) -> tuple[Choice | None, str]:
     """The peer-memory algorithm for this call, or None and why not ("" when it does not apply)."""
     if backend != "nccl" or call.op not in _PEER_OPS:
@@ -135,6 +150,10 @@ def _peer_memory(call: Call, backend: str, nbytes: int) -> tuple[Choice | None, 
                 _two_shot_in_one_piece(call.comm, nbytes, call.output.element_size()):
             return Choice("two_shot", "peer_memory", f"{nbytes} B <= {PEER_ALL_REDUCE_ONE_PIECE_MAX_BYTES} B in one "
                           "piece of the peer buffers: two_shot measured 1.13-1.22x NCCL's bus bandwidth"), ""
+        if _copy_engine_all_reduce(call.comm, nbytes):
+            return Choice("copy_engine", "peer_memory", f"{nbytes} B > {PEER_ALL_REDUCE_ONE_PIECE_MAX_BYTES} B at "
+                          f"{PEER_ALL_REDUCE_CE_WORLD} ranks with peer buffers of at least {PEER_BIG_BUFFER_BYTES} B: "
+                          "the copy engines' one-shot all-reduce measured faster than two_shot and NCCL"), ""
         if nbytes <= PEER_ALL_REDUCE_BIG_MAX_BYTES and _peer_slot_bytes(call.comm) >= PEER_BIG_BUFFER_BYTES:
             return Choice("two_shot", "peer_memory", f"{nbytes} B <= {PEER_ALL_REDUCE_BIG_MAX_BYTES} B with peer "
                           f"buffers of at least {PEER_BIG_BUFFER_BYTES} B: two_shot in pieces measured 1.05-1.06x "

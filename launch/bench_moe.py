@@ -45,6 +45,9 @@ def main() -> int:
                    help="comma-separated: nccl, peer (default: both on the GPUs of one node, else nccl)")
     p.add_argument("--routing", default="auto", choices=("auto", "host", "device"),
                    help="where transport nccl works out the routing (MoEDispatcher(routing=...))")
+    p.add_argument("--pipeline-transfers", default="auto",
+                   help="comma-separated settings of the peer transport's pipeline: auto, copy_engine, sm "
+                        "(MoEDispatcher(pipeline_transfers=...))")
     p.add_argument("-n", "--iters", type=int, default=5)
     p.add_argument("-r", "--reps", type=int, default=3)
     p.add_argument("--json")
@@ -77,7 +80,7 @@ def main() -> int:
             for pieces in ([1] if transport == "peer" else [int(x) for x in args.pieces.split(",")]):
                 rs = measure_config(comm, name, tokens, hidden, ffn, experts, k, dtype, device, chunk_counts=chunks,
                                     iters=args.iters, reps=args.reps, pieces=pieces, transport=transport,
-                                    routing=args.routing)
+                                    routing=args.routing, transfers=tuple(args.pipeline_transfers.split(",")))
                 records += rs
                 if comm.rank == 0:
                     print(format_moe_table(rs), flush=True)

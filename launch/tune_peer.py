@@ -182,7 +182,7 @@ def main() -> int:
             if nbytes >= (8 << 20):
                 pm.ce_max_chunks = 1 << 30  # exactly cb per chunk
                 for cb in ce_chunks:
-                    pm.ce_chunk_bytes = cb
+                    pm.ce_chunk_bytes = pm.ce_all_reduce_chunk_bytes = cb  # (two ranks: the one-shot's)
                     try:
                         row[f"copy_engine_{cb >> 20}M_{tag}_us"] = us(lambda: pm.all_reduce(x, "copy_engine"))
                     except C.UnsupportedError as exc:  # too few ring slots for this chunk

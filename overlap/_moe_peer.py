@@ -46,9 +46,10 @@ import numpy as np
 import torch
 
 from collectives.errors import InvalidArgumentError
-from collectives.peer.memory import PACK_BYTES, PeerMemory
+from collectives.peer.memory import CE_PUSHED, CE_REDUCED, PACK_BYTES, PeerMemory
 
-__all__ = ["PeerPlan", "plan", "build", "PeerRows", "layout_bytes", "buffer_bytes", "dense_backward_fits"]
+__all__ = ["PeerPlan", "plan", "build", "PeerRows", "layout_bytes", "buffer_bytes", "dense_backward_fits",
+           "ce_block", "ce_section_bytes"]
 
 _WARPS_PER_BLOCK = 16  # 512 threads (kernels.cu's __launch_bounds__)
 _THREADS = 32 * _WARPS_PER_BLOCK
@@ -151,12 +152,37 @@ def plan(rank: int, world: int, e_loc: int, k: int, max_tokens: int,
     return (int(n_items), int(n_tok)), [cat[0], ptr, dst, cat[1], part_ent, sum_ptr, sum_ent]
 
 
-def buffer_bytes(world: int, max_tokens: int, top_k: int, row_bytes: int) -> int:
+def buffer_bytes(world: int, max_tokens: int, top_k: int, row_bytes: int, copy_engine: bool = False) -> int:
     """The peer buffer ``PeerRows`` needs: two halves, which also hold the 2n regions of a
-    pipelined forward of up to ``MAX_CHUNKS`` chunks (each region rounds its parts up to pages)."""
+    pipelined forward of up to ``MAX_CHUNKS`` chunks (each region rounds its parts up to pages);
+    with ``copy_engine``, also the copy-engine pipeline's section (about 1.5x as much at 2 ranks)."""
+    n_all = range(2, MAX_CHUNKS + 1)
     size = max([2 * layout_bytes(world, max_tokens, top_k, row_bytes)[2]]
-               + [2 * n * layout_bytes(world, -(-max_tokens // n), top_k, row_bytes)[2] for n in range(2, MAX_CHUNKS + 1)])
+               + [2 * n * layout_bytes(world, -(-max_tokens // n), top_k, row_bytes)[2] for n in n_all]
+               + [ce_section_bytes(world, max_tokens, top_k, row_bytes, n) for n in n_all if copy_engine])
     return max(1 << 20, size)
+
+
+def _page(nbytes: int) -> int:
+    return -(-nbytes // 4096) * 4096
+
+
+def ce_block(world: int, t_cap: int, top_k: int, row_bytes: int) -> tuple[int, int, int, int, int]:
+    """One chunk's block of the copy-engine pipeline (``PeerRows.pipelined_dense``), in bytes from
+    its start: (X, WT, OUT, IN, size); the block opens with the ids (I, read by the peers). X and
+    WT hold every rank's tokens and fp32 weights (rank s's at ``s * t_cap`` rows), OUT this rank's
+    partial rows for each rank and IN each rank's partial rows for this one (rank q's at
+    ``q * t_cap`` rows)."""
+    rows = _page(world * t_cap * row_bytes)
+    x = _page((IDS_HEADER + t_cap * top_k) * 4)
+    wt = x + rows
+    out = wt + _page(world * t_cap * top_k * 4)
+    return x, wt, out, out + rows, out + 2 * rows
+
+
+def ce_section_bytes(world: int, max_tokens: int, top_k: int, row_bytes: int, chunks: int) -> int:
+    """The peer buffer the copy-engine pipeline of ``chunks`` chunks takes."""
+    return chunks * ce_block(world, -(-max_tokens // chunks), top_k, row_bytes)[-1]
 
 
 def dense_backward_fits(world: int, top_k: int, row_bytes: int) -> bool:
@@ -215,6 +241,7 @@ class _Streams:
         self.main = torch.cuda.current_stream(device)
         self.side = rows._side_stream()
         self.side.wait_stream(self.main)
+        self.copies = rows.pm.copy_streams
 
     def on_side(self) -> Any:
         return torch.cuda.stream(self.side)
@@ -239,8 +266,18 @@ class _Streams:
         for t in used:
             t.record_stream(self.side)
 
+    def copy_stream(self, i: int) -> int:
+        """The handle of copy stream ``i`` of the peer memory (0: dispatch rows, 1: partial rows),
+        made to wait for the caller's stream's work so far (what it copies lies in the peer buffer,
+        which the allocator does not manage: nothing to record)."""
+        s = self.copies[i]
+        s.wait_stream(self.main)
+        return s.cuda_stream
+
     def join(self, *used: torch.Tensor) -> None:
         self.main.wait_stream(self.side)
+        for s in self.copies:
+            self.main.wait_stream(s)
         for t in used:
             t.record_stream(self.main)
 
@@ -274,18 +311,26 @@ class PeerRows:
         num_experts: ``E`` (the device-side layout checks the ids against it).
         timeout_s: how long a barrier waits for a peer (``PeerMemory``'s).
         memory: use this ``PeerMemory`` instead of building one (at least ``buffer_bytes``).
+        pipeline_transfers: "auto", "sm" or "copy_engine" (``pipelined_dense``); "copy_engine"
+            sizes the buffer for that pipeline too.
     """
 
     def __init__(self, comm: Any, max_tokens: int, top_k: int, row_bytes: int, num_experts: int,
-                 timeout_s: float | None = None, memory: Any = None) -> None:
+                 timeout_s: float | None = None, memory: Any = None, pipeline_transfers: str = "auto") -> None:
         self.max_tokens, self.top_k, self.row_bytes = max_tokens, top_k, row_bytes
         self.world, self.rank = comm.size, comm.rank
         self.e_loc = num_experts // comm.size
         self.half = layout_bytes(comm.size, max_tokens, top_k, row_bytes)[2]
-        self.slot_bytes_needed = buffer_bytes(comm.size, max_tokens, top_k, row_bytes)
+        self.slot_bytes_needed = buffer_bytes(comm.size, max_tokens, top_k, row_bytes,
+                                              copy_engine=pipeline_transfers == "copy_engine")
         self.pm = memory if memory is not None else PeerMemory(comm, slot_bytes=self.slot_bytes_needed,
                                                                timeout_s=timeout_s)
         self.calls = 0  # the same on every rank: every rank makes the same calls
+        # how a pipelined forward moves its rows: "auto" (SM kernels: _pipeline_mode), "sm" or
+        # "copy_engine" (the buffer must have been sized for it); last_pipeline says what the last
+        # one did and why
+        self.pipeline_transfers = pipeline_transfers
+        self.last_pipeline: tuple[str, str] | None = None
         self._side: torch.cuda.Stream | None = None  # the pipelined section's stream
 
     def _next_half(self) -> int:
@@ -401,8 +446,10 @@ class PeerRows:
         """The kernels' layout word (kernels.cu): k, the local experts, and ``cap`` (0: compact)."""
         return self.top_k | (self.e_loc << 8) | (cap << 32)
 
-    def _gather(self, g: _Region, layout: DeviceLayout, x: torch.Tensor) -> torch.Tensor:
-        """``recv_x``: compact (``layout.cap`` 0, its rows counted on the host) or padded."""
+    def _gather(self, g: _Region, layout: DeviceLayout, x: torch.Tensor, bases: tuple[int, ...] | None = None
+                ) -> torch.Tensor:
+        """``recv_x``: compact (``layout.cap`` 0, its rows counted on the host) or padded; rank s's
+        tokens read at ``g.x`` in its buffer (``bases``: in this one, see ``PeerMemory._kernel``)."""
         from collectives.peer import _launch
 
         if layout.cap:
@@ -412,7 +459,7 @@ class PeerRows:
             total = int(layout.counts[:self.world * self.e_loc].sum())
         recv = x.new_empty((total, x.shape[1]))
         if total:
-            kern = self.pm._kernel("rows_gather_dense", x.dtype, self._vec(recv.data_ptr()), 8)
+            kern = self.pm._kernel("rows_gather_dense", x.dtype, self._vec(recv.data_ptr()), 8, bases)
             kern(self._grid(self.world * g.t_max * _ROW_SLICES), _launch.current_stream(self.pm._index), g.x,
                  layout.ranks.data_ptr(), layout.info.data_ptr(), layout.ids_all.data_ptr(), recv.data_ptr(), g.t_max,
                  x.shape[1], self._geo(layout.cap))
@@ -421,22 +468,32 @@ class PeerRows:
     def _combine(self, g: _Region, layout: DeviceLayout, rows: torch.Tensor, weights: torch.Tensor,
                  out: torch.Tensor) -> None:
         """Weights into W, barrier, partial rows into P, barrier, each token's sum into ``out``."""
-        from collectives.peer import _launch
-
-        hidden, T, t_max = out.shape[1], layout.tokens, g.t_max
-        stream = _launch.current_stream(self.pm._index)
-        ke = self._geo(layout.cap)
         self._post_weights(g, weights)
         self._fence()
-        if rows.shape[0]:
-            kern = self.pm._kernel("rows_partial_dense", rows.dtype, self._vec(rows.data_ptr()), 9)
-            kern(self._grid(self.world * t_max * _ROW_SLICES), stream, g.x, g.w, layout.ranks.data_ptr(),
-                 layout.info.data_ptr(), layout.ids_all.data_ptr(), rows.data_ptr(), t_max, hidden, ke)
+        self._partial(g.x, g.w, g.t_max, layout, rows)
         self._fence()
-        if T:
-            kern = self.pm._kernel("rows_sum_dense", rows.dtype, self._vec(out.data_ptr()), 7)
-            kern(self._grid(T * _ROW_SLICES), stream, g.x, layout.ids_all.data_ptr(), out.data_ptr(), t_max, hidden,
-                 ke, T)
+        self._sum(g.x, g.t_max, layout, out)
+
+    def _partial(self, p_off: int, w_off: int, t_max: int, layout: DeviceLayout, rows: torch.Tensor,
+                 bases: tuple[int, ...] | None = None) -> None:
+        """P rows (this rank's buffer at ``p_off``) from the expert rows; the weights read at ``w_off``."""
+        from collectives.peer import _launch
+
+        if rows.shape[0]:
+            kern = self.pm._kernel("rows_partial_dense", rows.dtype, self._vec(rows.data_ptr()), 9, bases)
+            kern(self._grid(self.world * t_max * _ROW_SLICES), _launch.current_stream(self.pm._index), p_off, w_off,
+                 layout.ranks.data_ptr(), layout.info.data_ptr(), layout.ids_all.data_ptr(), rows.data_ptr(), t_max,
+                 rows.shape[1], self._geo(layout.cap))
+
+    def _sum(self, p_off: int, t_max: int, layout: DeviceLayout, out: torch.Tensor,
+             bases: tuple[int, ...] | None = None) -> None:
+        """``out`` = each token's sum of the P rows (at ``p_off``) of the ranks it went to."""
+        from collectives.peer import _launch
+
+        if layout.tokens:
+            kern = self.pm._kernel("rows_sum_dense", out.dtype, self._vec(out.data_ptr()), 7, bases)
+            kern(self._grid(layout.tokens * _ROW_SLICES), _launch.current_stream(self.pm._index), p_off,
+                 layout.ids_all.data_ptr(), out.data_ptr(), t_max, out.shape[1], self._geo(layout.cap), layout.tokens)
 
     def _check_rows(self, x: torch.Tensor) -> None:
         self._check_tokens(x.shape[0])
@@ -563,30 +620,148 @@ class PeerRows:
                         experts: Any, bounds: list[tuple[int, int]]) -> torch.Tensor:
         """dispatch -> experts -> combine over the token ranges ``bounds`` (``len(bounds)`` the same
         on every rank), chunk c+1's rows arriving while the experts compute chunk c, and chunk c's
-        results returning while chunk c+1 is computed.
+        results returning while chunk c+1 is computed. The rows move by SM kernels on a side
+        stream (``_pipelined_sm``) or, with ``pipeline_transfers="copy_engine"``, by copy engines
+        (``_pipelined_ce``); ``last_pipeline`` records which and why."""
+        n = len(bounds)
+        if n > MAX_CHUNKS:
+            raise InvalidArgumentError("chunks", n, f"exceeds the {MAX_CHUNKS} chunks the peer buffer is cut for",
+                                       f"use at most {MAX_CHUNKS} chunks")
+        t_cap = -(-self.max_tokens // n)
+        for lo, hi in bounds:
+            if hi - lo > t_cap:
+                raise InvalidArgumentError("chunks", n, f"makes a chunk of {hi - lo} tokens; regions hold {t_cap}",
+                                           "split the tokens evenly")
+        self._check_rows(x)
+        mode, why = self._pipeline_mode(n)
+        self.last_pipeline = (mode, why)
+        if mode == "copy_engine":
+            return self._pipelined_ce(x, topk_idx, weights, experts, bounds)
+        return self._pipelined_sm(x, topk_idx, weights, experts, bounds)
 
-        The peer buffer's two halves are cut into ``2 n`` regions of ``ceil(max_tokens / n)``
-        tokens, one per call of the section (n dispatches, then n combines), so that no region
-        is written while a peer may still read it; barriers bracket the section.
+    def _pipeline_mode(self, n: int) -> tuple[str, str]:
+        """How a pipelined forward of ``n`` chunks moves its rows (the same answer on every rank:
+        it depends on the settings and the buffer only)."""
+        if self.pipeline_transfers == "copy_engine":
+            need = ce_section_bytes(self.world, self.max_tokens, self.top_k, self.row_bytes, n)
+            if need > self.pm.slot_bytes:
+                raise InvalidArgumentError("pipeline_transfers", "copy_engine", f"needs {need} B of peer buffer for "
+                                           f"{n} chunks; it has {self.pm.slot_bytes} B",
+                                           "build the transport with pipeline_transfers='copy_engine' (which sizes "
+                                           "it by buffer_bytes(copy_engine=True)) or use 'sm'")
+            return "copy_engine", "pipeline_transfers='copy_engine' was set"
+        if self.pipeline_transfers == "sm":
+            return "sm", "pipeline_transfers='sm' was set"
+        # 2xH200 (bench/results/gpu_2xh200_moe_pipeline.json): the copy engines were ahead of the
+        # SM kernels in 3 of 10 (configuration, chunks) cases, by at most 3.5%, and behind by up
+        # to 12.5% in the others: the row kernels left on the experts' stream (gather, partial
+        # sums, sums) cost about as much as the link time the copies hide
+        return "sm", "the copy-engine pipeline measured no gain over SM kernels on 2xH200"
+
+    def _pipelined_ce(self, x: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor,
+                      experts: Any, bounds: list[tuple[int, int]]) -> torch.Tensor:
+        """The pipeline with every byte between GPUs moved by copy engines, and every kernel,
+        the experts' included, on the caller's stream.
+
+        Chunk c has a block of the buffer (``ce_block``). Each rank posts its tokens and weights
+        at its own place in the block (X, WT) and its ids in I, where the peers read them; the
+        copy engines then copy the tokens and weights to the same place in every peer's buffer.
+        The row kernels run on what lies in this rank's buffer (their context's "rank s" is
+        rank s's place here: ``PeerMemory._kernel``'s ``bases``): the gather reads X, the
+        partial sums write OUT (rank q's rows at q's place), whose blocks the copy engines copy
+        into the peers' IN, and the sums read IN (and OUT for this rank's own part). A copy's
+        arrival is a copy-engine flag that the peer sets after it (slot c; PUSHED for the tokens,
+        REDUCED for the partial rows), waited for by a bounded kernel just before its reader.
+
+            copy stream 0:  X,WT 0 -> peers | X,WT 1 -> peers | ...
+            caller's:       post 0..n-1 | fence | layout 0..n-1 | wait X 0, gather 0 | experts 0 | partial 0 |
+                            wait X 1, gather 1 | experts 1 | partial 1 | wait P 0, sum 0 | ...
+            copy stream 1:                                      OUT 0 -> peers |       OUT 1 -> peers | ...
+        """
+        from collectives.peer import _launch
+
+        pm, n, W, r, k, row = self.pm, len(bounds), self.world, self.rank, self.top_k, self.row_bytes
+        t_cap = -(-self.max_tokens // n)
+        X, WT, OUT, IN, size = ce_block(W, t_cap, k, row)
+        rb, wb = t_cap * row, t_cap * k * 4  # one rank's place in X, OUT and IN; in WT
+        own = pm.slot_pointers[r]
+        peers = [(r + d) % W for d in range(1, W)]
+        gather_at = tuple(s * rb for s in range(W))
+        partial_at = tuple(s * wb for s in range(W))  # weights at s's place; P written at OUT - r * wb + ...
+        sum_at = tuple((OUT - IN) if q == r else (q - r) * rb for q in range(W))
+        st = _Streams(self, x.device)
+        main = _launch.current_stream(pm._index)
+        self._fence()  # every peer is done with what it read before this section
+        info = self._new_info(n, x.device)
+        for c, (lo, hi) in enumerate(bounds):
+            b = c * size
+            mine = _Region(b + WT + r * wb, b, b + X + r * rb, t_cap)
+            self._post(mine, x[lo:hi], topk_idx[lo:hi], info[c])
+            self._post_weights(mine, weights[lo:hi])
+        ps = st.copy_stream(0)
+        for c, (lo, hi) in enumerate(bounds):
+            b = c * size
+            for q in peers:
+                if hi > lo:
+                    pm.ce_push(ps, q, b + X + r * rb, own + b + X + r * rb, (hi - lo) * row)
+                    pm.ce_push(ps, q, b + WT + r * wb, own + b + WT + r * wb, (hi - lo) * k * 4)
+                pm.ce_signal(ps, q, c, CE_PUSHED, 1)
+        self._fence()  # the ids are posted
+        layouts = [self._layout(_Region(0, c * size, 0, t_cap), info[c]) for c in range(n)]
+        counts = info.cpu().numpy()  # the one wait, for every chunk
+        bad = [c for c in range(n) if counts[c][_errors_at(W, self.e_loc):][:2].any()]
+        if bad:  # the same on every rank: close the section (its flags back to zero), then raise
+            st.join()
+            pm.ce_close()
+            self.calls += 2
+            self._refuse_bad(counts[bad[0]], topk_idx)
+        self.check()
+        out = x.new_empty((x.shape[0], x.shape[1]))
+        lays = [DeviceLayout(*layouts[c], info[c], counts[c], hi - lo) for c, (lo, hi) in enumerate(bounds)]
+
+        def summed(c: int) -> None:
+            pm.ce_wait(main, c, CE_REDUCED, 1)
+            lo, hi = bounds[c]
+            self._sum(c * size + IN, t_cap, lays[c], out[lo:hi], sum_at)
+
+        for c, (lo, hi) in enumerate(bounds):
+            b = c * size
+            pm.ce_wait(main, c, CE_PUSHED, 1)
+            recv = self._gather(_Region(0, 0, b + X, t_cap), lays[c], x, gather_at)
+            per_expert = counts[c][:W * self.e_loc].reshape(W, self.e_loc).sum(0).tolist()
+            y = experts(recv, per_expert).contiguous()
+            self._partial(b + OUT - r * wb, b + WT, t_cap, lays[c], y, partial_at)
+            ls = st.copy_stream(1)
+            for q in peers:
+                t_q = int(counts[c][W * self.e_loc + q])
+                if t_q:
+                    pm.ce_push(ls, q, b + IN + r * rb, own + b + OUT + q * rb, t_q * row)
+                pm.ce_signal(ls, q, c, CE_REDUCED, 1)
+            if c:
+                summed(c - 1)
+        summed(n - 1)
+        st.join(out)  # every copy and signal of this rank issued before the closing barrier
+        pm.ce_close()  # every rank has what it waited for; this rank's flags back to zero
+        self.calls += 2
+        return out
+
+    def _pipelined_sm(self, x: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor,
+                      experts: Any, bounds: list[tuple[int, int]]) -> torch.Tensor:
+        """The pipeline over SM kernels. The peer buffer's two halves are cut into ``2 n`` regions
+        of ``ceil(max_tokens / n)`` tokens, one per call of the section (n dispatches, then n
+        combines), so that no region is written while a peer may still read it; barriers bracket
+        the section.
 
             side stream:  post+layout 0..n-1 | gather 0 | gather 1 | ... | combine 0 | combine 1 | ...
             host:                        counts (one wait)
             main stream:                         | experts 0 | experts 1 | ...
         """
         n = len(bounds)
-        if n > MAX_CHUNKS:
-            raise InvalidArgumentError("chunks", n, f"exceeds the {MAX_CHUNKS} chunks the peer buffer is cut for",
-                                       f"use at most {MAX_CHUNKS} chunks")
         t_cap = -(-self.max_tokens // n)
         reg = layout_bytes(self.world, t_cap, self.top_k, self.row_bytes)[2]
         if 2 * n * reg > self.pm.slot_bytes:
             raise InvalidArgumentError("chunks", n, f"needs {2 * n} regions of {reg} B; the peer buffer has "
                                        f"{self.pm.slot_bytes} B", "use fewer chunks")
-        for lo, hi in bounds:
-            if hi - lo > t_cap:
-                raise InvalidArgumentError("chunks", n, f"makes a chunk of {hi - lo} tokens; regions hold {t_cap}",
-                                           "split the tokens evenly")
-        self._check_rows(x)
         st = _Streams(self, x.device)
         regions = [self._region(r * reg, t_cap) for r in range(2 * n)]
         with st.on_side():

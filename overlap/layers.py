@@ -263,8 +263,8 @@ class MoELayer(nn.Module):
         group: the expert-parallel group (default: world).
         capacity_factor: ``None`` (dropless) or each expert's capacity factor.
         chunks: the pipeline's chunks (``MoEDispatcher.forward_pipelined``).
-        exchange_pieces, transport, routing: how the rows travel and where their routing is
-            worked out (``MoEDispatcher``).
+        exchange_pieces, transport, routing, pipeline_transfers: how the rows travel and where
+            their routing is worked out (``MoEDispatcher``).
         max_tokens: the most tokens one forward takes on any rank (transport "peer" only, which
             needs it; :meth:`close` then releases its buffers, collectively).
 
@@ -275,7 +275,7 @@ class MoELayer(nn.Module):
     def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int, group: Any = None, *,
                  dtype: torch.dtype | None = None, device: Any = None, capacity_factor: float | None = None,
                  chunks: int | str = "auto", exchange_pieces: int = 1, transport: str = "nccl",
-                 max_tokens: int | None = None, routing: str = "auto") -> None:
+                 max_tokens: int | None = None, routing: str = "auto", pipeline_transfers: str = "auto") -> None:
         super().__init__()
         from .moe import GroupedSwiGLU, MoEDispatcher
 
@@ -285,7 +285,8 @@ class MoELayer(nn.Module):
         self.dispatcher = MoEDispatcher(num_experts, hidden, group, dtype=dtype, device=device,
                                         capacity_factor=capacity_factor, exchange_pieces=exchange_pieces,
                                         transport=transport, max_tokens=max_tokens,
-                                        top_k=top_k if transport == "peer" else None, routing=routing)
+                                        top_k=top_k if transport == "peer" else None, routing=routing,
+                                        pipeline_transfers=pipeline_transfers)
         self.router = nn.Linear(hidden, num_experts, bias=False, dtype=dtype, device=device)
         if dist.get_world_size(group) > 1:
             C.broadcast(self.router.weight.data, group=group, group_src=0)

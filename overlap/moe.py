@@ -486,6 +486,11 @@ class MoEDispatcher:
             ``DEVICE_ROUTING_MIN_PAIRS`` pairs when ``exchange_pieces`` is 1, else the host).
             Over the device, the ids are checked on every rank after the counts exchange, so a
             bad routing raises the same error everywhere, naming the rank.
+        pipeline_transfers: how transport "peer"'s pipelined forward moves rows between GPUs:
+            "sm" (the SM kernels, on a side stream), "copy_engine" (peer copies, which take no SMs
+            from the experts; every kernel then runs on the caller's stream, on local memory; the
+            peer buffers are sized for it, about 1.5x at 2 ranks) or "auto" ("sm": the copy
+            engines measured no gain on 2xH200). ``last_pipeline`` records (which, why).
 
     Every rank calls ``dispatch`` and ``combine`` the same number of times, in the same order
     (they communicate); token counts may differ between ranks, and may be zero.
@@ -494,7 +499,7 @@ class MoEDispatcher:
     def __init__(self, num_experts: int, hidden: int, group: Any = None, *, dtype: torch.dtype | None = None,
                  device: Any = None, capacity_factor: float | None = None, exchange_pieces: int = 1,
                  transport: str = "nccl", max_tokens: int | None = None, top_k: int | None = None,
-                 routing: str = "auto") -> None:
+                 routing: str = "auto", pipeline_transfers: str = "auto") -> None:
         comm = C.get_communicator(group)
         if not isinstance(num_experts, int) or num_experts < 1 or num_experts % comm.size:
             raise InvalidArgumentError("num_experts", num_experts, f"is not a positive multiple of the group's {comm.size} ranks",
@@ -520,6 +525,11 @@ class MoEDispatcher:
             raise UnsupportedError("routing", routing, "applies to transport='nccl' with exchange_pieces=1",
                                    "pass routing='auto' (or 'host')")
         self.routing = routing
+        if pipeline_transfers not in ("auto", "copy_engine", "sm"):
+            raise InvalidArgumentError("pipeline_transfers", pipeline_transfers, "is not 'auto', 'copy_engine' or 'sm'",
+                                       "pass 'auto'")
+        self.pipeline_transfers = pipeline_transfers
+        self.last_pipeline: tuple[str, str] | None = None  # transport "peer": (transfers, why) of the last pipeline
         if transport == "peer":
             # the peer buffers are sized once, from these bounds (like any buffer-owning object)
             for name, v in (("max_tokens", max_tokens), ("top_k", top_k)):
@@ -620,7 +630,8 @@ class MoEDispatcher:
             from . import _moe_peer
 
             self._peer = _moe_peer.PeerRows(self.comm, self.max_tokens, self.top_k, self._row_bytes,
-                                            self.num_experts)
+                                            self.num_experts, pipeline_transfers=self.pipeline_transfers)
+        self._peer.pipeline_transfers = self.pipeline_transfers
         return self._peer
 
     def close(self) -> None:
@@ -978,8 +989,11 @@ class MoEDispatcher:
                 raise InvalidArgumentError("topk_idx", topk_idx, f"is not [tokens, {self.top_k}] with weights of "
                                            "its shape", f"pass [tokens, {self.top_k}] ids and weights")
             meta = torch.empty((x.shape[0], self.hidden), dtype=x.dtype, device="meta")
+            rows = self._peer_rows()
             with recorded(self.comm, "moe_forward", "peer", meta, x):
-                return self._peer_rows().pipelined_dense(x.contiguous(), topk_idx, topk_weights, experts, bounds)
+                out = rows.pipelined_dense(x.contiguous(), topk_idx, topk_weights, experts, bounds)
+            self.last_pipeline = rows.last_pipeline
+            return out
         if self._device_layout(topk_idx):  # with autograd: chunk after chunk, each laid out on the GPUs
             return torch.cat([self.forward(x[lo:hi], topk_idx[lo:hi], topk_weights[lo:hi], experts)
                               for lo, hi in bounds])

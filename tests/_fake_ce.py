@@ -67,6 +67,7 @@ class FakeRank:
         self._index = rank
         self._max_blocks, self._block_bytes = 8, 1 << 10
         self.ce_chunk_bytes, self.ce_max_chunks = machine.chunk_bytes, 16
+        self.ce_all_reduce_chunk_bytes = machine.chunk_bytes
         self.slot_pointers = tuple(s.data_ptr() for s in machine.slots)
         self._flag_pointers = tuple(f.data_ptr() for f in machine.flags)
         self.main = Stream(machine, 100 * rank)

@@ -11,6 +11,7 @@ barriers, the autograd wiring; the kernels themselves are checked on GPUs
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import threading
 from typing import Any
@@ -35,6 +36,8 @@ class Hub:
         self.slots = [torch.zeros(slot_bytes, dtype=torch.uint8) for _ in range(world)]
         self.barrier = threading.Barrier(world, timeout=30)
         self.fences = [0] * world
+        self.flags: list[dict[tuple[int, int, int], int]] = [{} for _ in range(world)]  # copy-engine flags
+        self.flagged = threading.Condition()
 
 
 class FakeMemory:
@@ -59,6 +62,36 @@ class FakeMemory:
         self.hub.fences[self.rank] += 1
         self.hub.barrier.wait()
 
+    def ce_close(self) -> None:
+        self.hub.barrier.wait()
+        with self.hub.flagged:
+            self.hub.flags[self.rank].clear()
+
+    # -- copy engines: a copy is done when issued (every rank is a thread issuing in its order)
+    @property
+    def slot_pointers(self) -> tuple[int, ...]:
+        return tuple(t.data_ptr() for t in self.hub.slots)
+
+    @property
+    def copy_streams(self) -> tuple[None, None]:
+        return None, None
+
+    def ce_push(self, stream: Any, peer: int, offset: int, src: int, nbytes: int) -> None:
+        assert 0 <= offset and offset + nbytes <= self.slot_bytes, (peer, offset, nbytes)
+        self.hub.slots[peer][offset:offset + nbytes].copy_(_at(src, nbytes, torch.uint8))
+
+    def ce_signal(self, stream: Any, peer: int, slot: int, stage: int, value: int) -> None:
+        with self.hub.flagged:
+            self.hub.flags[peer][(slot, stage, self.rank)] = value
+            self.hub.flagged.notify_all()
+
+    def ce_wait(self, stream: Any, slot: int, stage: int, value: int) -> None:
+        mine = self.hub.flags[self.rank]
+        peers = [q for q in range(self.world) if q != self.rank]
+        with self.hub.flagged:
+            if not self.hub.flagged.wait_for(lambda: all(mine.get((slot, stage, q), 0) >= value for q in peers), 30):
+                raise TimeoutError(f"rank {self.rank}: copy-engine flag ({slot}, {stage}) never reached {value}")
+
     def check(self) -> None:
         pass
 
@@ -70,8 +103,13 @@ class FakeMemory:
         assert 0 <= offset and offset + n * es <= self.slot_bytes, (q, offset, n)
         return self.hub.slots[q][offset:offset + n * es].view(dtype)
 
-    def _kernel(self, kind: str, dtype: torch.dtype | None, vec: bool, nargs: int = 4) -> Any:
-        fn = getattr(self, "_k_" + kind)
+    def _kernel(self, kind: str, dtype: torch.dtype | None, vec: bool, nargs: int = 4,
+                bases: tuple[int, ...] | None = None) -> Any:
+        target = self
+        if bases is not None:  # "rank q's buffer" is this rank's, moved by bases[q] bytes
+            target = copy.copy(self)
+            target._slot = lambda q, offset, n, dtype: FakeMemory._slot(self, self.rank, offset + bases[q], n, dtype)
+        fn = getattr(target, "_k_" + kind)
         return lambda grid, stream, *args: fn(dtype, *args)
 
     # -- the kernels (kernels.cu, "rows: indexed row copies and weighted row sums") --------------

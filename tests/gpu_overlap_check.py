@@ -221,7 +221,8 @@ def main() -> int:
         for dtype in (torch.float32, torch.bfloat16):
             plain = MoEDispatcher(Ed, H, dtype=dtype, device=dev)
             others = {(t, n): MoEDispatcher(Ed, H, dtype=dtype, device=dev, transport=t, exchange_pieces=n,
-                                            **({"max_tokens": 64, "top_k": kd} if t == "peer" else {}))
+                                            **({"max_tokens": 64, "top_k": kd, "pipeline_transfers": "copy_engine"}
+                                               if t == "peer" else {}))
                       for t, n in (("nccl", 4), ("peer", 1))}
             for call in range(10):
                 g.manual_seed(800 + 10 * call + r)
@@ -240,14 +241,20 @@ def main() -> int:
                         close(f"combine {t}/{n} {dtype} call {call}", d.combine(recv * 1.5, h, wd), out_ref,
                               tol=TOL if dtype == torch.float32 else 2e-2)
                         # the pipelined forward (no autograd): chunks' exchanges beside the experts
-                        piped = d.forward_pipelined(xd, idx, wd, lambda rows, tpe: rows * 1.5, chunks=3)
-                        close(f"forward_pipelined {t}/{n} {dtype} call {call}", piped, out_ref,
-                              tol=TOL if dtype == torch.float32 else 2e-2)
+                        for transfers in (("copy_engine", "sm") if t == "peer" else ("auto",)):
+                            d.pipeline_transfers = transfers
+                            piped = d.forward_pipelined(xd, idx, wd, lambda rows, tpe: rows * 1.5, chunks=3)
+                            close(f"forward_pipelined {t}/{n}/{transfers} {dtype} call {call}", piped, out_ref,
+                                  tol=TOL if dtype == torch.float32 else 2e-2)
             others[("peer", 1)].close()
         # the no-grad pipeline over NCCL at prefill size, many chunks (its sends come from a side
         # stream, whose memory is reused from chunk to chunk): fp32, against the plain forward
         Ep, kp, Hp = 16 * w, 4, 1024
         big = MoEDispatcher(Ep, Hp, dtype=torch.float32, device=dev)
+        # and the peer transport's pipeline both ways (copy engines: every copy's arrival a flag
+        # waited for on the GPU; SM kernels on a side stream), against the same plain forward
+        bigp = MoEDispatcher(Ep, Hp, dtype=torch.float32, device=dev, transport="peer", max_tokens=4200, top_k=kp,
+                             pipeline_transfers="copy_engine")
         for call in range(3):
             g.manual_seed(900 + 10 * call + r)
             T = 4096 + 37 * r + call
@@ -263,6 +270,15 @@ def main() -> int:
                 for chunks in (4, 8):
                     close(f"forward_pipelined nccl fp32 {T} tokens chunks {chunks} call {call}",
                           big.forward_pipelined(xb, idx, wb, scaled, chunks=chunks), want)
+                for transfers in ("copy_engine", "sm"):
+                    bigp.pipeline_transfers = transfers
+                    for chunks in (2, 5, 8):
+                        close(f"forward_pipelined peer/{transfers} fp32 {T} tokens chunks {chunks} call {call}",
+                              bigp.forward_pipelined(xb, idx, wb, scaled, chunks=chunks), want)
+                        checks += 1
+                        if bigp.last_pipeline is None or bigp.last_pipeline[0] != transfers:
+                            fails.append(f"rank {r} peer pipeline asked {transfers}, ran {bigp.last_pipeline}")
+        bigp.close()
         # the peer transport's edge cases against NCCL's: a rank without tokens, every token to
         # one expert, capacity drops, a hidden size whose rows are not whole 16-byte packs (the
         # scalar kernels), more local experts of one token than a warp has lanes

@@ -207,24 +207,29 @@ class _SameStream:
     def side_waits(self, ev: Any, *used: Any) -> None:
         pass
 
+    def copy_stream(self, i: int) -> int:
+        return 0
+
     def join(self, *used: Any) -> None:
         pass
 
 
+@pytest.mark.parametrize("transfers", ["copy_engine", "sm"])
 @pytest.mark.parametrize("world,e_loc,k,tokens,chunks", [
     (2, 2, 2, [9, 6], 2),
     (2, 3, 3, [10, 2], 3),    # a rank with fewer tokens than chunks: empty chunks
     (3, 1, 2, [4, 0, 7], 4),
 ])
 def test_pipelined_forward_over_the_device_layout(monkeypatch: pytest.MonkeyPatch, world: int, e_loc: int, k: int,
-                                                  tokens: list[int], chunks: int) -> None:
+                                                  tokens: list[int], chunks: int, transfers: str) -> None:
     monkeypatch.setattr(P, "_Streams", _SameStream)
     E = world * e_loc
     max_tokens = max(tokens) + 1
     row_bytes = HIDDEN * 4
 
     def rank_fn(mem: Any, r: int) -> None:
-        rows = P.PeerRows(SimpleNamespace(size=world, rank=r), max_tokens, k, row_bytes, E, memory=mem)
+        rows = P.PeerRows(SimpleNamespace(size=world, rank=r), max_tokens, k, row_bytes, E, memory=mem,
+                          pipeline_transfers=transfers)
         ins = _inputs(world, E, k, tokens, 70 + chunks, torch.float32)
         idx, x, w, _ = ins[r]
 
@@ -239,11 +244,68 @@ def test_pipelined_forward_over_the_device_layout(monkeypatch: pytest.MonkeyPatc
             out = rows.pipelined_dense(x.contiguous(), idx, w.float(), experts, bounds)
             factor = (w.double() * (idx.double() + 1)).sum(1) if idx.numel() else torch.zeros(0, dtype=torch.float64)
             assert torch.allclose(out.double(), x.double() * factor.unsqueeze(-1), rtol=1e-5, atol=1e-5), r
+            assert rows.last_pipeline is not None and rows.last_pipeline[0] == transfers
         # and a plain dispatch after the section
         recv, _ = rows.dispatch_dense(x.contiguous(), idx)
         assert torch.equal(recv.double(), _expected_recv(ins, r, e_loc)[0])
 
-    run_ranks(world, P.buffer_bytes(world, max_tokens, k, row_bytes), rank_fn)
+    run_ranks(world, P.buffer_bytes(world, max_tokens, k, row_bytes, copy_engine=transfers == "copy_engine"), rank_fn)
+
+
+def test_pipeline_transfers_auto_runs_sm_kernels_and_copy_engine_needs_a_buffer_sized_for_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(P, "_Streams", _SameStream)
+    world, e_loc, k, T, chunks = 2, 2, 2, 400, 2
+    row_bytes = HIDDEN * 4
+    # what the SM pipeline needs (buffer_bytes without its 1 MiB floor), short of the copy-engine section
+    plain = max(2 * P.layout_bytes(world, T, k, row_bytes)[2], 2 * chunks * P.layout_bytes(world, T // chunks, k, row_bytes)[2])
+    assert plain < P.ce_section_bytes(world, T, k, row_bytes, chunks) <= P.buffer_bytes(world, T, k, row_bytes, copy_engine=True)
+
+    def rank_fn(mem: Any, r: int) -> tuple[Any, str]:
+        rows = P.PeerRows(SimpleNamespace(size=world, rank=r), T, k, row_bytes, world * e_loc, memory=mem)
+        idx, x, w, _ = _inputs(world, world * e_loc, k, [T, T], 5, torch.float32)[r]
+        bounds = [(0, T // 2), (T // 2, T)]
+        out = rows.pipelined_dense(x.contiguous(), idx, w, lambda recv, per: recv, bounds)
+        assert torch.allclose(out, x * w.sum(1, keepdim=True), rtol=1e-5, atol=1e-6)
+        last = rows.last_pipeline
+        rows.pipeline_transfers = "copy_engine"
+        try:
+            rows.pipelined_dense(x.contiguous(), idx, w, lambda recv, per: recv, bounds)
+        except InvalidArgumentError as exc:
+            return last, str(exc)
+        return last, "nothing raised"
+
+    for last, msg in run_ranks(world, plain, rank_fn):
+        assert last[0] == "sm" and "measured no gain" in last[1], last
+        assert "pipeline_transfers" in msg and "copy_engine" in msg and "needs" in msg, msg
+
+
+def test_a_bad_routing_in_the_copy_engine_pipeline_raises_everywhere_and_leaves_it_usable(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(P, "_Streams", _SameStream)
+    world, e_loc, k, T = 3, 2, 2, 6
+    E, row_bytes = world * e_loc, HIDDEN * 4
+
+    def rank_fn(mem: Any, r: int) -> str:
+        rows = P.PeerRows(SimpleNamespace(size=world, rank=r), T, k, row_bytes, E, memory=mem,
+                          pipeline_transfers="copy_engine")
+        idx, x, w, _ = _inputs(world, E, k, [T] * world, 9, torch.float32)[r]
+        bounds = [(0, 3), (3, T)]
+        bad = idx.clone()
+        if r == 2:
+            bad[4, 1] = E  # out of range, in the second chunk
+        try:
+            rows.pipelined_dense(x.contiguous(), bad, w, lambda recv, per: recv, bounds)
+            msg = "nothing raised"
+        except InvalidArgumentError as exc:
+            msg = str(exc)
+        out = rows.pipelined_dense(x.contiguous(), idx, w, lambda recv, per: recv, bounds)
+        assert rows.last_pipeline[0] == "copy_engine"
+        assert torch.allclose(out, x * w.sum(1, keepdim=True), rtol=1e-5, atol=1e-6), r
+        return msg
+
+    msgs = run_ranks(world, P.buffer_bytes(world, T, k, row_bytes, copy_engine=True), rank_fn)
+    assert all("rank 2" in m for m in msgs[:2]) and "topk_idx" in msgs[2] and "nothing" not in msgs[2], msgs
 
 
 @pytest.mark.parametrize("cf", [None, 0.5])

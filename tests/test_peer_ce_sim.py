@@ -87,3 +87,22 @@ def test_a_missing_signal_is_a_deadlock_not_a_wrong_answer() -> None:
             _launch.write_value = write
     with pytest.raises(AssertionError, match="deadlock"):
         machine.run(0)
+
+
+@pytest.mark.parametrize("m,chunk,pack,ramp", [(1000, 64, 4, True), (1000, 64, 4, False), (150, 64, 4, True),
+                                               (4097, 256, 8, True), (0, 64, 4, True), (7, 64, 4, True)])
+def test_copy_engine_chunks_cover_the_message_once_within_the_chunk_size(m: int, chunk: int, pack: int,
+                                                                         ramp: bool) -> None:
+    from collectives.peer.memory import ce_pieces
+
+    pieces = ce_pieces(m, chunk, pack, ramp)
+    assert [lo for lo, _ in pieces] == [sum(n for _, n in pieces[:i]) for i in range(len(pieces))]
+    assert sum(n for _, n in pieces) == m and all(0 < n <= chunk for _, n in pieces)
+    assert all(n % pack == 0 for _, n in pieces[:-1]) or m % pack  # whole packs but for a ragged end
+    ramped = ramp and m >= 2 * (chunk // 8 + chunk // 4 + chunk // 2) + chunk
+    if ramped:  # a small first and last copy, full chunks between
+        sizes = [n for _, n in pieces]
+        assert sizes[:3] == [chunk // 8, chunk // 4, chunk // 2] == sizes[:-4:-1]
+        assert chunk in sizes
+    else:
+        assert pieces == [(lo, min(chunk, m - lo)) for lo in range(0, m, chunk)]

@@ -78,23 +78,28 @@ def test_rule_picks_by_size_and_says_why(op: str, limits: list[tuple[int, str]])
     assert choice is None and "NCCL measured faster" in why_not
 
 
-def test_large_all_reduce_takes_two_shot_only_in_one_piece() -> None:
+@pytest.mark.parametrize("world", [2, 4])
+def test_large_all_reduce_takes_two_shot_only_in_one_piece(world: int) -> None:
     def call(nbytes: int, slot_bytes: int) -> Call:
         c = _call("all_reduce", nbytes)
         c.comm._peer_memory = SimpleNamespace(slot_bytes=slot_bytes, closed=False)  # type: ignore[attr-defined]
+        c.comm.size = world  # type: ignore[attr-defined]
         return c
 
     # 1 GiB of slots: a two-shot piece holds 256 MiB, up to the measured limit
     for nbytes in (64 << 20, selection.PEER_ALL_REDUCE_ONE_PIECE_MAX_BYTES):
         choice, why_not = selection._peer_memory(call(nbytes, 1 << 30), "nccl", nbytes)
         assert choice is not None and choice.algorithm == "two_shot" and "one piece" in choice.reason, nbytes
-    # larger, in pieces of 1 GiB buffers: two_shot up to its measured limit, then NCCL
-    over = selection.PEER_ALL_REDUCE_ONE_PIECE_MAX_BYTES + 16
-    choice, why_not = selection._peer_memory(call(over, 1 << 30), "nccl", over)
-    assert choice is not None and choice.algorithm == "two_shot" and "in pieces" in choice.reason
-    over = selection.PEER_ALL_REDUCE_BIG_MAX_BYTES + 16
-    choice, why_not = selection._peer_memory(call(over, 4 << 30), "nccl", over)
-    assert choice is None and "NCCL measured faster" in why_not
+    over, beyond = selection.PEER_ALL_REDUCE_ONE_PIECE_MAX_BYTES + 16, selection.PEER_ALL_REDUCE_BIG_MAX_BYTES + 16
+    if world == 2:  # larger, with 1 GiB buffers or more: the copy engines' one shot, to any size
+        for nbytes, slot in ((over, 1 << 30), (beyond, 4 << 30)):
+            choice, why_not = selection._peer_memory(call(nbytes, slot), "nccl", nbytes)
+            assert choice is not None and choice.algorithm == "copy_engine" and "one-shot" in choice.reason, nbytes
+    else:  # larger, in pieces of 1 GiB buffers: two_shot up to its measured limit, then NCCL
+        choice, why_not = selection._peer_memory(call(over, 1 << 30), "nccl", over)
+        assert choice is not None and choice.algorithm == "two_shot" and "in pieces" in choice.reason
+        choice, why_not = selection._peer_memory(call(beyond, 4 << 30), "nccl", beyond)
+        assert choice is None and "NCCL measured faster" in why_not
     # 64 MiB of slots (the default) cut 64 MB into pieces: NCCL
     choice, why_not = selection._peer_memory(call(64 << 20, 64 << 20), "nccl", 64 << 20)
     assert choice is None and "COMMOPS_PEER_BYTES" in why_not

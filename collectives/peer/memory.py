@@ -76,6 +76,31 @@ def two_shot_piece(set_bytes: int, world: int, element_size: int) -> int:
     return set_bytes // element_size // (2 * world) // pack * pack * world
 
 
+RAMP = (8, 4, 2)  # the ramped chunks' sizes, as fractions of a chunk (ce_pieces); (16, 8, 4, 2) measured no better
+
+
+def ce_pieces(m: int, chunk: int, pack: int, ramp: bool = False) -> list[tuple[int, int]]:
+    """(first element, elements) of each copy-engine chunk of ``m`` elements, at most ``chunk``
+    (a multiple of ``pack``) each. With ``ramp`` the first three grow from chunk/8 and the last
+    three shrink back to it, where at least one full chunk lies between: the link then idles
+    only for a small first copy, and the last sum waits only for a small last one."""
+    steps = [max(pack, chunk // d // pack * pack) for d in RAMP]
+    head = steps if ramp and m >= 2 * sum(steps) + chunk else []
+    tail = head[::-1]
+    out, lo, end = [], 0, m - sum(tail)
+    for n in head:
+        out.append((lo, n))
+        lo += n
+    while lo < end:
+        n = min(chunk, end - lo)
+        out.append((lo, n))
+        lo += n
+    for n in tail:
+        out.append((lo, n))
+        lo += n
+    return out
+
+
 def peer_unavailable(comm: Communicator) -> str:
     """Why this group cannot use peer memory, or ``""`` if it can (collective on first call, then cached)."""
     reason = comm._peer_reason
@@ -211,6 +236,11 @@ class PeerMemory:
         # need for a 16 MiB chunk (a hypothesis from the eager figures, not yet measured)
         self.ce_chunk_bytes = 16 << 20
         self.ce_max_chunks = 16
+        # the two-rank one-shot all-reduce's chunks (ramped at both ends: ce_pieces). Measured on
+        # 2xH200 with 1 GiB buffers (bench/results/gpu_2xh200_peer_ce_ar_chunks.json, eager, GB/s
+        # at 512 MB / 1 GB): 128 MiB 348 / 357; 64 MiB 344 / 350; 256 MiB 308 / 344; 32 MiB 333 /
+        # 329; 16 MiB 284 / 284 (each chunk costs host calls)
+        self.ce_all_reduce_chunk_bytes = 128 << 20
         # one_shot all-reduces, reduce-scatters and all-gathers up to this size (16-byte aligned;
         # at most ONE_SHOT_LL_MAX_BYTES, which sizes their area) send low-latency words (4 data
         # bytes and the call's number per 8-byte store: kernels.cu, "low-latency words")
@@ -227,7 +257,7 @@ class PeerMemory:
         ctx["ll_off"], ctx["ll_set_bytes"] = _LL_OFF, _ll_set_bytes(self.world)
         self._ctx = ctx.tobytes()
         self._index = self.device.index
-        self._kernels: dict[tuple[str, torch.dtype | None, bool], _launch.Kernel] = {}
+        self._kernels: dict[tuple[Any, ...], _launch.Kernel] = {}
         self._slot_tensor: torch.Tensor | None = None  # slot_view's tensor over my slot buffer
         self._views: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor] = {}  # slot_view's, kept
         torch.cuda.synchronize(self.device)
@@ -327,7 +357,14 @@ class PeerMemory:
 
         See kernels.cu ("copy-engine path") for the protocol. ``vec`` also needs whole packs per
         chunk and shard, which the chunk size below keeps.
+
+        With two ranks, one shot instead (``_ce_by_shard``): each rank's whole tensor crosses the
+        link once, as in the two-shot schedule, but nothing waits for the peer's reduction, so
+        the only fill and drain is one chunk's copy and one chunk's sum.
         """
+        if self.world == 2:
+            self._ce_by_shard("all_reduce", t, t, t.numel())
+            return
         w, r, es = self.world, self.rank, t.element_size()
         pack = PACK_BYTES // es
         n = t.numel()
@@ -479,7 +516,9 @@ class PeerMemory:
             self._by_shard("all_gather", output, input, input.numel())
 
     def _ce_by_shard(self, kind: str, output: torch.Tensor, input: torch.Tensor, m: int) -> None:
-        """Reduce-scatter or all-gather with every byte between GPUs moved by the copy engines.
+        """Reduce-scatter, all-gather or one-shot all-reduce (``input`` is ``output``, ``m`` all of
+        it: every peer is sent all of it and sums what it gets) with every byte between GPUs moved
+        by the copy engines.
 
         Shards of ``m`` elements are cut into chunks that cycle through a ring of slots; each
         slot holds one chunk per source rank. Push stream: chunk j's part for each peer into that
@@ -495,7 +534,9 @@ class PeerMemory:
         w, r, es = self.world, self.rank, output.element_size()
         pack = PACK_BYTES // es
         fits = self.slot_bytes // es // (2 * w)  # a chunk per source in each of two ring slots
-        want = max(self.ce_chunk_bytes // es, -(-m // self.ce_max_chunks))
+        in_place = kind == "all_reduce"
+        least = self.ce_all_reduce_chunk_bytes if in_place else self.ce_chunk_bytes
+        want = max(least // es, -(-m // self.ce_max_chunks))
         chunk = max(pack, min(want, fits) // pack * pack)
         ring = min(CE_RING, self.slot_bytes // es // (w * chunk))
         if ring < 2:
@@ -506,18 +547,18 @@ class PeerMemory:
         wait = self._kernel("ce_wait", None, False, 3)
         src, dst = input.data_ptr(), output.data_ptr()
         vec = src % PACK_BYTES == 0 and dst % PACK_BYTES == 0 and m % pack == 0
-        reduce = self._kernel("ce_reduce_rs", output.dtype, vec, 7) if kind == "reduce_scatter" else None
+        summed = kind != "all_gather"
+        reduce = self._kernel("ce_reduce_rs", output.dtype, vec, 7) if summed else None
         blocks = max(1, min(self._max_blocks, -(-chunk * es // self._block_bytes)))
         peers = [(r + d) % w for d in range(1, w)]
-        free = CE_REDUCED if kind == "reduce_scatter" else CE_PULLED
+        free = CE_REDUCED if summed else CE_PULLED
+        caller, push_stream = torch.cuda.current_stream(self.device), self._copy_streams[0]
         mine = self.slot_pointers[r]
         with self._ce_section():
             if kind == "all_gather" and m:
                 _launch.copy_async(dst + r * m * es, src, m * es, ls)  # my own shard, beside the pushes
-            for j in range(-(-m // chunk)):
+            for j, (lo, nj) in enumerate(ce_pieces(m, chunk, pack, ramp=in_place)):
                 s, u = j % ring, j // ring
-                lo = j * chunk
-                nj = min(chunk, m - lo)
                 off = s * w * chunk  # elements into the slot buffer: source q's part at off + q * chunk
                 if u:
                     wait(1, ps, s, free, u)  # every peer is done with this slot's previous use
@@ -527,7 +568,12 @@ class PeerMemory:
                 for q in peers:
                     _launch.write_value(ps, self._ce_flag(q, s, CE_PUSHED), u + 1)
                 if reduce is not None:
-                    reduce(blocks, main, src + (r * m + lo) * es, dst + lo * es, off, chunk, nj, j, ring)
+                    if in_place:  # the sum overwrites what the copies read: after them
+                        sent = torch.cuda.Event()
+                        sent.record(push_stream)
+                        caller.wait_event(sent)
+                    at = r * m + lo if kind == "reduce_scatter" else lo
+                    reduce(blocks, main, src + at * es, dst + lo * es, off, chunk, nj, j, ring)
                 else:
                     wait(1, ls, s, CE_PUSHED, u + 1)
                     for q in peers:
@@ -616,15 +662,29 @@ class PeerMemory:
             raise UnsupportedError("tensor", t, f"has dtype {t.dtype}; peer memory reduces {sorted(map(str, DTYPES))}",
                                    "use algorithm='native' for other dtypes")
 
-    def _kernel(self, kind: str, dtype: torch.dtype | None, vec: bool, nargs: int = 4) -> _launch.Kernel:
+    def _kernel(self, kind: str, dtype: torch.dtype | None, vec: bool, nargs: int = 4,
+                bases: tuple[int, ...] | None = None) -> _launch.Kernel:
+        """``kind``'s entry point for ``dtype``; with ``bases``, one whose context names, as rank q's
+        slot buffer, this rank's own buffer moved by ``bases[q]`` bytes (a kernel written to read
+        the peers' buffers then reads copies of them that the copy engines put in this one)."""
         if self._err_np[0]:
             self.check()
-        key = (kind, dtype, vec)
+        key = (kind, dtype, vec, bases)
         k = self._kernels.get(key)
         if k is None:
             name = kind if dtype is None else f"{kind}_{_TAGS[dtype]}_{'vec' if vec else 'scalar'}"
-            k = self._kernels[key] = _launch.Kernel(name, self._index, self._ctx, nargs)
+            k = self._kernels[key] = _launch.Kernel(name, self._index, self._ctx if bases is None else
+                                                    self._local_ctx(bases), nargs)
         return k
+
+    def _local_ctx(self, bases: tuple[int, ...]) -> bytes:
+        if len(bases) != self.world:
+            raise AssertionError(f"{len(bases)} bases for {self.world} ranks")
+        ctx = np.frombuffer(bytearray(self._ctx), dtype=_CTX)[0]
+        own = self.slot_pointers[self.rank]
+        for q, b in enumerate(bases):
+            ctx["slots"][q] = (own + b) % (1 << 64)  # a base may lie below the buffer: only base + offset is read
+        return ctx.tobytes()
 
     def _launch(self, kind: str, dtype: torch.dtype, vec: bool, nbytes: int, src: int, dst: int, a: int, b: int) -> None:
         k = self._kernel(kind, dtype, vec)
