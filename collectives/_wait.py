@@ -28,7 +28,13 @@ from .errors import InvalidArgumentError
 
 __all__ = ["call_timeout", "limit", "wait"]
 
-_LOCAL = threading.local()
+class _Local(threading.local):
+    # a class default: reading it on a thread that never set one raises nothing (limit() is on
+    # every collective's path, and a missed attribute costs an exception inside getattr)
+    timeout: datetime.timedelta | None = None
+
+
+_LOCAL = _Local()
 
 
 @contextmanager
@@ -37,7 +43,7 @@ def call_timeout(seconds: float | datetime.timedelta) -> Iterator[None]:
     t = seconds if isinstance(seconds, datetime.timedelta) else datetime.timedelta(seconds=seconds)
     if t.total_seconds() <= 0:
         raise InvalidArgumentError("seconds", seconds, "is not a positive duration", "pass e.g. 30")
-    before = getattr(_LOCAL, "timeout", None)
+    before = _LOCAL.timeout
     _LOCAL.timeout = t
     try:
         yield
@@ -47,14 +53,14 @@ def call_timeout(seconds: float | datetime.timedelta) -> Iterator[None]:
 
 def limit() -> datetime.timedelta | None:
     """The bound of a ``call_timeout`` block around this call, or None (the group's own timeout)."""
-    return getattr(_LOCAL, "timeout", None)
+    return _LOCAL.timeout
 
 
 def wait(work: Any, cuda: bool = False) -> None:
     """``work.wait()``, bounded by the current ``call_timeout`` if there is one; with ``cuda``
     (the call's tensors are on the GPU) the host also waits, within that bound, until the GPU has
     done the work."""
-    t = getattr(_LOCAL, "timeout", None)
+    t = _LOCAL.timeout
     if t is None:
         work.wait()
         return
