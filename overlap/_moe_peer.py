@@ -33,6 +33,12 @@ weights; combine's backward reads each token's output gradient once per rank, wr
 into every row of that rank's pairs, and takes each pair's weight gradient as a dot product where
 the rows are (one float per pair goes back).
 
+A pipelined forward (``pipelined_dense``) runs these kernels chunk by chunk on a side stream,
+or, asked for, moves every byte by copy engines into each rank's place in the peers' buffers and
+runs the same kernels on local memory (``_pipelined_ce``): a kernel's context can name, as "rank
+q's buffer", a place in this rank's own (``PeerMemory._kernel``'s ``bases``), so no kernel needed
+a second version. On 2xH200 neither pipeline beat the plain sequence (bench/results/README.md).
+
 The barriers are bounded (``timeout_s``); after one gives up the kernels do nothing and the next
 call raises ``CollectiveTimeout`` naming the peer.
 """

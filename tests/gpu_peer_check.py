@@ -278,7 +278,7 @@ class Checker:
         # The copy-engine path: its copy streams wait with stream memory operations, which the
         # kernels' bounded waits must release when a peer never comes.
         pm = PeerMemory(self.comm, slot_bytes=1 << 20, timeout_s=0.5)
-        pm.ce_chunk_bytes = 64 << 10
+        pm.ce_chunk_bytes = pm.ce_all_reduce_chunk_bytes = 64 << 10
         y = torch.randn(1 << 20, device=self.dev)
         if self.r == 0:
             t0 = time.perf_counter()
@@ -366,7 +366,7 @@ def main() -> int:
         ck.reduce_scatter(4097, dtype, avg=True, algorithm="copy_engine")
     if not args.quick:
         pm = PeerMemory(comm, slot_bytes=1 << 20)  # pieces: messages up to 8x the slots
-        pm.ce_chunk_bytes = 64 << 10  # copy engine: many chunks, the ring wraps
+        pm.ce_chunk_bytes = pm.ce_all_reduce_chunk_bytes = 64 << 10  # copy engine: many chunks, the ring wraps
         for dtype in DTYPES:
             for n in (1 << 20, 2_000_003, 4 << 20):
                 for algorithm in ("one_shot", "two_shot", "copy_engine"):
