@@ -84,6 +84,8 @@ for step in $STEPS; do
       for tool in memcheck racecheck; do
         run "sanitize_$tool" 150 $R --no-python "$CS" --tool $tool --error-exitcode 9 --target-processes all \
           python3 tests/gpu_peer_check.py --quick
+        run "sanitize_cases_$tool" 150 $R --no-python "$CS" --tool $tool --error-exitcode 9 --target-processes all \
+          python3 tests/gpu_sanitize_cases.py
       done ;;
     peer_big) COMMOPS_PEER_BYTES=$BIG run peer_big 240 $R launch/bench_collectives.py --op all_reduce -d bf16 \
         -b 64M -e 1G -f 2 -a native,two_shot,copy_engine -G both -n 10 -r 5 -w 3 --json "$OUT/peer_big.json" ;;
