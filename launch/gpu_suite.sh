@@ -5,8 +5,8 @@
 #
 # Steps (default: all, in this order): peer_check overlap_check faults overlap_tune
 # overlap_tune_graph overlap overlap_graph tp_mlp moe peer_bench peer_big tune_peer (host cost per
-# call, with a profile); and, only when named: sanitize (the peer-memory checks under
-# compute-sanitizer's memcheck and racecheck), topology (python -m topology), a2a_bench (NCCL's
+# call, with a profile); and, only when named: sanitize (the peer-memory checks and
+# tests/gpu_sanitize_cases.py under compute-sanitizer's memcheck and racecheck), topology (python -m topology), a2a_bench (NCCL's
 # and our all-to-all algorithms, 8 B - 1 GB, eager and graphs) and model (a calibration of this
 # machine, then the cost model's predictions against peer_bench's and a2a_bench's measurements,
 # which run first). On 4 or 8 GPUs: NPROC=n launch/gpu_suite.sh OUT peer_check overlap_check

@@ -205,9 +205,9 @@ def layout_bytes(world: int, max_tokens: int, top_k: int, row_bytes: int) -> tup
     """(W, W + I, one half) in bytes. A half holds W: the weights of ``max_tokens * top_k`` pairs
     (fp32); I: a header and the expert ids (int32, the device-side layout); then X (the tokens,
     dispatch) or P (``world`` regions of ``max_tokens`` partial rows, combine)."""
-    wb = -(-max_tokens * top_k * 4 // 4096) * 4096
-    ib = wb + -(-(IDS_HEADER + max_tokens * top_k) * 4 // 4096) * 4096
-    half = ib + -(-(world * max_tokens * row_bytes) // 4096) * 4096
+    wb = _page(max_tokens * top_k * 4)
+    ib = wb + _page((IDS_HEADER + max_tokens * top_k) * 4)
+    half = ib + _page(world * max_tokens * row_bytes)
     return wb, ib, half
 
 
