@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ._types import DATA_OPS, OPS, REDUCE_OPS, ReduceOp
 from .bootstrap import LaunchInfo, init
 from .communicator import Communicator, destroy, get_communicator
-from .dispatch import Call, add_trace_hook, remove_trace_hook
+from .dispatch import Call, add_trace_hook, dispatch_tensors, remove_trace_hook
 from .errors import (
     CollectiveMismatch,
     CollectiveTimeout,
@@ -63,19 +63,19 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Group = None
         async_op: return a :class:`Work` handle instead of waiting.
         algorithm: "auto" or a name from :func:`algorithms` ("all_reduce").
     """
-    return get_communicator(group).all_reduce(tensor, op, async_op, algorithm=algorithm)
+    return dispatch_tensors(get_communicator(group), "all_reduce", tensor, tensor, op, algorithm, async_op)
 
 
 def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM, group: Group = None,
                           async_op: bool = False, *, algorithm: str = "auto") -> Work | None:
     """Reduce ``input`` ([world * n]) across ranks; rank r receives elements [r*n, (r+1)*n) into ``output`` ([n])."""
-    return get_communicator(group).reduce_scatter_single(output, input, op, async_op, algorithm=algorithm)
+    return dispatch_tensors(get_communicator(group), "reduce_scatter", output, input, op, algorithm, async_op)
 
 
 def all_gather_single(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Group = None,
                       async_op: bool = False, *, algorithm: str = "auto") -> Work | None:
     """Gather every rank's ``input_tensor`` ([n]) in rank order into ``output_tensor`` ([world * n])."""
-    return get_communicator(group).all_gather_single(output_tensor, input_tensor, async_op, algorithm=algorithm)
+    return dispatch_tensors(get_communicator(group), "all_gather", output_tensor, input_tensor, None, algorithm, async_op)
 
 
 # torch 2.13 renamed these two; both names are offered.

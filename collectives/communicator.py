@@ -80,7 +80,7 @@ class Communicator:
         self._choices: dict[Any, Any] = {}  # auto's cached choices and calibration (selection.py)
         self._peer_reason: str | None = None  # why peer memory cannot run here ("" if it can; collectives/peer)
         self._peer_memory: Any = None  # collectives.peer.PeerMemory, built on first use
-        self._fast: dict[Any, Any] = {}  # signature -> runner of calls already resolved (dispatch_tensors)
+        self._fast: dict[Any, Any] = {}  # signature -> (runner, reduce op) of calls already resolved (dispatch_tensors)
         self.debug: bool = _env.DEBUG.get()  # debug check mode (collectives/debug.py)
 
     # -- facts -------------------------------------------------------------------------------

@@ -39,17 +39,19 @@ __all__ = ["FlightRecorder", "RECORDER", "dump", "set_trace_dir", "missing_ranks
 
 FIELDS = ("group", "group_ranks", "seq", "op", "algorithm", "in_shape", "out_shape", "dtype", "reduce_op", "root",
           "callsite", "t_enqueue", "t_end", "state")
+_now = time.time
 CAPACITY = 4096
 PROGRESS_PERIOD_S = 0.5
 _PACKAGE = str(Path(__file__).resolve().parent)
 
 
-def _callsite() -> str:
-    """file:line of the first frame outside this package (the user's call)."""
+def _callsite() -> tuple[str, int] | None:
+    """(file, line) of the first frame outside this package (the user's call); entries show it
+    as "file:line", formatted only when they are read."""
     f = sys._getframe(2)
     while f is not None and f.f_code.co_filename.startswith(_PACKAGE):
         f = f.f_back  # type: ignore[assignment]
-    return f"{f.f_code.co_filename}:{f.f_lineno}" if f is not None else "?"
+    return (f.f_code.co_filename, f.f_lineno) if f is not None else None
 
 
 class FlightRecorder:
@@ -81,7 +83,26 @@ class FlightRecorder:
                           call.root)
 
     def start_fast(self, comm: Communicator, op: str, algorithm: str, output: Any, input: Any, reduce_op: Any) -> list[Any]:
-        return self._fill(comm, comm.seq, op, algorithm, input.shape, output.shape, output.dtype, reduce_op, None)
+        """``start`` for the dispatcher's fast path (tensors in hand, no root): the same entry, one
+        frame and one write (this is most of a small peer-memory call's host time outside the launch)."""
+        if not self.enabled:
+            return self._scratch
+        i = self._next
+        self._next = i + 1
+        e = self._ring[i % self.capacity]
+        f = sys._getframe(1)  # _callsite, inlined
+        while f is not None and f.f_code.co_filename.startswith(_PACKAGE):
+            f = f.f_back  # type: ignore[assignment]
+        group, seq, shape = comm._group_name, comm.seq, output.shape
+        e[:] = (group, comm.global_ranks, seq, op, algorithm, shape if input is output else input.shape, shape,
+                output.dtype, reduce_op, None, (f.f_code.co_filename, f.f_lineno) if f is not None else None,
+                _now(), None, "started")
+        progress = self._progress.get(group)
+        if progress is None:
+            self._track(comm, seq)
+        else:
+            progress[2] = seq
+        return e
 
     def _fill(self, comm: Communicator, seq: int, op: str, algorithm: str, in_shape: Any, out_shape: Any, dtype: Any,
               reduce_op: Any, root: Any) -> list[Any]:
@@ -185,6 +206,8 @@ def _as_dict(e: list[Any]) -> dict[str, Any]:
     if d["dtype"] is not None:
         d["dtype"] = str(d["dtype"]).removeprefix("torch.")
     d["group_ranks"] = list(d["group_ranks"])
+    site = d["callsite"]
+    d["callsite"] = f"{site[0]}:{site[1]}" if site is not None else "?"
     return d
 
 

@@ -9,7 +9,7 @@ same bits; the result matches NCCL's within the bound; odd sizes, unaligned view
 path) and messages larger than the slots (pieces); CUDA-graph capture and replay; 1000
 back-to-back calls of alternating sizes without a host synchronisation (a race shows as a
 wrong element); calls from a thread with no CUDA context of its own; a peer that never arrives
-(``CollectiveTimeout`` naming it); bad arguments rejected before anything is sent. Prints one line per failure and exits non-zero on any.
+(``CollectiveTimeout`` naming it); repeated calls on the same tensors (the prepared launches); bad arguments rejected before anything is sent. Prints one line per failure and exits non-zero on any.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import collectives as C  # noqa: E402
 from bench.reference import rank_data  # noqa: E402
-from collectives.peer import PeerMemory  # noqa: E402
+from collectives.peer import PeerMemory, peer_memory  # noqa: E402
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 EPS = {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
@@ -217,6 +217,48 @@ class Checker:
         if seen != ["start", "end"]:
             self.failures.append(f"rank {self.r}: with a trace hook the call went around it ({seen})")
 
+    def prepared_repeats(self) -> None:
+        """The fast path's prepared launches (``PeerMemory.runner``): the same tensors called again
+        and again with fresh data (a stale parameter block would reduce an old address or size),
+        aligned and not, in place and not, above the low-latency limit, then after the grid
+        changes (the blocks must be dropped) and back."""
+        pm = peer_memory(self.comm)
+        grid = pm.block_bytes
+        cases = ((4, 0, "one_shot"), (12_345, 0, "one_shot"), (1001, 1, "one_shot"), (70_001, 0, "two_shot"),
+                 (300_000, 0, "one_shot"))  # words; whole packs; unaligned; two-shot; above the words' limit
+        for dtype in (torch.bfloat16, torch.float32):
+            for n, offset, algorithm in cases:
+                x = torch.empty(n + offset, dtype=dtype, device=self.dev)[offset:]
+                for rep in range(6):
+                    if rep == 4:
+                        pm.block_bytes = grid // 2
+                    inputs = self.fresh(n, dtype)
+                    x.copy_(inputs[self.r])
+                    C.all_reduce(x, algorithm=algorithm)
+                    self.expect(f"prepared all_reduce {algorithm} n={n} {dtype} offset={offset} call {rep}", x,
+                                sum(t.double() for t in inputs), self.bound(inputs, dtype))
+                pm.block_bytes = grid
+            for m in (3000, 4097):  # words; an odd count (scalar entry points)
+                out = torch.empty(m, dtype=dtype, device=self.dev)
+                full = torch.empty(m * self.w, dtype=dtype, device=self.dev)
+                for rep in range(5):
+                    inputs = self.fresh(m * self.w, dtype)
+                    full.copy_(inputs[self.r])
+                    out.fill_(float("nan"))
+                    C.reduce_scatter_single(out, full, algorithm="one_shot")
+                    mine = [t[self.r * m:(self.r + 1) * m] for t in inputs]
+                    self.expect(f"prepared reduce_scatter m={m} {dtype} call {rep}", out,
+                                sum(t.double() for t in mine), self.bound(mine, dtype))
+                    parts = self.fresh(m, dtype)
+                    out.copy_(parts[self.r])
+                    full.fill_(float("nan"))
+                    C.all_gather_single(full, out, algorithm="one_shot")
+                    self.expect(f"prepared all_gather m={m} {dtype} call {rep}", full, torch.cat(parts).double(),
+                                torch.zeros((), device=self.dev, dtype=torch.float64))
+        self.checks += 1
+        if not any(pm._ready):
+            self.failures.append(f"rank {self.r}: repeated calls on the same tensors kept no prepared launch")
+
     def stale_words(self) -> None:
         """A larger one-shot call leaves raw data in the slots whose 8-byte words carry, in their
         high half, the number of the low-latency call two calls later (the same set); with a
@@ -382,6 +424,7 @@ def main() -> int:
         ck.stale_words()
         ck.other_thread()
         ck.fast_path()
+        ck.prepared_repeats()
         ck.timeout()
     ck.bad_arguments()
     torch.cuda.synchronize()

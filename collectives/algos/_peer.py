@@ -39,7 +39,7 @@ class PeerAlgorithm(Algorithm):
             raise UnsupportedError("algorithm", self.name, f"cannot run here: {reason}", "use 'native' or 'auto'")
 
     def run(self, call: Call) -> None:
-        self.fast_path(call)(call.output, call.input)
+        peer_memory(call.comm).runner(call.op, self.name, call.reduce_op == "avg", prepared=False)(call.output, call.input)
         bound = limit()
         if bound is not None and not call.async_op:
             # Inside call_timeout: wait on the host for the kernels, which give up on their own
@@ -50,13 +50,6 @@ class PeerAlgorithm(Algorithm):
             peer_memory(call.comm).check()
 
     def fast_path(self, call: Call) -> Callable[[torch.Tensor, torch.Tensor], Any]:
-        """Straight to PeerMemory: what ``dispatch_tensors`` keeps for repeats of ``call``'s signature."""
-        pm, name = peer_memory(call.comm), self.name
-        avg = call.reduce_op == "avg"
-        if call.op == "all_reduce":
-            return lambda out, inp: pm.all_reduce(out, name, avg)
-        if call.op == "reduce_scatter":
-            return lambda out, inp: pm.reduce_scatter(out, inp, avg, name)
-        if call.op == "all_gather":
-            return lambda out, inp: pm.all_gather(out, inp, name)
-        raise AssertionError(call.op)
+        """Straight to PeerMemory: what ``dispatch_tensors`` keeps for repeats of ``call``'s signature
+        (``PeerMemory.runner``: a repeat on the same tensors is one prepared kernel launch)."""
+        return peer_memory(call.comm).runner(call.op, self.name, call.reduce_op == "avg")

@@ -15,7 +15,7 @@ and raw data left in the slots by other calls may hold any number there.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -204,6 +204,7 @@ class PeerMemory:
             timeout_s = _env.PEER_TIMEOUT_S.get() if given else comm.timeout_s
         self.timeout_s = float(timeout_s)  # type: ignore[arg-type]
         self._plans: dict[tuple[str, torch.dtype, int], Any] = {}
+        self._ready: list[dict[Any, Any]] = []  # the runners' prepared launches (runner())
         self.block_bytes = block_bytes
         self.max_blocks = max_blocks
         self.closed = False
@@ -241,6 +242,8 @@ class PeerMemory:
         # at 512 MB / 1 GB): 128 MiB 348 / 357; 64 MiB 344 / 350; 256 MiB 308 / 344; 32 MiB 333 /
         # 329; 16 MiB 284 / 284 (each chunk costs host calls)
         self.ce_all_reduce_chunk_bytes = 128 << 20
+        # copy streams that take turns at a summed copy-engine call's pushes (1 or 2; see _ce_by_shard)
+        self.ce_push_streams = 1
         # one_shot all-reduces, reduce-scatters and all-gathers up to this size (16-byte aligned;
         # at most ONE_SHOT_LL_MAX_BYTES, which sizes their area) send low-latency words (4 data
         # bytes and the call's number per 8-byte store: kernels.cu, "low-latency words")
@@ -338,7 +341,7 @@ class PeerMemory:
     @block_bytes.setter
     def block_bytes(self, value: int) -> None:
         self._block_bytes = int(value)
-        self._plans.clear()
+        self._forget_plans()
 
     @property
     def max_blocks(self) -> int:
@@ -350,7 +353,7 @@ class PeerMemory:
         if not 1 <= value <= MAX_BLOCKS:
             raise UnsupportedError("max_blocks", value, f"must be in 1..{MAX_BLOCKS}", f"pass {MAX_BLOCKS}")
         self._max_blocks = int(value)
-        self._plans.clear()
+        self._forget_plans()
 
     def _ce_all_reduce(self, t: torch.Tensor, vec: bool) -> None:
         """Copy engines move the shards, SMs only reduce; chunks cycle through a ring of slots.
@@ -543,7 +546,7 @@ class PeerMemory:
             raise UnsupportedError("COMMOPS_PEER_BYTES", self.slot_bytes, "leaves fewer than 2 ring slots for "
                                    "the copy-engine path", "use a larger COMMOPS_PEER_BYTES")
         main = _launch.current_stream(self._index)
-        ps, ls = (side.cuda_stream for side in self._copy_streams)
+        ls = self._copy_streams[1].cuda_stream
         wait = self._kernel("ce_wait", None, False, 3)
         src, dst = input.data_ptr(), output.data_ptr()
         vec = src % PACK_BYTES == 0 and dst % PACK_BYTES == 0 and m % pack == 0
@@ -552,7 +555,12 @@ class PeerMemory:
         blocks = max(1, min(self._max_blocks, -(-chunk * es // self._block_bytes)))
         peers = [(r + d) % w for d in range(1, w)]
         free = CE_REDUCED if summed else CE_PULLED
-        caller, push_stream = torch.cuda.current_stream(self.device), self._copy_streams[0]
+        caller = torch.cuda.current_stream(self.device)
+        # Summed kinds leave the pull stream idle, so with ce_push_streams == 2 the pushes take
+        # turns on both: a chunk's wait for its slot then never holds the next chunk's copy back.
+        #   push: |wait 0|copy 0|flag|      |wait 2|copy 2|flag| ...
+        #   pull:        |wait 1|copy 1|flag|      |wait 3|copy 3|flag| ...
+        pushers = self._copy_streams if summed and self.ce_push_streams == 2 else self._copy_streams[:1]
         mine = self.slot_pointers[r]
         with self._ce_section():
             if kind == "all_gather" and m:
@@ -560,6 +568,8 @@ class PeerMemory:
             for j, (lo, nj) in enumerate(ce_pieces(m, chunk, pack, ramp=in_place)):
                 s, u = j % ring, j // ring
                 off = s * w * chunk  # elements into the slot buffer: source q's part at off + q * chunk
+                pusher = pushers[j % len(pushers)]
+                ps = pusher.cuda_stream
                 if u:
                     wait(1, ps, s, free, u)  # every peer is done with this slot's previous use
                 for q in peers:
@@ -570,7 +580,7 @@ class PeerMemory:
                 if reduce is not None:
                     if in_place:  # the sum overwrites what the copies read: after them
                         sent = torch.cuda.Event()
-                        sent.record(push_stream)
+                        sent.record(pusher)
                         caller.wait_event(sent)
                     at = r * m + lo if kind == "reduce_scatter" else lo
                     reduce(blocks, main, src + at * es, dst + lo * es, off, chunk, nj, j, ring)
@@ -605,19 +615,109 @@ class PeerMemory:
         """Launch ``kind`` over shards of ``m`` elements, in pieces that fit one set of slots."""
         self._check(output)
         self._check(input)
+        stream = _launch.current_stream(self._index)
+        for k, blocks, args in self._shard_launches(kind, output, input, m):
+            k(blocks, stream, *args)
+
+    def _shard_launches(self, kind: str, output: torch.Tensor, input: torch.Tensor, m: int
+                        ) -> Iterator[tuple[_launch.Kernel, int, tuple[int, ...]]]:
+        """``_by_shard``'s launches: (kernel, blocks, arguments after the context)."""
         es = output.element_size()
         pack = PACK_BYTES // es
         piece = self._set_bytes // es // self.world // pack * pack
-        aligned = output.data_ptr() % PACK_BYTES == 0 and input.data_ptr() % PACK_BYTES == 0
+        src, dst = input.data_ptr(), output.data_ptr()
+        aligned = dst % PACK_BYTES == 0 and src % PACK_BYTES == 0
         vec = aligned and m % pack == 0
         # low-latency words: shards of whole 4-byte words, the whole message in their area
         if aligned and m * es % 4 == 0 and m * es * self.world <= self._ll_limit():
-            self._launch(kind + "_ll", output.dtype, True, m * es, input.data_ptr(), output.data_ptr(), m, m)
+            yield self._kernel(kind + "_ll", output.dtype, True), self._blocks(m * es), (src, dst, m, m)
             return
+        k = self._kernel(kind, output.dtype, vec)
         for off in range(0, m, piece):
-            k = min(piece, m - off)
-            self._launch(kind, output.dtype, vec, k * es * self.world, input.data_ptr() + off * es,
-                         output.data_ptr() + off * es, k, m)
+            n = min(piece, m - off)
+            yield k, self._blocks(n * es * self.world), (src + off * es, dst + off * es, n, m)
+
+    # -- repeated calls --------------------------------------------------------------------------
+    def runner(self, op: str, algorithm: str, average: bool = False, prepared: bool = True
+               ) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        """``run(output, input)``: ``op`` by ``algorithm`` ('all_reduce', in place on ``output``, which
+        is ``input``; 'reduce_scatter'; 'all_gather'), for repeats of one call signature: the same
+        dtype and element counts on every call (the dispatcher's fast path keys its runners so).
+
+        With ``prepared``, a call that is one kernel launch keeps that launch's parameter block per
+        tensor address (``_launch.Kernel.prepare``): a repeat on the same tensors is then a single
+        driver call, with nothing planned or written. A new address, a call of several pieces, the
+        copy engines and averages take the general method; so does every call once a kernel has
+        reported a timeout (which then raises), and the blocks are dropped when the grid changes
+        or the buffers close.
+        """
+        if op == "all_reduce":
+            def general(out: torch.Tensor, inp: torch.Tensor) -> None:
+                self.all_reduce(out, algorithm, average)
+        elif op == "reduce_scatter":
+            def general(out: torch.Tensor, inp: torch.Tensor) -> None:
+                self.reduce_scatter(out, inp, average, algorithm)
+        elif op == "all_gather":
+            def general(out: torch.Tensor, inp: torch.Tensor) -> None:
+                self.all_gather(out, inp, algorithm)
+        else:
+            raise AssertionError(op)
+        if not prepared or average or algorithm == "copy_engine":
+            return general
+        ready: dict[Any, tuple[int, int, _launch.Prepared, str]] = {}
+        self._ready.append(ready)
+        err, index, launch = self._err_np, self._index, _launch.launch
+
+        if op == "all_reduce":
+            def run(out: torch.Tensor, inp: torch.Tensor) -> None:
+                key = out.data_ptr()
+                hit = ready.get(key)
+                if hit is None or err[0]:
+                    general(out, inp)
+                    self._remember(ready, key, op, algorithm, out, inp)
+                    return
+                launch(hit[0], hit[1], _launch.current_stream(index), hit[2].params, hit[3])
+        else:
+            def run(out: torch.Tensor, inp: torch.Tensor) -> None:
+                key = (out.data_ptr(), inp.data_ptr())
+                hit = ready.get(key)
+                if hit is None or err[0]:
+                    general(out, inp)
+                    self._remember(ready, key, op, algorithm, out, inp)
+                    return
+                launch(hit[0], hit[1], _launch.current_stream(index), hit[2].params, hit[3])
+        return run
+
+    READY_MAX = 64  # prepared launches per runner; a full cache starts again
+
+    def _remember(self, ready: dict[Any, Any], key: Any, op: str, algorithm: str, out: torch.Tensor,
+                  inp: torch.Tensor) -> None:
+        """Keep the launch of a call that was one launch (just made by the general method)."""
+        if op == "all_reduce":
+            plan = self._plans.get((algorithm, out.dtype, out.numel()))
+            if plan is None or plan is _COPY_ENGINE:
+                return
+            base = out.data_ptr()
+            aligned = base % PACK_BYTES == 0
+            pieces = plan[2] if aligned else plan[3]
+            if len(pieces) != 1:
+                return
+            blocks, off, a, b = pieces[0]
+            k = plan[0] if aligned else plan[1]
+            args: tuple[int, ...] = (base + off, base + off, a, b)
+        else:
+            launches = list(self._shard_launches(op, out, inp, out.numel() if op == "reduce_scatter" else inp.numel()))
+            if len(launches) != 1:
+                return
+            k, blocks, args = launches[0]
+        if len(ready) >= self.READY_MAX:
+            ready.clear()
+        ready[key] = (k.fn, blocks, k.prepare(*args), k.name)
+
+    def _forget_plans(self) -> None:
+        self._plans.clear()
+        for ready in self._ready:
+            ready.clear()
 
     def check(self) -> None:
         """Raise :class:`CollectiveTimeout` if a kernel of this communicator gave up waiting for a peer."""
@@ -648,7 +748,7 @@ class PeerMemory:
         self._opened, self._own = [], []
         self._slot_tensor = None
         self._views.clear()
-        self._plans.clear()  # the next call re-plans, and _check refuses a closed PeerMemory
+        self._forget_plans()  # the next call re-plans, and _check refuses a closed PeerMemory
         self.closed = True
 
     # -- internals -------------------------------------------------------------------------------
@@ -685,10 +785,6 @@ class PeerMemory:
         for q, b in enumerate(bases):
             ctx["slots"][q] = (own + b) % (1 << 64)  # a base may lie below the buffer: only base + offset is read
         return ctx.tobytes()
-
-    def _launch(self, kind: str, dtype: torch.dtype, vec: bool, nbytes: int, src: int, dst: int, a: int, b: int) -> None:
-        k = self._kernel(kind, dtype, vec)
-        k(self._blocks(nbytes), _launch.current_stream(self._index), src, dst, a, b)
 
     def __repr__(self) -> str:
         return (f"PeerMemory(rank={self.rank}/{self.world}, {self.device}, slots={self.slot_bytes} B, "

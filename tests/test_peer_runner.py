@@ -1,0 +1,161 @@
+"""``PeerMemory.runner`` and the launch path on machines without GPUs: which launch a repeated
+call makes, when a prepared parameter block is kept, reused and dropped.
+
+A repeat on the same tensors must launch exactly what the general method launched for them
+(same entry point, grid and arguments), so each case below records the general call first and
+compares. Kernels and the driver are stand-ins that log; the values the kernels compute are
+checked on the GPUs (``tests/gpu_peer_check.py``, ``prepared_repeats``).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from collectives.errors import CollectiveTimeout
+from collectives.peer import _launch
+from collectives.peer import memory as M
+
+
+class _Kernel:
+    def __init__(self, name: str, log: list[Any]) -> None:
+        self.name, self.fn, self.log = name, 1000 + len(name), log
+
+    def __call__(self, blocks: int, stream: int, *args: int) -> None:
+        self.log.append((self.name, blocks, args))
+
+    def prepare(self, *args: int) -> Any:
+        return SimpleNamespace(params=args)
+
+
+@pytest.fixture
+def pm(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A two-rank PeerMemory of rank 0 with 1 MiB sets; ``pm.log`` lists the launches."""
+    log: list[Any] = []
+    kernels: dict[Any, _Kernel] = {}
+    p = object.__new__(M.PeerMemory)
+    p.world, p.rank, p.closed, p._index, p.device = 2, 0, False, -1, torch.device("cpu")
+    p._plans, p._ready, p._block_bytes, p._max_blocks = {}, [], 8 << 10, M.MAX_BLOCKS
+    p._set_bytes, p.ll_max_bytes, p.timeout_s = 1 << 20, M.ONE_SHOT_LL_MAX_BYTES, 1.0
+    p._err_np = np.zeros(4, dtype=np.int32)
+    p.comm = SimpleNamespace(global_ranks=(0, 1))
+
+    def kernel(kind: str, dtype: Any, vec: bool, nargs: int = 4, bases: Any = None) -> _Kernel:
+        name = f"{kind}_{M._TAGS[dtype]}_{'vec' if vec else 'scalar'}"
+        return kernels.setdefault((kind, dtype, vec), _Kernel(name, log))
+
+    p._kernel = kernel
+    monkeypatch.setattr(_launch, "current_stream", lambda index: 7)
+    monkeypatch.setattr(_launch, "launch", lambda fn, blocks, stream, params, name="": log.append((name, blocks, params)))
+    p.log = log
+    return p
+
+
+def _twice(pm: Any, run: Any, out: torch.Tensor, inp: torch.Tensor) -> tuple[Any, Any]:
+    """The general call's launches, then the repeat's."""
+    pm.log.clear()
+    run(out, inp)
+    first = list(pm.log)
+    pm.log.clear()
+    run(out, inp)
+    return first, list(pm.log)
+
+
+@pytest.mark.parametrize("algorithm,n,offset,kernel", [
+    ("one_shot", 100, 0, "one_shot_ll_bf16_vec"),  # low-latency words
+    ("one_shot", 100, 1, "one_shot_bf16_scalar"),  # unaligned: the scalar entry point
+    ("one_shot", 200_000, 0, "one_shot_bf16_vec"),  # above the words' limit, one piece
+    ("two_shot", 1001, 0, "two_shot_bf16_vec"),
+])
+def test_all_reduce_repeat_launches_what_the_general_call_did(pm: Any, algorithm: str, n: int, offset: int,
+                                                              kernel: str) -> None:
+    x = torch.empty(n + offset, dtype=torch.bfloat16)[offset:]
+    run = pm.runner("all_reduce", algorithm)
+    first, again = _twice(pm, run, x, x)
+    assert len(first) == 1 and first[0][0] == kernel
+    assert again == first
+    assert first[0][2][:2] == (x.data_ptr(), x.data_ptr())
+
+
+@pytest.mark.parametrize("op,m,dtype,kernel", [
+    ("reduce_scatter", 3000, torch.float32, "reduce_scatter_ll_f32_vec"),
+    ("reduce_scatter", 4097, torch.float16, "reduce_scatter_f16_scalar"),  # odd: not whole words
+    ("all_gather", 3000, torch.float32, "all_gather_ll_f32_vec"),
+])
+def test_shard_repeat_launches_what_the_general_call_did(pm: Any, op: str, m: int, dtype: torch.dtype,
+                                                         kernel: str) -> None:
+    small, big = torch.empty(m, dtype=dtype), torch.empty(2 * m, dtype=dtype)
+    out, inp = (small, big) if op == "reduce_scatter" else (big, small)
+    run = pm.runner(op, "one_shot")
+    first, again = _twice(pm, run, out, inp)
+    assert len(first) == 1 and first[0][0] == kernel
+    assert again == first
+    assert first[0][2][:2] == (inp.data_ptr(), out.data_ptr())
+    other = torch.empty_like(inp)  # another input, the same output: planned again, not the kept block
+    first2, again2 = _twice(pm, run, out, other)
+    assert first2 == again2 and first2[0][2][0] == other.data_ptr()
+
+
+def test_calls_of_several_pieces_are_not_kept(pm: Any) -> None:
+    n = 3 * M.two_shot_piece(pm._set_bytes, pm.world, 2)
+    x = torch.empty(n, dtype=torch.bfloat16)
+    run = pm.runner("all_reduce", "two_shot")
+    first, again = _twice(pm, run, x, x)
+    assert len(first) == 3 and again == first
+    assert not any(pm._ready)
+
+
+def test_a_new_grid_drops_the_kept_blocks(pm: Any) -> None:
+    x = torch.empty(61_440, dtype=torch.float32)  # 240 KiB: 30 blocks of 8 KiB
+    run = pm.runner("all_reduce", "one_shot")
+    first, _ = _twice(pm, run, x, x)
+    pm.block_bytes = 4 << 10
+    assert not any(pm._ready)
+    after, again = _twice(pm, run, x, x)
+    assert after[0][1] == 2 * first[0][1] and again == after
+
+
+def test_a_reported_timeout_raises_instead_of_launching(pm: Any) -> None:
+    x = torch.empty(64, dtype=torch.float32)
+    run = pm.runner("all_reduce", "one_shot")
+    _twice(pm, run, x, x)
+    pm._err_np[:] = (1, 0, 0, 1)  # a kernel gave up waiting for rank 1
+    pm.log.clear()
+    with pytest.raises(CollectiveTimeout):
+        run(x, x)
+    assert pm.log == []
+
+
+def test_average_and_copy_engine_take_the_general_method(pm: Any) -> None:
+    pm.runner("all_reduce", "one_shot", average=True)
+    pm.runner("all_reduce", "copy_engine")
+    pm.runner("all_reduce", "one_shot", prepared=False)
+    assert pm._ready == []
+
+
+def test_launch_binds_the_context_once_on_invalid_context(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    bound: list[int] = []
+
+    def driver(*args: int) -> None:
+        calls.append(args[0])
+        if len(calls) == 1:
+            raise _launch._DriverError(_launch._INVALID_CONTEXT)
+
+    monkeypatch.setattr(_launch, "_launch_fn", driver)
+    monkeypatch.setattr(_launch, "bind_context", lambda device=None: bound.append(1))
+    _launch.launch(5, 1, 0, 0)
+    assert calls == [5, 5] and bound == [1]
+
+
+def test_launch_names_the_kernel_and_the_driver_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    def driver(*args: int) -> None:
+        raise _launch._DriverError(700)
+
+    monkeypatch.setattr(_launch, "_launch_fn", driver)
+    with pytest.raises(RuntimeError, match=r"cuLaunchKernel\(one_shot_bf16_vec\).*error 700"):
+        _launch.launch(5, 1, 0, 0, "one_shot_bf16_vec")
