@@ -16,8 +16,8 @@ collective's path and its cost is measured against calling torch.distributed dir
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -161,11 +161,11 @@ def dispatch_tensors(comm: Communicator, op: str, output: torch.Tensor, input: t
     A call's signature (op, algorithm, reduce op as given, dtype, element counts, in place or
     not) fixes everything the full path checks and decides except what belongs to the tensor
     objects themselves, which the fast path checks again (CUDA tensors of one dtype, contiguous,
-    on the current device). It applies
-    only to synchronous calls of algorithms that offer a runner (``Algorithm.fast_path``), outside
-    ``call_timeout`` blocks, with no trace hook, profiler or NVTX tool to inform; the call still
-    counts in ``comm.seq``. On the 2xH200 machine it takes several microseconds off each small
-    peer-memory call, which is most of the host time such a call has.
+    on the current device). It applies only to synchronous calls of algorithms that offer a
+    runner (``Algorithm.fast_path``), outside ``call_timeout`` blocks, with no trace hook,
+    profiler or NVTX tool to inform; the call still counts in ``comm.seq`` and is recorded. On
+    the 2xH200 machine it takes several microseconds off each small peer-memory call, which is
+    most of the host time such a call has.
     """
     if not async_op and type(output) is torch.Tensor and output.is_cuda and not _HOOKS and not comm.debug \
             and limit() is None:

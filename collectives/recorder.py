@@ -21,6 +21,7 @@ a guess (:func:`missing_ranks`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -42,7 +43,9 @@ FIELDS = ("group", "group_ranks", "seq", "op", "algorithm", "in_shape", "out_sha
 _now = time.time
 CAPACITY = 4096
 PROGRESS_PERIOD_S = 0.5
-_PACKAGE = str(Path(__file__).resolve().parent)
+# frames skipped on the way to the call site: this package's, and contextlib's (``recorded``
+# is a context manager, entered from contextlib)
+_PACKAGE = (str(Path(__file__).resolve().parent), contextlib.__file__)
 
 
 def _callsite() -> tuple[str, int] | None:

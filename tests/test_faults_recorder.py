@@ -20,6 +20,7 @@ import torch.distributed as dist
 import collectives as C
 from collectives import recorder
 from collectives.diagnose import diagnose, load
+from collectives.dispatch import recorded
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,6 +32,8 @@ def _record(rank: int, world: int, directory: str) -> dict[str, object]:
     C.all_reduce(torch.ones(3, dtype=torch.float64), op="max", algorithm="ring")
     out = torch.empty(2 * world)
     C.all_gather_single(out, torch.ones(2))
+    with recorded(comm, "moe_dispatch", "peer", out, out):  # communication outside the verbs
+        pass
     path = C.dump_trace("on request", directory)
     data = json.loads(Path(path).read_text())  # type: ignore[arg-type]
     mine = [e for e in data["entries"] if e["seq"] > first and e["group"] == comm._group_name]
@@ -42,9 +45,10 @@ def test_recorder_keeps_every_call_with_its_call_site(worlds, tmp_path) -> None:
         ops = [(e["op"], e["algorithm"], e["in_shape"], e["dtype"], e["reduce_op"], e["state"]) for e in res["entries"]]
         assert ops == [("all_reduce", "recursive_doubling", [5], "float32", "sum", "completed"),
                        ("all_reduce", "ring", [3], "float64", "max", "completed"),
-                       ("all_gather", ops[2][1], [2], "float32", None, "completed")], ops
+                       ("all_gather", ops[2][1], [2], "float32", None, "completed"),
+                       ("moe_dispatch", "peer", [2 * 2], "float32", None, "enqueued")], ops
         seqs = [e["seq"] for e in res["entries"]]
-        assert seqs == sorted(seqs) and len(set(seqs)) == 3
+        assert seqs == sorted(seqs) and len(set(seqs)) == 4
         assert all(e["callsite"].startswith(str(ROOT / "tests" / "test_faults_recorder.py")) for e in res["entries"])
         assert all(e["t_end"] >= e["t_enqueue"] for e in res["entries"])
 
