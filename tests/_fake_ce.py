@@ -68,7 +68,6 @@ class FakeRank:
         self._max_blocks, self._block_bytes = 8, 1 << 10
         self.ce_chunk_bytes, self.ce_max_chunks = machine.chunk_bytes, 16
         self.ce_all_reduce_chunk_bytes = machine.chunk_bytes
-        self.ce_push_streams = machine.push_streams
         self.slot_pointers = tuple(s.data_ptr() for s in machine.slots)
         self._flag_pointers = tuple(f.data_ptr() for f in machine.flags)
         self.main = Stream(machine, 100 * rank)
@@ -107,9 +106,8 @@ class FakeRank:
 class Machine:
     """``world`` ranks' memory, streams and kernels; see the module docstring."""
 
-    def __init__(self, world: int, slot_bytes: int, chunk_bytes: int, push_streams: int = 1) -> None:
+    def __init__(self, world: int, slot_bytes: int, chunk_bytes: int) -> None:
         self.world, self.slot_bytes, self.chunk_bytes = world, slot_bytes, chunk_bytes
-        self.push_streams = push_streams
         self.slots = [torch.full((slot_bytes,), 0xAB, dtype=torch.uint8) for _ in range(world)]
         self.flags = [torch.zeros(M.FLAG_BYTES // 4, dtype=torch.int32) for _ in range(world)]
         self.ranks = [FakeRank(self, r) for r in range(world)]

@@ -242,8 +242,6 @@ class PeerMemory:
         # at 512 MB / 1 GB): 128 MiB 348 / 357; 64 MiB 344 / 350; 256 MiB 308 / 344; 32 MiB 333 /
         # 329; 16 MiB 284 / 284 (each chunk costs host calls)
         self.ce_all_reduce_chunk_bytes = 128 << 20
-        # copy streams that take turns at a summed copy-engine call's pushes (1 or 2; see _ce_by_shard)
-        self.ce_push_streams = 1
         # one_shot all-reduces, reduce-scatters and all-gathers up to this size (16-byte aligned;
         # at most ONE_SHOT_LL_MAX_BYTES, which sizes their area) send low-latency words (4 data
         # bytes and the call's number per 8-byte store: kernels.cu, "low-latency words")
@@ -546,7 +544,7 @@ class PeerMemory:
             raise UnsupportedError("COMMOPS_PEER_BYTES", self.slot_bytes, "leaves fewer than 2 ring slots for "
                                    "the copy-engine path", "use a larger COMMOPS_PEER_BYTES")
         main = _launch.current_stream(self._index)
-        ls = self._copy_streams[1].cuda_stream
+        ps, ls = (side.cuda_stream for side in self._copy_streams)
         wait = self._kernel("ce_wait", None, False, 3)
         src, dst = input.data_ptr(), output.data_ptr()
         vec = src % PACK_BYTES == 0 and dst % PACK_BYTES == 0 and m % pack == 0
@@ -555,12 +553,10 @@ class PeerMemory:
         blocks = max(1, min(self._max_blocks, -(-chunk * es // self._block_bytes)))
         peers = [(r + d) % w for d in range(1, w)]
         free = CE_REDUCED if summed else CE_PULLED
-        caller = torch.cuda.current_stream(self.device)
-        # Summed kinds leave the pull stream idle, so with ce_push_streams == 2 the pushes take
-        # turns on both: a chunk's wait for its slot then never holds the next chunk's copy back.
-        #   push: |wait 0|copy 0|flag|      |wait 2|copy 2|flag| ...
-        #   pull:        |wait 1|copy 1|flag|      |wait 3|copy 3|flag| ...
-        pushers = self._copy_streams if summed and self.ce_push_streams == 2 else self._copy_streams[:1]
+        caller, push_stream = torch.cuda.current_stream(self.device), self._copy_streams[0]
+        # (Pushes taking turns on both copy streams, so that a chunk's wait for its slot cannot
+        # hold the next chunk's copy back, were tried on 2xH200 on 2026-11-30 and measured 1-2%
+        # slower at 256 MB - 1 GB, in all-reduce and reduce-scatter alike.)
         mine = self.slot_pointers[r]
         with self._ce_section():
             if kind == "all_gather" and m:
@@ -568,8 +564,6 @@ class PeerMemory:
             for j, (lo, nj) in enumerate(ce_pieces(m, chunk, pack, ramp=in_place)):
                 s, u = j % ring, j // ring
                 off = s * w * chunk  # elements into the slot buffer: source q's part at off + q * chunk
-                pusher = pushers[j % len(pushers)]
-                ps = pusher.cuda_stream
                 if u:
                     wait(1, ps, s, free, u)  # every peer is done with this slot's previous use
                 for q in peers:
@@ -580,7 +574,7 @@ class PeerMemory:
                 if reduce is not None:
                     if in_place:  # the sum overwrites what the copies read: after them
                         sent = torch.cuda.Event()
-                        sent.record(pusher)
+                        sent.record(push_stream)
                         caller.wait_event(sent)
                     at = r * m + lo if kind == "reduce_scatter" else lo
                     reduce(blocks, main, src + at * es, dst + lo * es, off, chunk, nj, j, ring)
