@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import collectives as C  # noqa: E402
 from bench.cli import parse_size, sizes  # noqa: E402
 from bench.harness import time_fn  # noqa: E402
-from collectives.peer import PeerMemory  # noqa: E402
+from collectives.peer import PeerMemory, _launch  # noqa: E402
 
 
 def _time(comm: C.Communicator, dev: torch.device, fn, iters: int, reps: int,  # type: ignore[no-untyped-def]
@@ -60,6 +60,15 @@ def host_costs(comm: C.Communicator, pm: PeerMemory, dev: torch.device) -> dict[
         "commops_one_shot": _host_us(lambda: C.all_reduce(x, algorithm="one_shot")),
         "peer_memory_one_shot": _host_us(lambda: pm.all_reduce(x, "one_shot")),
     }
+    # the layers under the verb: the runner the dispatcher keeps (a prepared launch once it has
+    # seen this tensor), and that launch alone
+    run = pm.runner("all_reduce", "one_shot")
+    run(x, x)
+    run(x, x)
+    out["peer_memory_runner"] = _host_us(lambda: run(x, x))
+    fn, blocks, prepared, name = pm._ready[-1][x.data_ptr()]  # the block run() keeps
+    stream = _launch.current_stream(dev.index)
+    out["launch_only"] = _host_us(lambda: _launch.launch(fn, blocks, stream, prepared.params, name))
     try:
         import torch.distributed._symmetric_memory as symm_mem
 
