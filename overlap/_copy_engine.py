@@ -17,7 +17,16 @@ peer's slot buffer, flags written by stream memory operations, bounded one-block
   goes on with the next chunk.
 
 Ring slots are reused when the peer has consumed them (the ``CE_PULLED`` flag); a block too large
-for two ring slots of the peer buffer (``COMMOPS_PEER_BYTES``) runs in more chunks. The whole call
+for two ring slots of the peer buffer (``COMMOPS_PEER_BYTES``) runs in more chunks.
+
+Issue order. Every wait a rank queues must depend only on signals that its peers queue earlier
+in the same program order. A host call can block until this GPU is idle (on 2×H200 a
+``torch.addmm`` in the loop below did, 2026-11-30), and a GPU whose queued wait needs a signal
+that the blocked peer host has not issued yet never goes idle: both hosts hang. So the push that
+reuses a ring slot (chunk j + ring) is issued right after the consumption of chunk j is
+signalled, not with the first pushes, and the all-reduce's pull of chunk j right after its own
+push of chunk j, not after the whole loop. (Issued all up front, a call whose ring wrapped hung
+on the GPUs until the peer-memory timeout; the CPU stand-in, whose hosts never blocked, passed.) The whole call
 sits between ``ce_open`` and ``ce_close`` barriers, so nothing else uses the slots meanwhile.
 Everything is ordered on streams: nothing on the path waits on the host. Every rank splits every
 block into the same number of chunks (some possibly empty), so that flags and slots line up
@@ -131,7 +140,9 @@ def all_gather_gemm(pm: PeerMemory, rows: torch.Tensor, b: torch.Tensor, chunks:
     pm.ce_open()
     st.after_main(st.push)
     base = rows.data_ptr()
-    for j, (lo, hi) in enumerate(bounds):
+
+    def push(j: int) -> None:
+        lo, hi = bounds[j]
         s, u = j % ring, j // ring
         if u:
             pm.ce_wait(st.ps, s, CE_PULLED, u)  # every peer has multiplied what it got in this slot last time
@@ -139,6 +150,9 @@ def all_gather_gemm(pm: PeerMemory, rows: torch.Tensor, b: torch.Tensor, chunks:
             if hi > lo:
                 pm.ce_push(st.ps, q, (s * w + r) * region, base + lo * k * es, (hi - lo) * k * es)
             pm.ce_signal(st.ps, q, s, CE_PUSHED, u + 1)
+
+    for j in range(min(ring, len(bounds))):
+        push(j)
     torch.matmul(rows, b, out=out[r])
     if full is not None:
         full[r].copy_(rows)
@@ -152,6 +166,8 @@ def all_gather_gemm(pm: PeerMemory, rows: torch.Tensor, b: torch.Tensor, chunks:
                 if full is not None:
                     full[q, lo:hi].copy_(got)
             pm.ce_signal(st.ms, q, s, CE_PULLED, u + 1)
+        if j + ring < len(bounds):
+            push(j + ring)  # issued only now: see "Issue order" in the module's note
     st.join(st.push)  # `rows` is read by the push stream: the caller may free it after this call
     pm.ce_close()
     return out.view(w * m, n), full
@@ -160,8 +176,9 @@ def all_gather_gemm(pm: PeerMemory, rows: torch.Tensor, b: torch.Tensor, chunks:
 def _reduce_scatter_phase(pm: PeerMemory, st: _Streams, rows: torch.Tensor, b: torch.Tensor, blocks: list[tuple[int, int]],
                           chunks: int, ring: int, slot0: int, region: int, out: torch.Tensor,
                           after_chunk: Any = None) -> list[torch.Tensor]:
-    """Peers' blocks first, each chunk pushed as soon as it is computed; then this rank's block
-    with the peers' partial sums as addmm's C operand, into ``out`` (this block's rows).
+    """Peers' blocks first (the first ``ring`` chunks; chunk j + ring after this rank's chunk j, see
+    "Issue order"), each chunk pushed as soon as it is computed; then this rank's block with the
+    peers' partial sums as addmm's C operand, into ``out`` (this block's rows).
     ``after_chunk(j, lo, hi)`` runs after chunk j of this rank's block is in ``out``. Returns the
     staging tensors, which must live until the push stream is joined."""
     w, r, es = pm.world, pm.rank, rows.element_size()
@@ -169,9 +186,10 @@ def _reduce_scatter_phase(pm: PeerMemory, st: _Streams, rows: torch.Tensor, b: t
     peers = [(r + d) % w for d in range(1, w)]
     staging = []
     splits = {q: _split(blocks[q][1] - blocks[q][0], chunks) for q in peers}
-    # chunk by chunk, every peer's part of the chunk: a peer consumes a ring slot once every rank
-    # has filled it, so filling it for one peer at a time would deadlock 3 ranks or more
-    for j in range(chunks):
+
+    def send(j: int) -> None:
+        # chunk j of every peer's block: a peer consumes a ring slot once every rank has filled
+        # it, so filling it for one peer at a time would deadlock 3 ranks or more
         s, u = slot0 + j % ring, j // ring
         for q in peers:
             lo, hi = splits[q][j]
@@ -183,6 +201,9 @@ def _reduce_scatter_phase(pm: PeerMemory, st: _Streams, rows: torch.Tensor, b: t
                 pm.ce_push(st.ps, q, (s * w + r) * region, part.data_ptr(), (hi - lo) * n * es)
                 staging.append(part)
             pm.ce_signal(st.ps, q, s, CE_PUSHED, u + 1)
+
+    for j in range(min(ring, chunks)):
+        send(j)
     r_lo, r_hi = blocks[r]
     for j, (lo, hi) in enumerate(_split(r_hi - r_lo, chunks)):
         s, u = slot0 + j % ring, j // ring
@@ -195,6 +216,8 @@ def _reduce_scatter_phase(pm: PeerMemory, st: _Streams, rows: torch.Tensor, b: t
             pm.ce_signal(st.ms, q, s, CE_PULLED, u + 1)
         if after_chunk is not None:
             after_chunk(j, lo, hi)
+        if j + ring < chunks:
+            send(j + ring)  # issued only now: see "Issue order" in the module's note
     return staging
 
 
@@ -232,6 +255,7 @@ def gemm_all_reduce(pm: PeerMemory, rows: torch.Tensor, b: torch.Tensor, chunks:
     peers = [(r + d) % w for d in range(1, w)]
     st = _Streams(pm)
     r_lo = blocks[r][0]
+    splits = {q: _split(blocks[q][1] - blocks[q][0], chunks) for q in peers}
 
     def share(j: int, lo: int, hi: int) -> None:
         # this reduced chunk to every peer (push stream), after the addmm that made it
@@ -243,21 +267,18 @@ def gemm_all_reduce(pm: PeerMemory, rows: torch.Tensor, b: torch.Tensor, chunks:
             if hi > lo:
                 pm.ce_push(st.ps, q, half + ((s - ag0) * w + r) * region, out[r_lo + lo].data_ptr(), (hi - lo) * n * es)
             pm.ce_signal(st.ps, q, s, CE_PUSHED, u + 1)
+        # the peers' reduced chunk j, copied into place by the pull stream when it arrives
+        pm.ce_wait(st.ls, s, CE_PUSHED, u + 1)
+        for q in peers:
+            p_lo, p_hi = splits[q][j]
+            if p_hi > p_lo:
+                pm.ce_take(st.ls, half + ((s - ag0) * w + q) * region, out[blocks[q][0] + p_lo].data_ptr(),
+                           (p_hi - p_lo) * n * es)
+            pm.ce_signal(st.ls, q, s, CE_PULLED, u + 1)
 
     pm.ce_open()
     st.after_main(st.pull)
     staging = _reduce_scatter_phase(pm, st, rows, b, blocks, chunks, ring, 0, region, out[r_lo:blocks[r][1]], share)
-    # the peers' reduced chunks, copied into place by the pull stream as they arrive
-    splits = {q: _split(blocks[q][1] - blocks[q][0], chunks) for q in peers}
-    for j in range(chunks):
-        s, u = ag0 + j % ring, j // ring
-        pm.ce_wait(st.ls, s, CE_PUSHED, u + 1)
-        for q in peers:
-            lo, hi = splits[q][j]
-            if hi > lo:
-                pm.ce_take(st.ls, half + ((s - ag0) * w + q) * region, out[blocks[q][0] + lo].data_ptr(),
-                           (hi - lo) * n * es)
-            pm.ce_signal(st.ls, q, s, CE_PULLED, u + 1)
     st.join(st.push, st.pull)
     del staging
     pm.ce_close()

@@ -5,6 +5,11 @@ condition variable, the compute stream runs on the rank's thread and each copy s
 worker thread that runs what is queued on it in order (so a wait on a copy stream holds that
 stream only, as on a GPU). ``use_fake_streams`` puts the matching stream helper into
 ``overlap._copy_engine``; ``run_ranks`` runs one function per rank.
+
+Every GEMM the operators call first waits until the calling rank's copy streams are idle: a
+host call on a GPU can block until the device is idle (torch.addmm did on 2×H200), and an
+operator that queued a wait for a signal its peer has not issued yet then hangs. Here it fails
+within ``SYNC_TIMEOUT_S`` instead.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import torch
 from overlap import _copy_engine as CE
 
 TIMEOUT_S = 20.0
+SYNC_TIMEOUT_S = 5.0
+_LOCAL = threading.local()  # the calling rank's stand-in (run_ranks)
 
 
 class _Hub:
@@ -55,8 +62,11 @@ class _Stream(threading.Thread):
             finally:
                 self.work.task_done()
 
-    def drain(self) -> None:
-        self.work.join()
+    def drain(self, timeout: float | None = None) -> None:
+        with self.work.all_tasks_done:
+            if not self.work.all_tasks_done.wait_for(lambda: not self.work.unfinished_tasks, timeout):
+                raise TimeoutError(f"{self.name} still busy after {timeout} s at a device sync: a queued wait "
+                                   "needs a signal its peer has not issued")
         if self.errors:
             raise self.errors[0]
 
@@ -139,9 +149,32 @@ class _Streams:
             side.drain()
 
 
+class _SyncingTorch:
+    """``torch`` as ``overlap._copy_engine`` sees it here: a GEMM first waits (bounded) until the
+    calling rank's copy streams are idle (see the module's note)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def _device_sync() -> None:
+        for st in _LOCAL.pm.copy_streams:
+            st.drain(SYNC_TIMEOUT_S)
+
+    def matmul(self, *args: Any, **kwargs: Any) -> Any:
+        self._device_sync()
+        return torch.matmul(*args, **kwargs)
+
+    def addmm(self, *args: Any, **kwargs: Any) -> Any:
+        self._device_sync()
+        return torch.addmm(*args, **kwargs)
+
+
 def use_fake_streams(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Put the stand-in's stream helper into ``overlap._copy_engine`` (for a test's duration)."""
+    """Put the stand-in's stream helper into ``overlap._copy_engine``, and its GEMMs behind a device
+    sync (for a test's duration)."""
     monkeypatch.setattr(CE, "_Streams", _Streams)
+    monkeypatch.setattr(CE, "torch", _SyncingTorch())
 
 
 def run_ranks(world: int, slot_bytes: int, fn: Any) -> list[Any]:
@@ -150,7 +183,7 @@ def run_ranks(world: int, slot_bytes: int, fn: Any) -> list[Any]:
     errors: list[BaseException] = []
 
     def body(rank: int) -> None:
-        pm = _FakePeerMemory(hub, rank)
+        pm = _LOCAL.pm = _FakePeerMemory(hub, rank)
         try:
             results[rank] = fn(pm, rank)
         except BaseException as exc:  # noqa: BLE001 - re-raised below

@@ -79,6 +79,37 @@ def main() -> int:
                   ops.reference_all_gather_gemm(a2, b))
 
     if dev.type == "cuda":
+        # large bf16 GEMMs whose chunks wrap the ring of the default peer buffers, eagerly and in a
+        # CUDA graph: on the GPUs a host call inside the loop can block until the device is idle,
+        # which hung these (overlap/_copy_engine.py, "Issue order") while the small cases passed
+        big_a = torch.empty(4096, 4096, device=dev, dtype=torch.bfloat16)
+        big_b = torch.empty(4096, 8192, device=dev, dtype=torch.bfloat16)
+        half_a = big_a[:2048]
+        for chunks in (2, 32):
+            for op, ref, x in ((ops.gemm_all_reduce, ops.reference_gemm_all_reduce, big_a),
+                               (ops.gemm_reduce_scatter, ops.reference_gemm_reduce_scatter, big_a),
+                               (ops.all_gather_gemm, ops.reference_all_gather_gemm, half_a)):
+                name = f"{op.__name__} copy_engine/{chunks} {tuple(x.shape)}x{tuple(big_b.shape)} bf16"
+                for i in range(2):
+                    g.manual_seed(11000 + 10 * i + chunks + r)
+                    big_a.copy_(torch.randn(big_a.shape, generator=g, device=dev) / 64)
+                    big_b.copy_(torch.randn(big_b.shape, generator=g, device=dev))
+                    close(f"{name} call {i}", op(x, big_b, strategy="copy_engine", chunks=chunks), ref(x, big_b), 1e-2)
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    op(x, big_b, strategy="copy_engine", chunks=chunks)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out_big = op(x, big_b, strategy="copy_engine", chunks=chunks)
+                g.manual_seed(12000 + chunks + r)
+                big_a.copy_(torch.randn(big_a.shape, generator=g, device=dev) / 64)
+                graph.replay()
+                close(f"{name} in a CUDA graph", out_big, ref(x, big_b), 1e-2)
+                del graph, out_big
+
+    if dev.type == "cuda":
         # under a CUDA graph: each strategy captured once on static inputs, replayed on fresh data
         a_st = torch.empty(6 * w + 3, 64, device=dev)
         b_st = torch.empty(64, 40, device=dev)
