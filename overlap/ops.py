@@ -169,6 +169,11 @@ def _from_table(op: str, comm: C.Communicator, dtype: torch.dtype, m: int, k: in
                          f"({e.get('note', '')})")
 
 
+# whether the current CUDA stream is being captured (torch's C accessor; its Python wrapper
+# where the C one is missing)
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+
+
 def _strategy(op: str, comm: C.Communicator, strategy: str, chunks: int, a: torch.Tensor, b: torch.Tensor,
               m: int) -> OverlapChoice:
     if strategy not in ("auto", *STRATEGIES):
@@ -176,8 +181,12 @@ def _strategy(op: str, comm: C.Communicator, strategy: str, chunks: int, a: torc
     if not isinstance(chunks, int) or chunks < 1:
         raise InvalidArgumentError("chunks", chunks, "must be a positive int", f"pass {DEFAULT_CHUNKS}")
     if strategy == "auto":
-        graph = a.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        key = (op, comm.size, a.dtype, a.device.type, m, b.shape[0], b.shape[1], graph)
+        # on every call of every operator: the cheap accessors (a device object or torch's
+        # Python wrapper of the capture query costs more than the lookup itself)
+        cuda = a.is_cuda
+        graph = cuda and _capturing()
+        k, n = b.shape
+        key = (op, comm.size, a.dtype, "cuda" if cuda else a.device.type, m, k, n, graph)
         found = _AUTO.get(key)
         if found is None:
             found = _from_table(op, comm, a.dtype, m, b.shape[0], b.shape[1], graph)
