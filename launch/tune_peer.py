@@ -66,7 +66,7 @@ def host_costs(comm: C.Communicator, pm: PeerMemory, dev: torch.device) -> dict[
     run(x, x)
     run(x, x)
     out["peer_memory_runner"] = _host_us(lambda: run(x, x))
-    fn, blocks, prepared, name = pm._ready[-1][x.data_ptr()]  # the block run() keeps
+    fn, blocks, prepared, name = run.ready[x.data_ptr()]  # type: ignore[attr-defined]  # the block run() keeps
     stream = _launch.current_stream(dev.index)
     out["launch_only"] = _host_us(lambda: _launch.launch(fn, blocks, stream, prepared.params, name))
     try:

@@ -9,6 +9,8 @@ checked on the GPUs (``tests/gpu_peer_check.py``, ``prepared_repeats``).
 
 from __future__ import annotations
 
+import gc
+import weakref
 from types import SimpleNamespace
 from typing import Any
 
@@ -39,7 +41,7 @@ def pm(monkeypatch: pytest.MonkeyPatch) -> Any:
     kernels: dict[Any, _Kernel] = {}
     p = object.__new__(M.PeerMemory)
     p.world, p.rank, p.closed, p._index, p.device = 2, 0, False, -1, torch.device("cpu")
-    p._plans, p._ready, p._block_bytes, p._max_blocks = {}, [], 8 << 10, M.MAX_BLOCKS
+    p._plans, p._ready, p._block_bytes, p._max_blocks = {}, weakref.WeakSet(), 8 << 10, M.MAX_BLOCKS
     p._set_bytes, p.ll_max_bytes, p.timeout_s = 1 << 20, M.ONE_SHOT_LL_MAX_BYTES, 1.0
     p._err_np = np.zeros(4, dtype=np.int32)
     p.comm = SimpleNamespace(global_ranks=(0, 1))
@@ -134,7 +136,7 @@ def test_average_and_copy_engine_take_the_general_method(pm: Any) -> None:
     pm.runner("all_reduce", "one_shot", average=True)
     pm.runner("all_reduce", "copy_engine")
     pm.runner("all_reduce", "one_shot", prepared=False)
-    assert pm._ready == []
+    assert len(pm._ready) == 0
 
 
 def test_launch_binds_the_context_once_on_invalid_context(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -159,3 +161,14 @@ def test_launch_names_the_kernel_and_the_driver_error(monkeypatch: pytest.Monkey
     monkeypatch.setattr(_launch, "_launch_fn", driver)
     with pytest.raises(RuntimeError, match=r"cuLaunchKernel\(one_shot_bf16_vec\).*error 700"):
         _launch.launch(5, 1, 0, 0, "one_shot_bf16_vec")
+
+
+def test_a_dropped_runner_takes_its_blocks_with_it(pm: Any) -> None:
+    x = torch.empty(64, dtype=torch.float32)
+    run = pm.runner("all_reduce", "one_shot")
+    _twice(pm, run, x, x)
+    assert len(pm._ready) == 1 and any(pm._ready)
+    assert list(run.ready) == [x.data_ptr()]  # what launch/tune_peer.py reads
+    del run
+    gc.collect()
+    assert len(pm._ready) == 0

@@ -9,8 +9,9 @@ microseconds of host time. CuPy's ``RawKernel.__call__`` converts its arguments 
 (about 6 us on the 2xH200 machine's CPUs), so launches go to the driver's ``cuLaunchKernel``
 with the arguments written into a parameter block that is built once per entry point and
 communicator; CuPy only compiles and loads the module. The call into the driver is CuPy's
-compiled ``launchKernel`` (5.1 us per launch there, against 7.0 us through ctypes, measured
-2026-11-30), with ctypes as the fallback where CuPy lacks it. A caller that repeats the same
+compiled ``launchKernel``, with ctypes as the fallback where CuPy lacks it: in a probe on the
+2xH200 host (2026-11-30, not kept) it took 5.1 us per launch against 7.0 us through ctypes; the
+bare launch is 3.6 us in ``bench/results/gpu_2xh200_peer_host.json``, on a faster lease. A caller that repeats the same
 arguments (the same tensor, again and again, as small all-reduces in a decode loop do) can keep
 a prepared block (``Kernel.prepare``) and launch it with no argument writes at all.
 

@@ -15,6 +15,7 @@ and raw data left in the slots by other calls may hold any number there.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -59,6 +60,14 @@ def _ll_set_bytes(world: int) -> int:
     return world * 2 * ONE_SHOT_LL_MAX_BYTES
 
 _COPY_ENGINE = object()  # plan marker: the copy-engine path works out its chunks per call
+
+
+class _Ready(dict):  # type: ignore[type-arg]
+    """One runner's prepared launches: tensor address(es) -> (function, blocks, Prepared, name).
+    Compared and hashed by identity (so that a WeakSet can hold it)."""
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__  # type: ignore[assignment]
 
 
 def _by_copy_engine(algorithm: str) -> bool:
@@ -204,7 +213,7 @@ class PeerMemory:
             timeout_s = _env.PEER_TIMEOUT_S.get() if given else comm.timeout_s
         self.timeout_s = float(timeout_s)  # type: ignore[arg-type]
         self._plans: dict[tuple[str, torch.dtype, int], Any] = {}
-        self._ready: list[dict[Any, Any]] = []  # the runners' prepared launches (runner())
+        self._ready: weakref.WeakSet[_Ready] = weakref.WeakSet()  # the live runners' prepared launches (runner())
         self.block_bytes = block_bytes
         self.max_blocks = max_blocks
         self.closed = False
@@ -658,8 +667,8 @@ class PeerMemory:
             raise AssertionError(op)
         if not prepared or average or algorithm == "copy_engine":
             return general
-        ready: dict[Any, tuple[int, int, _launch.Prepared, str]] = {}
-        self._ready.append(ready)
+        ready = _Ready()  # held by run() alone: a runner the dispatcher lets go takes its blocks with it
+        self._ready.add(ready)
         err, index, launch = self._err_np, self._index, _launch.launch
 
         if op == "all_reduce":
@@ -680,6 +689,7 @@ class PeerMemory:
                     self._remember(ready, key, op, algorithm, out, inp)
                     return
                 launch(hit[0], hit[1], _launch.current_stream(index), hit[2].params, hit[3])
+        run.ready = ready  # type: ignore[attr-defined]  # (launch/tune_peer.py times the bare launch)
         return run
 
     READY_MAX = 64  # prepared launches per runner; a full cache starts again
