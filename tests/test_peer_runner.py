@@ -172,3 +172,28 @@ def test_a_dropped_runner_takes_its_blocks_with_it(pm: Any) -> None:
     del run
     gc.collect()
     assert len(pm._ready) == 0
+
+
+def test_first_launch_takes_cupys_launcher_or_falls_back_to_ctypes(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import types
+
+    calls: list[str] = []
+    cupy, cuda = types.ModuleType("cupy"), types.ModuleType("cupy.cuda")
+    driver = types.ModuleType("cupy.cuda.driver")
+    driver.CUDADriverError = type("CUDADriverError", (RuntimeError,), {})  # type: ignore[attr-defined]
+    cuda.driver = driver  # type: ignore[attr-defined]
+    cupy.cuda = cuda  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
+    monkeypatch.setitem(sys.modules, "cupy.cuda.driver", driver)
+    monkeypatch.setattr(_launch, "_ctypes_launch", lambda *args: calls.append("ctypes"))
+    monkeypatch.setattr(_launch, "_launch_errors", _launch._launch_errors)  # restored afterwards
+    monkeypatch.setattr(_launch, "_launch_fn", _launch._first_launch)
+    _launch.launch(5, 1, 0, 0)  # this CuPy has no launchKernel
+    assert calls == ["ctypes"] and _launch._launch_fn is _launch._ctypes_launch
+    driver.launchKernel = lambda *args: calls.append("cupy")  # type: ignore[attr-defined]
+    monkeypatch.setattr(_launch, "_launch_fn", _launch._first_launch)
+    _launch.launch(5, 1, 0, 0)
+    _launch.launch(5, 1, 0, 0)
+    assert calls == ["ctypes", "cupy", "cupy"] and driver.CUDADriverError in _launch._launch_errors

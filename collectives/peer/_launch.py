@@ -100,9 +100,8 @@ def _first_launch(*args: int) -> None:
     try:
         from cupy.cuda import driver
 
-        _launch_fn = driver.launchKernel
-        _launch_errors = (_DriverError, driver.CUDADriverError)
-    except (ImportError, AttributeError):
+        _launch_fn, _launch_errors = driver.launchKernel, (_DriverError, driver.CUDADriverError)
+    except (ImportError, AttributeError):  # both or neither
         _launch_fn = _ctypes_launch
     _launch_fn(*args)
 
