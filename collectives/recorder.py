@@ -45,14 +45,14 @@ CAPACITY = 4096
 PROGRESS_PERIOD_S = 0.5
 # frames skipped on the way to the call site: this package's, and contextlib's (``recorded``
 # is a context manager, entered from contextlib)
-_PACKAGE = (str(Path(__file__).resolve().parent), contextlib.__file__)
+_SKIPPED = (str(Path(__file__).resolve().parent), contextlib.__file__)
 
 
 def _callsite() -> tuple[str, int] | None:
     """(file, line) of the first frame outside this package (the user's call); entries show it
     as "file:line", formatted only when they are read."""
     f = sys._getframe(2)
-    while f is not None and f.f_code.co_filename.startswith(_PACKAGE):
+    while f is not None and f.f_code.co_filename.startswith(_SKIPPED):
         f = f.f_back  # type: ignore[assignment]
     return (f.f_code.co_filename, f.f_lineno) if f is not None else None
 
@@ -94,7 +94,7 @@ class FlightRecorder:
         self._next = i + 1
         e = self._ring[i % self.capacity]
         f = sys._getframe(1)  # _callsite, inlined
-        while f is not None and f.f_code.co_filename.startswith(_PACKAGE):
+        while f is not None and f.f_code.co_filename.startswith(_SKIPPED):
             f = f.f_back  # type: ignore[assignment]
         group, seq, shape = comm._group_name, comm.seq, output.shape
         e[:] = (group, comm.global_ranks, seq, op, algorithm, shape if input is output else input.shape, shape,
