@@ -52,7 +52,8 @@ def pm(monkeypatch: pytest.MonkeyPatch) -> Any:
 
     p._kernel = kernel
     monkeypatch.setattr(_launch, "current_stream", lambda index: 7)
-    monkeypatch.setattr(_launch, "launch", lambda fn, blocks, stream, params, name="": log.append((name, blocks, params)))
+    monkeypatch.setattr(_launch, "launch",
+                        lambda fn, blocks, stream, params, name="", device=None: log.append((name, blocks, params)))
     p.log = log
     return p
 
@@ -197,3 +198,17 @@ def test_first_launch_takes_cupys_launcher_or_falls_back_to_ctypes(monkeypatch: 
     _launch.launch(5, 1, 0, 0)
     _launch.launch(5, 1, 0, 0)
     assert calls == ["ctypes", "cupy", "cupy"] and driver.CUDADriverError in _launch._launch_errors
+
+
+def test_launch_binds_the_kernels_own_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    bound: list[Any] = []
+    failed = [True]
+
+    def driver(*args: int) -> None:
+        if failed.pop() if failed else False:
+            raise _launch._DriverError(_launch._INVALID_CONTEXT)
+
+    monkeypatch.setattr(_launch, "_launch_fn", driver)
+    monkeypatch.setattr(_launch, "bind_context", lambda device=None: bound.append(device))
+    _launch.launch(5, 1, 0, 0, "k", 3)
+    assert bound == [3]

@@ -111,16 +111,17 @@ _launch_fn: Any = _first_launch
 _launch_errors: tuple[type[BaseException], ...] = (_DriverError,)
 
 
-def launch(fn: int, blocks: int, stream: int, params: int, name: str = "kernel") -> None:
+def launch(fn: int, blocks: int, stream: int, params: int, name: str = "kernel", device: int | None = None) -> None:
     """Launch the loaded function ``fn`` on ``blocks`` x ``THREADS`` threads on ``stream`` with the
-    parameter block at address ``params`` (an array of pointers to each argument)."""
+    parameter block at address ``params`` (an array of pointers to each argument); ``device``, where
+    ``fn`` is loaded (default: torch's current one), is whose context a thread without one gets."""
     try:
         _launch_fn(fn, blocks, 1, 1, THREADS, 1, 1, 0, stream, params, 0)
     except _launch_errors as exc:
         status = getattr(exc, "status", None)
         if status != _INVALID_CONTEXT:
             raise RuntimeError(f"cuLaunchKernel({name}) failed with CUDA driver error {status}") from exc
-        bind_context()
+        bind_context(device)
         try:
             _launch_fn(fn, blocks, 1, 1, THREADS, 1, 1, 0, stream, params, 0)
         except _launch_errors as again:
@@ -190,7 +191,7 @@ class Kernel:
         a = self._args
         for i, v in enumerate(args):
             a[i] = v
-        launch(self.fn, blocks, stream, self.params, self.name)
+        launch(self.fn, blocks, stream, self.params, self.name, self._device)
 
     def prepare(self, *args: int) -> Prepared:
         """A parameter block of its own holding ``args`` (and this kernel's context)."""

@@ -670,25 +670,16 @@ class PeerMemory:
         ready = _Ready()  # held by run() alone: a runner the dispatcher lets go takes its blocks with it
         self._ready.add(ready)
         err, index, launch = self._err_np, self._index, _launch.launch
+        in_place = op == "all_reduce"  # one tensor: its address is the key
 
-        if op == "all_reduce":
-            def run(out: torch.Tensor, inp: torch.Tensor) -> None:
-                key = out.data_ptr()
-                hit = ready.get(key)
-                if hit is None or err[0]:
-                    general(out, inp)
-                    self._remember(ready, key, op, algorithm, out, inp)
-                    return
-                launch(hit[0], hit[1], _launch.current_stream(index), hit[2].params, hit[3])
-        else:
-            def run(out: torch.Tensor, inp: torch.Tensor) -> None:
-                key = (out.data_ptr(), inp.data_ptr())
-                hit = ready.get(key)
-                if hit is None or err[0]:
-                    general(out, inp)
-                    self._remember(ready, key, op, algorithm, out, inp)
-                    return
-                launch(hit[0], hit[1], _launch.current_stream(index), hit[2].params, hit[3])
+        def run(out: torch.Tensor, inp: torch.Tensor) -> None:
+            key = out.data_ptr() if in_place else (out.data_ptr(), inp.data_ptr())
+            hit = ready.get(key)
+            if hit is None or err[0]:
+                general(out, inp)
+                self._remember(ready, key, op, algorithm, out, inp)
+                return
+            launch(hit[0], hit[1], _launch.current_stream(index), hit[2].params, hit[3], index)
         run.ready = ready  # type: ignore[attr-defined]  # (launch/tune_peer.py times the bare launch)
         return run
 
