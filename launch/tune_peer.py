@@ -23,7 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import collectives as C  # noqa: E402
 from bench.cli import parse_size, sizes  # noqa: E402
 from bench.harness import time_fn  # noqa: E402
+from collectives.dispatch import dispatch_tensors  # noqa: E402
 from collectives.peer import PeerMemory, _launch  # noqa: E402
+from collectives.recorder import RECORDER  # noqa: E402
 
 
 def _time(comm: C.Communicator, dev: torch.device, fn, iters: int, reps: int,  # type: ignore[no-untyped-def]
@@ -54,12 +56,23 @@ def host_costs(comm: C.Communicator, pm: PeerMemory, dev: torch.device) -> dict[
     import pstats
 
     x = torch.randn(4, device=dev).to(torch.bfloat16)
+    sum_op = C.ReduceOp.SUM
     out = {
         "nccl": _host_us(lambda: dist.all_reduce(x)),
         "commops_auto": _host_us(lambda: C.all_reduce(x)),
         "commops_one_shot": _host_us(lambda: C.all_reduce(x, algorithm="one_shot")),
+        # the verb's layers: the dispatcher with the communicator in hand, then without the
+        # flight recorder's entry
+        "dispatch_tensors": _host_us(lambda: dispatch_tensors(comm, "all_reduce", x, x, sum_op, "auto", False)),
         "peer_memory_one_shot": _host_us(lambda: pm.all_reduce(x, "one_shot")),
     }
+    keep = RECORDER.enabled
+    RECORDER.enabled = False
+    try:
+        out["dispatch_tensors_unrecorded"] = _host_us(
+            lambda: dispatch_tensors(comm, "all_reduce", x, x, sum_op, "auto", False))
+    finally:
+        RECORDER.enabled = keep
     # the layers under the verb: the runner the dispatcher keeps (a prepared launch once it has
     # seen this tensor), and that launch alone
     run = pm.runner("all_reduce", "one_shot")

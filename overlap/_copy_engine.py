@@ -3,7 +3,8 @@ of one node by copy engines, so the collective takes no SMs from the GEMMs.
 
 Design note. This is the decomposition AsyncTP and Flux use, over the peer buffers of
 ``collectives.peer`` (``PeerMemory``'s copy-engine channels: pushes by ``cudaMemcpyAsync`` into a
-peer's slot buffer, flags written by stream memory operations, bounded one-block waits).
+peer's slot buffer, flags written and waited for by stream memory operations, which take no SM from
+the GEMMs; the section's watchdog bounds the waits: ``collectives/peer/_watchdog.py``).
 
 * ``all_gather_gemm``: every rank pushes its shard, chunk by chunk, into every peer's slots on a
   copy stream, while its compute stream multiplies its own shard; then each peer's chunk is
@@ -66,7 +67,6 @@ def prepare(comm: Any) -> None:
 
     pm = peer_memory(comm)
     pm._kernel("ce_fence", None, False, 1)
-    pm._kernel("ce_wait", None, False, 3)
     pm.slot_view(0, (1,), torch.uint8)
 
 

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import collectives as C  # noqa: E402
 from bench.reference import rank_data  # noqa: E402
 from collectives.peer import PeerMemory, peer_memory  # noqa: E402
+from collectives.peer.memory import CE_PUSHED  # noqa: E402
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 EPS = {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
@@ -334,6 +335,30 @@ class Checker:
             except C.CollectiveTimeout as exc:
                 if not exc.missing or waited > 20:
                     self.failures.append(f"rank 0: copy-engine timeout named {exc.missing} after {waited:.1f} s")
+        dist.barrier()
+        pm.close()
+        # An operator's copy-engine section: its stream waits (no kernel) are bounded by the
+        # section's watchdog alone. Every rank opens; rank 0's copy stream waits for a flag
+        # that no peer ever signals.
+        pm = PeerMemory(self.comm, slot_bytes=1 << 20, timeout_s=0.5)
+        side = torch.cuda.Stream(self.dev)
+        pm.ce_open()
+        if self.r == 0:
+            t0 = time.perf_counter()
+            side.wait_stream(torch.cuda.current_stream())
+            pm.ce_wait(side.cuda_stream, 3, CE_PUSHED, 1)
+            torch.cuda.current_stream().wait_stream(side)
+        pm.ce_close()
+        torch.cuda.synchronize()
+        if self.r == 0:
+            waited = time.perf_counter() - t0
+            self.checks += 1
+            try:
+                pm.check()
+                self.failures.append("rank 0: no CollectiveTimeout after a section's stream wait was never signalled")
+            except C.CollectiveTimeout as exc:
+                if not exc.missing or not 0.4 < waited < 10 or "copy-engine section" not in str(exc):
+                    self.failures.append(f"rank 0: section timeout named {exc.missing} after {waited:.2f} s: {exc}")
         dist.barrier()
         pm.close()
 

@@ -202,7 +202,7 @@ class Kernel:
 
 
 @functools.cache
-def _memops() -> tuple[Any, Any]:
+def _memops() -> tuple[Any, Any, Any]:
     lib = ctypes.CDLL("libcuda.so.1")
     cp = lib.cuMemcpyDtoDAsync_v2
     cp.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
@@ -210,7 +210,10 @@ def _memops() -> tuple[Any, Any]:
     wv = lib.cuStreamWriteValue32_v2
     wv.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
     wv.restype = ctypes.c_int
-    return cp, wv
+    wt = lib.cuStreamWaitValue32_v2
+    wt.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+    wt.restype = ctypes.c_int
+    return cp, wv, wt
 
 
 def copy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
@@ -231,3 +234,18 @@ def write_value(stream: int, addr: int, value: int) -> None:
         rc = _memops()[1](stream, addr, value, 0)
     if rc:
         raise RuntimeError(f"cuStreamWriteValue32 failed with CUDA driver error {rc}")
+
+
+_WAIT_GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ: until (int32)(*addr - value) >= 0
+
+
+def wait_value(stream: int, addr: int, value: int) -> None:
+    """Hold ``stream`` until the 32-bit word at ``addr`` is >= ``value`` (compared cyclically). A
+    stream memory operation: no kernel, no SM; it has no bound of its own, which is the caller's
+    to provide (``collectives.peer._watchdog``)."""
+    rc = _memops()[2](stream, addr, value, _WAIT_GEQ)
+    if rc == _INVALID_CONTEXT:
+        bind_context()
+        rc = _memops()[2](stream, addr, value, _WAIT_GEQ)
+    if rc:
+        raise RuntimeError(f"cuStreamWaitValue32 failed with CUDA driver error {rc}")

@@ -209,8 +209,9 @@ __device__ __forceinline__ void share(long span, long len, long* lo, long* hi) {
 struct Ctx {
   Ptrs slots;     // every rank's slot buffer (two sets of `set_bytes`)
   Ptrs flags;     // every rank's flag area (block flags, then copy-engine flags)
-  u32* calls;     // this rank's [call number, blocks finished in this call, reduce blocks finished]
-  int* err;       // host-mapped error word [4]
+  u32* calls;     // this rank's [call number, blocks finished in this call, reduce blocks finished,
+                  //  copy-engine sections opened, closed]
+  int* err;       // host-mapped [failed, stage, block, peer, sections opened, closed, -, -]
   int* err_dev;   // device error word
   int rank;
   int world;
@@ -532,6 +533,14 @@ extern "C" __global__ void ce_fence(const Ctx c, long clear) {
     u32* f = ce_flag(c.flags.p[c.rank], 0, 0, 0);
     for (int i = threadIdx.x; i < CE_RING * CE_STAGES * MAX_RANKS; i += blockDim.x) f[i] = 0;
     __threadfence_system();
+  }
+  if (threadIdx.x == 0) {
+    // sections opened / closed, counted here and shown to the host's watchdog (err[4], err[5]),
+    // which bounds the section's stream waits (collectives/peer/_watchdog.py); graph replays count
+    const int k = clear ? 1 : 0;
+    const u32 n = c.calls[3 + k] + 1;
+    c.calls[3 + k] = n;
+    reinterpret_cast<volatile int*>(c.err)[4 + k] = (int)n;
   }
   end(c);
 }

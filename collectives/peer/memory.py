@@ -27,6 +27,7 @@ import torch.distributed as dist
 from .. import _env
 from ..errors import CollectiveTimeout, UnsupportedError
 from . import _launch
+from ._watchdog import SectionWatchdog
 
 if TYPE_CHECKING:
     from ..communicator import Communicator
@@ -45,8 +46,10 @@ FLAG_BYTES = (_BLOCK_FLAG_WORDS + CE_RING * CE_STAGES * MAX_RANKS) * 4
 _CTX = np.dtype([("slots", "<u8", (MAX_RANKS,)), ("flags", "<u8", (MAX_RANKS,)), ("calls", "<u8"),
                  ("err", "<u8"), ("err_dev", "<u8"), ("rank", "<i4"), ("world", "<i4"), ("timeout_ns", "<u8"),
                  ("set_bytes", "<u8"), ("ll_off", "<u8"), ("ll_set_bytes", "<u8")])
+_STREAM_WAIT = 20  # the error record's stage when the section watchdog released stream waits
 _STAGES = {0: "data pushed", 1: "reduced shard pushed", 2: "low-latency words pushed",
-           10: "chunk pushed (copy engine)", 11: "chunk reduced (copy engine)", 12: "chunk pulled (copy engine)"}
+           10: "chunk pushed (copy engine)", 11: "chunk reduced (copy engine)", 12: "chunk pulled (copy engine)",
+           _STREAM_WAIT: "copy-engine section's stream waits"}
 _TAGS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 DTYPES = frozenset(_TAGS)
 PACK_BYTES = 16
@@ -238,7 +241,7 @@ class PeerMemory:
                 self._opened += [slots[q], flags[q]]
         self.slot_pointers = tuple(slots[:self.world])  # every rank's slot buffer, mapped here
         self._flag_pointers = tuple(flags[:self.world])
-        self._calls = torch.zeros(3, dtype=torch.int32, device=self.device)
+        self._calls = torch.zeros(5, dtype=torch.int32, device=self.device)
         self._copy_streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))  # push, pull
         # copy-engine chunks: at least ce_chunk_bytes, and large enough that a call has at most
         # ce_max_chunks of them while two ring slots still fit. Each chunk costs the host about
@@ -256,7 +259,7 @@ class PeerMemory:
         # bytes and the call's number per 8-byte store: kernels.cu, "low-latency words")
         self.ll_max_bytes = ONE_SHOT_LL_MAX_BYTES
         self._err_dev = torch.zeros(4, dtype=torch.int32, device=self.device)
-        self._err = torch.zeros(4, dtype=torch.int32).pin_memory()  # mapped: the kernel writes it
+        self._err = torch.zeros(8, dtype=torch.int32).pin_memory()  # mapped: the kernels write it (struct Ctx)
         self._err_np = self._err.numpy()
         ctx = np.zeros((), dtype=_CTX)
         ctx["slots"], ctx["flags"] = slots, flags
@@ -270,6 +273,7 @@ class PeerMemory:
         self._kernels: dict[tuple[Any, ...], _launch.Kernel] = {}
         self._slot_tensor: torch.Tensor | None = None  # slot_view's tensor over my slot buffer
         self._views: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor] = {}  # slot_view's, kept
+        self._watchdog: SectionWatchdog | None = None  # started by the first ce_open
         torch.cuda.synchronize(self.device)
         _all_gather_ints(comm, [0])  # every rank mapped every peer before anyone pushes
 
@@ -450,14 +454,50 @@ class PeerMemory:
     def ce_open(self) -> None:
         """Open a copy-engine section on the current stream (a barrier of every rank)."""
         self._kernel("ce_fence", None, False, 1)(1, _launch.current_stream(self._index), 0)
+        if self._watchdog is None:
+            self._watchdog = SectionWatchdog(self._err_np, self.timeout_s, self._release_waits)
+            self._watchdog.start()
 
     def ce_close(self) -> None:
         """Close it (a barrier; then this rank's copy-engine flags are zeroed)."""
         self._kernel("ce_fence", None, False, 1)(1, _launch.current_stream(self._index), 1)
 
     def ce_wait(self, stream: int, slot: int, stage: int, value: int) -> None:
-        """On ``stream``: wait (bounded) until every peer's flag (slot, stage) to this rank is >= value."""
-        self._kernel("ce_wait", None, False, 3)(1, stream, slot, stage, value)
+        """On ``stream``: wait until every peer's flag (slot, stage) to this rank is >= value.
+
+        Stream memory waits, no kernel (a spinning block slows a GEMM beside it: ``_watchdog``'s
+        note), bounded by the section's watchdog: only inside ``ce_open`` ... ``ce_close``.
+        """
+        base = self._flag_pointers[self.rank] + (_BLOCK_FLAG_WORDS + (slot * CE_STAGES + stage) * MAX_RANKS) * 4
+        for q in range(self.world):
+            if q != self.rank:
+                _launch.wait_value(stream, base + 4 * q, value)
+
+    def _release_waits(self, stuck: bool) -> None:
+        """The watchdog's release (on its thread): record which peers' copy-engine signals are
+        behind (when a section was ``stuck``), then set every copy-engine flag of this rank far
+        ahead and the device error word, on a stream of its own."""
+        import cupy
+
+        rt = cupy.cuda.runtime
+        words = CE_RING * CE_STAGES * MAX_RANKS
+        flags = self._flag_pointers[self.rank] + _BLOCK_FLAG_WORDS * 4
+        seen = np.zeros((CE_RING * CE_STAGES, MAX_RANKS), dtype=np.uint32)
+        with cupy.cuda.Device(self._index):
+            stream = rt.streamCreateWithFlags(1)  # non-blocking: the stuck streams do not hold it
+            try:
+                rt.memcpyAsync(seen.ctypes.data, flags, words * 4, rt.memcpyDeviceToHost, stream)
+                rt.streamSynchronize(stream)
+                if stuck and not self._err_np[0]:
+                    sums = {q: int(seen[:, q].astype(np.int64).sum()) for q in range(self.world) if q != self.rank}
+                    behind = min(sums, key=lambda q: (sums[q], q)) if sums else -1
+                    self._err_np[1], self._err_np[2], self._err_np[3] = _STREAM_WAIT, -1, behind
+                    self._err_np[0] = 1
+                rt.memsetAsync(flags, 0x40, words * 4, stream)  # 0x40404040: ahead of every use count
+                rt.memsetAsync(self._err_dev.data_ptr(), 0x01, 4, stream)
+                rt.streamSynchronize(stream)
+            finally:
+                rt.streamDestroy(stream)
 
     def ce_signal(self, stream: int, peer: int, slot: int, stage: int, value: int) -> None:
         """On ``stream``, after its earlier work: set this rank's flag (slot, stage) at ``peer`` to ``value``."""
@@ -719,10 +759,12 @@ class PeerMemory:
         if self._err_np[0]:
             stage, block, peer = (int(x) for x in self._err_np[1:4])
             what = _STAGES.get(stage, f"stage {stage}")
+            where = f"in block {block} for the flag '{what}'" if stage != _STREAM_WAIT else \
+                f"in a copy-engine section with no progress (its {what}: peer flags behind)"
             raise CollectiveTimeout(
                 "peer-memory collective", [self.comm.global_ranks[peer]] if 0 <= peer < self.world else [],
-                f"rank {self.comm.global_ranks[self.rank]} waited {self.timeout_s:g} s in block {block} for the flag "
-                f"'{what}'; the communicator's peer memory is unusable now: close it and build it again")
+                f"rank {self.comm.global_ranks[self.rank]} waited {self.timeout_s:g} s {where}; the "
+                "communicator's peer memory is unusable now: close it and build it again")
 
     def close(self) -> None:
         """Release the buffers (collective: waits until no rank can still touch them)."""
@@ -732,6 +774,9 @@ class PeerMemory:
 
         rt = cupy.cuda.runtime
         torch.cuda.synchronize(self.device)
+        if self._watchdog is not None:  # before the flags it may write are freed
+            self._watchdog.stop()
+            self._watchdog = None
         _all_gather_ints(self.comm, [0])  # nobody pushes into my slots any more
         with cupy.cuda.Device(self.device.index):
             for p in self._opened:
