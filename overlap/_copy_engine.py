@@ -3,8 +3,9 @@ of one node by copy engines, so the collective takes no SMs from the GEMMs.
 
 Design note. This is the decomposition AsyncTP and Flux use, over the peer buffers of
 ``collectives.peer`` (``PeerMemory``'s copy-engine channels: pushes by ``cudaMemcpyAsync`` into a
-peer's slot buffer, flags written and waited for by stream memory operations, which take no SM from
-the GEMMs; the section's watchdog bounds the waits: ``collectives/peer/_watchdog.py``).
+peer's slot buffer, flags written by stream memory operations; the copy streams wait by stream
+memory operations too, which take no SM from the GEMMs and are bounded by the section's watchdog
+(``collectives/peer/_watchdog.py``), the compute stream by a bounded one-block kernel).
 
 * ``all_gather_gemm``: every rank pushes its shard, chunk by chunk, into every peer's slots on a
   copy stream, while its compute stream multiplies its own shard; then each peer's chunk is
@@ -67,6 +68,7 @@ def prepare(comm: Any) -> None:
 
     pm = peer_memory(comm)
     pm._kernel("ce_fence", None, False, 1)
+    pm._kernel("ce_wait", None, False, 3)  # the compute stream's waits
     pm.slot_view(0, (1,), torch.uint8)
 
 
@@ -158,7 +160,7 @@ def all_gather_gemm(pm: PeerMemory, rows: torch.Tensor, b: torch.Tensor, chunks:
         full[r].copy_(rows)
     for j, (lo, hi) in enumerate(bounds):
         s, u = j % ring, j // ring
-        pm.ce_wait(st.ms, s, CE_PUSHED, u + 1)
+        pm.ce_wait(st.ms, s, CE_PUSHED, u + 1, kernel=True)
         for q in peers:
             if hi > lo:
                 got = pm.slot_view((s * w + q) * region, (hi - lo, k), rows.dtype)
@@ -207,7 +209,7 @@ def _reduce_scatter_phase(pm: PeerMemory, st: _Streams, rows: torch.Tensor, b: t
     r_lo, r_hi = blocks[r]
     for j, (lo, hi) in enumerate(_split(r_hi - r_lo, chunks)):
         s, u = slot0 + j % ring, j // ring
-        pm.ce_wait(st.ms, s, CE_PUSHED, u + 1)
+        pm.ce_wait(st.ms, s, CE_PUSHED, u + 1, kernel=True)
         if hi > lo:
             got = [pm.slot_view((s * w + q) * region, (hi - lo, n), rows.dtype) for q in peers]
             acc = got[0] if len(got) == 1 else torch.stack(got).sum(0)

@@ -726,13 +726,13 @@ class PeerRows:
         lays = [DeviceLayout(*layouts[c], info[c], counts[c], hi - lo) for c, (lo, hi) in enumerate(bounds)]
 
         def summed(c: int) -> None:
-            pm.ce_wait(main, c, CE_REDUCED, 1)
+            pm.ce_wait(main, c, CE_REDUCED, 1, kernel=True)
             lo, hi = bounds[c]
             self._sum(c * size + IN, t_cap, lays[c], out[lo:hi], sum_at)
 
         for c, (lo, hi) in enumerate(bounds):
             b = c * size
-            pm.ce_wait(main, c, CE_PUSHED, 1)
+            pm.ce_wait(main, c, CE_PUSHED, 1, kernel=True)
             recv = self._gather(_Region(0, 0, b + X, t_cap), lays[c], x, gather_at)
             per_expert = counts[c][:W * self.e_loc].reshape(W, self.e_loc).sum(0).tolist()
             y = experts(recv, per_expert).contiguous()
