@@ -87,6 +87,12 @@ class FakeRank:
     def _ce_all_reduce(self, t: torch.Tensor, vec: bool) -> None:
         M.PeerMemory._ce_all_reduce(cast(Any, self), t, vec)
 
+    def ce_wait(self, stream: int, slot: int, stage: int, value: int, *, kernel: bool = False) -> None:
+        M.PeerMemory.ce_wait(cast(Any, self), stream, slot, stage, value, kernel=kernel)
+
+    def _watch(self) -> None:
+        pass  # the section watchdog bounds stream waits on GPUs; here a wait that never holds is a deadlock
+
     def _check(self, t: torch.Tensor) -> None:
         pass
 
@@ -125,7 +131,7 @@ class Machine:
         from collectives.peer import _launch
 
         saved = (_launch.copy_async, _launch.write_value, _launch.current_stream, torch.cuda.current_stream,
-                 torch.cuda.Event)
+                 torch.cuda.Event, _launch.wait_value)
 
         def copy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
             def run() -> None:
@@ -139,7 +145,13 @@ class Machine:
                 _at(addr, 1, torch.int32).fill_(value)
             self.stream(stream).ops.append(((lambda: True), run))
 
-        _launch.copy_async, _launch.write_value = copy_async, write_value
+        def wait_value(stream: int, addr: int, value: int) -> None:
+            def ready() -> bool:  # cuStreamWaitValue32's GEQ: (int32)(*addr - value) >= 0
+                d = (int(_at(addr, 1, torch.int32)[0]) - value) & 0xFFFFFFFF
+                return d < 1 << 31
+            self.stream(stream).ops.append((ready, lambda: None))
+
+        _launch.copy_async, _launch.write_value, _launch.wait_value = copy_async, write_value, wait_value
         _launch.current_stream = lambda index: self.ranks[index].main.cuda_stream
         setattr(torch.cuda, "current_stream", lambda device=None: self.ranks[self.active].main)
         setattr(torch.cuda, "Event", Event)
@@ -147,6 +159,7 @@ class Machine:
             yield
         finally:
             _launch.copy_async, _launch.write_value, _launch.current_stream = saved[:3]
+            _launch.wait_value = saved[5]
             setattr(torch.cuda, "current_stream", saved[3])
             setattr(torch.cuda, "Event", saved[4])
 

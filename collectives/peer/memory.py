@@ -396,7 +396,7 @@ class PeerMemory:
         push_s, pull_s = self._copy_streams
         ps, ls = push_s.cuda_stream, pull_s.cuda_stream
         base = t.data_ptr()
-        wait = self._kernel("ce_wait", None, False, 3)
+        wait = self.ce_wait  # on the copy streams: stream memory waits (ce_wait)
         reduce = self._kernel("ce_reduce", t.dtype, vec, 8)
         peers = [(r + d) % w for d in range(1, w)]
         k = -(-n // chunk)
@@ -428,7 +428,7 @@ class PeerMemory:
                     _launch.write_value(ps, self._ce_flag(q, j % ring, CE_PUSHED), j // ring + 1)
                 reduce(blocks, main, base + j * chunk * es, base + j * chunk * es, off, shard, nj, j, ring, s_max)
                 u = j // ring
-                wait(1, ls, j % ring, CE_REDUCED, u + 1)
+                wait(ls, j % ring, CE_REDUCED, u + 1)
                 reduced[j % ring].record(pull_s)
                 for q in peers:
                     m = length(nj, shard, q)
@@ -454,6 +454,10 @@ class PeerMemory:
     def ce_open(self) -> None:
         """Open a copy-engine section on the current stream (a barrier of every rank)."""
         self._kernel("ce_fence", None, False, 1)(1, _launch.current_stream(self._index), 0)
+        self._watch()
+
+    def _watch(self) -> None:
+        """Start the section watchdog (once): it bounds the stream waits of ``ce_wait``."""
         if self._watchdog is None:
             self._watchdog = SectionWatchdog(self._err_np, self.timeout_s, self._release_waits)
             self._watchdog.start()
@@ -601,7 +605,7 @@ class PeerMemory:
                                    "the copy-engine path", "use a larger COMMOPS_PEER_BYTES")
         main = _launch.current_stream(self._index)
         ps, ls = (side.cuda_stream for side in self._copy_streams)
-        wait = self._kernel("ce_wait", None, False, 3)
+        wait = self.ce_wait  # on the copy streams: stream memory waits (ce_wait)
         src, dst = input.data_ptr(), output.data_ptr()
         vec = src % PACK_BYTES == 0 and dst % PACK_BYTES == 0 and m % pack == 0
         summed = kind != "all_gather"
@@ -621,7 +625,7 @@ class PeerMemory:
                 s, u = j % ring, j // ring
                 off = s * w * chunk  # elements into the slot buffer: source q's part at off + q * chunk
                 if u:
-                    wait(1, ps, s, free, u)  # every peer is done with this slot's previous use
+                    wait(ps, s, free, u)  # every peer is done with this slot's previous use
                 for q in peers:
                     at = q * m + lo if kind == "reduce_scatter" else lo
                     _launch.copy_async(self.slot_pointers[q] + (off + r * chunk) * es, src + at * es, nj * es, ps)
@@ -635,7 +639,7 @@ class PeerMemory:
                     at = r * m + lo if kind == "reduce_scatter" else lo
                     reduce(blocks, main, src + at * es, dst + lo * es, off, chunk, nj, j, ring)
                 else:
-                    wait(1, ls, s, CE_PUSHED, u + 1)
+                    wait(ls, s, CE_PUSHED, u + 1)
                     for q in peers:
                         _launch.copy_async(dst + (q * m + lo) * es, mine + (off + q * chunk) * es, nj * es, ls)
                     for q in peers:
@@ -649,6 +653,7 @@ class PeerMemory:
         fence = self._kernel("ce_fence", None, False, 1)
         main = _launch.current_stream(self._index)
         fence(1, main, 0)
+        self._watch()
         current = torch.cuda.current_stream(self.device)
         start = torch.cuda.Event()
         start.record(current)
