@@ -31,6 +31,7 @@ from .algos import REGISTRY, Algorithm, ScheduledAlgorithm, for_op
 from .algos._schedule import Layout
 from .errors import CollectiveTimeout, UnsupportedError
 from .recorder import RECORDER, missing_ranks
+from .recorder import STATE as _STATE, T_END as _T_END
 from .selection import Choice, choose
 from .work import EventWork, FutureWork, TorchWork, Work
 
@@ -193,7 +194,7 @@ def dispatch_tensors(comm: Communicator, op: str, output: torch.Tensor, input: t
                 RECORDER.end(entry, "failed")
                 _failed(comm, op, comm.seq, exc)
                 raise
-            entry[12], entry[13] = _now(), "completed"  # RECORDER.end, inlined on this path
+            entry[_T_END], entry[_STATE] = _now(), "completed"  # RECORDER.end, inlined on this path
             return None
     else:
         key = None

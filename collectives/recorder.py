@@ -40,6 +40,7 @@ __all__ = ["FlightRecorder", "RECORDER", "dump", "set_trace_dir", "missing_ranks
 
 FIELDS = ("group", "group_ranks", "seq", "op", "algorithm", "in_shape", "out_shape", "dtype", "reduce_op", "root",
           "callsite", "t_enqueue", "t_end", "state")
+T_END, STATE = FIELDS.index("t_end"), FIELDS.index("state")  # what ending an entry writes
 _now = time.time
 CAPACITY = 4096
 PROGRESS_PERIOD_S = 0.5
@@ -125,8 +126,8 @@ class FlightRecorder:
 
     @staticmethod
     def end(entry: list[Any], state: str = "completed") -> None:
-        entry[12] = time.time()
-        entry[13] = state
+        entry[T_END] = time.time()
+        entry[STATE] = state
 
     def clear(self) -> None:
         """Forget every recorded call (the ring keeps its slots)."""

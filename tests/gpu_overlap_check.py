@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,19 @@ def main() -> int:
         scale = want.float().abs().max().item() if want.numel() else 1.0
         if not err <= tol * max(1.0, scale):
             fails.append(f"rank {r} {what}: max error {err:.3g} (scale {scale:.3g})")
+
+    def captured(fn: Any) -> tuple[torch.cuda.CUDAGraph, Any]:
+        """``fn`` warmed up once on a side stream, then captured in a CUDA graph: the graph and
+        what ``fn`` returned while it was being captured (the tensors its replays write)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+        return graph, out
 
     g = torch.Generator(device=dev)
     cases = [("sequential", 1), ("chunked", 3), ("auto", 1)]
@@ -95,14 +109,7 @@ def main() -> int:
                     big_a.copy_(torch.randn(big_a.shape, generator=g, device=dev) / 64)
                     big_b.copy_(torch.randn(big_b.shape, generator=g, device=dev))
                     close(f"{name} call {i}", op(x, big_b, strategy="copy_engine", chunks=chunks), ref(x, big_b), 1e-2)
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    op(x, big_b, strategy="copy_engine", chunks=chunks)
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    out_big = op(x, big_b, strategy="copy_engine", chunks=chunks)
+                graph, out_big = captured(lambda: op(x, big_b, strategy="copy_engine", chunks=chunks))
                 g.manual_seed(12000 + chunks + r)
                 big_a.copy_(torch.randn(big_a.shape, generator=g, device=dev) / 64)
                 graph.replay()
@@ -118,14 +125,7 @@ def main() -> int:
                             (ops.all_gather_gemm, ops.reference_all_gather_gemm)):
                 name = f"{op.__name__} {strategy}/{chunks} in a CUDA graph"
                 try:
-                    side = torch.cuda.Stream()
-                    side.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(side):
-                        op(a_st, b_st, strategy=strategy, chunks=chunks)  # warm up outside the capture
-                    torch.cuda.current_stream().wait_stream(side)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        out_st = op(a_st, b_st, strategy=strategy, chunks=chunks)
+                    graph, out_st = captured(lambda: op(a_st, b_st, strategy=strategy, chunks=chunks))
                 except Exception as exc:  # noqa: BLE001 - reported as a failure, with what raised
                     fails.append(f"rank {r} {name}: capture raised {type(exc).__name__}: {str(exc)[:300]}")
                     continue
@@ -144,20 +144,19 @@ def main() -> int:
         ops.set_tuned({"meta": {"world": w}, "entries": [{**entry, "graph": False, "strategy": "sequential", "chunks": 1},
                                                          {**entry, "graph": True, "strategy": "copy_engine", "chunks": 3}]})
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                ops.gemm_all_reduce(a_st, b_st, grp)
-            torch.cuda.current_stream().wait_stream(side)
-            eager = ops.last_choice(grp)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out_st = ops.gemm_all_reduce(a_st, b_st, grp)
-            captured = ops.last_choice(grp)
+            choices: list[Any] = []  # what auto chose in the warm-up call, then in the capture
+
+            def auto_call() -> torch.Tensor:
+                out = ops.gemm_all_reduce(a_st, b_st, grp)
+                choices.append(ops.last_choice(grp))
+                return out
+
+            graph, out_st = captured(auto_call)
+            eager, in_graph = choices
             checks += 1
-            if (eager.strategy, captured.strategy) != ("sequential", "copy_engine"):
-                fails.append(f"rank {r} auto under capture: ran {eager.strategy} eagerly, {captured.strategy} captured "
-                             f"({captured.reason})")
+            if (eager.strategy, in_graph.strategy) != ("sequential", "copy_engine"):
+                fails.append(f"rank {r} auto under capture: ran {eager.strategy} eagerly, {in_graph.strategy} captured "
+                             f"({in_graph.reason})")
             for i in range(3):
                 g.manual_seed(9500 + 10 * i + r)
                 a_st.copy_(torch.randn(a_st.shape, generator=g, device=dev) / 8)
@@ -453,16 +452,11 @@ def main() -> int:
                     close(f"low-latency forward {dtype} call {call}", out, want(), tol=tol)
                     peer.check_routing(hl, idx_st)
                 try:
-                    side = torch.cuda.Stream()
-                    side.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(side):
-                        rv, hl = peer.dispatch_low_latency(x_st, idx_st)  # warm up outside the capture
-                        peer.combine_low_latency(experts.forward_padded(rv), hl, w_st)
-                    torch.cuda.current_stream().wait_stream(side)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
+                    def ll_forward() -> torch.Tensor:
                         rv, hl = peer.dispatch_low_latency(x_st, idx_st)
-                        out_st = peer.combine_low_latency(experts.forward_padded(rv), hl, w_st)
+                        return peer.combine_low_latency(experts.forward_padded(rv), hl, w_st)
+
+                    graph, out_st = captured(ll_forward)
                     for rep in range(4):
                         fill(1600 + 10 * rep + r)
                         graph.replay()
