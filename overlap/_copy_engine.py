@@ -16,8 +16,7 @@ memory operations too, which take no SM from the GEMMs and are bounded by the se
   peers' partial sums entering as the GEMM's C operand (the reduction costs no pass of its own).
 * ``gemm_all_reduce``: the reduce-scatter above over row blocks, then every reduced chunk is
   pushed to the peers, which copy it into place on a second copy stream while the compute stream
-  goes on with the next chunk. Its chunks taper (``_tapered``): the last chunk's push and copy
-  run after the last GEMM, with nothing to hide them, so the last chunk is the smallest.
+  goes on with the next chunk.
 
 Ring slots are reused when the peer has consumed them (the ``CE_PULLED`` flag); a block too large
 for two ring slots of the peer buffer (``COMMOPS_PEER_BYTES``) runs in more chunks.
@@ -84,32 +83,18 @@ def _split(n: int, chunks: int) -> list[tuple[int, int]]:
     return [(n * j // chunks, n * (j + 1) // chunks) for j in range(chunks)]
 
 
-def _tapered(n: int, chunks: int) -> list[tuple[int, int]]:
-    """Exactly ``chunks`` [lo, hi) ranges over ``n`` whose sizes fall linearly (weights ``chunks``,
-    ..., 2, 1; some empty when n is small). The all-reduce cuts its blocks this way: the all-gather
-    of its last chunk runs after the last GEMM with nothing left to hide it, so that chunk is the
-    smallest, while each earlier chunk's push still has the next, nearly as large, GEMM to hide
-    behind."""
-    total = chunks * (chunks + 1) // 2
-    ends = [n * ((j + 1) * (2 * chunks - j) // 2) // total for j in range(chunks)]
-    return list(zip([0] + ends[:-1], ends))
-
-
 def _region(rows: int, cols: int, es: int) -> int:
     return -(-rows * cols * es // _ALIGN) * _ALIGN
 
 
-def _enough(chunks: int, rows: int, cols: int, es: int, world: int, budget: int, split: Any = _split) -> int:
-    """``chunks``, raised until two ring slots of the largest chunk that ``split`` cuts fit in
-    ``budget`` bytes (a message larger than the peer buffer runs in more, smaller chunks)."""
+def _enough(chunks: int, rows: int, cols: int, es: int, world: int, budget: int) -> int:
+    """``chunks``, raised until two ring slots of chunks fit in ``budget`` bytes (a message larger
+    than the peer buffer runs in more, smaller chunks)."""
     fit = budget // (2 * world) // _ALIGN * _ALIGN // max(1, cols * es)
     if fit < 1:
         raise UnsupportedError("b", cols, f"rows of {cols * es} B do not fit {world} x 2 slots of {budget} B of peer "
                                "memory", "raise COMMOPS_PEER_BYTES")
-    chunks = max(chunks, -(-rows // fit))
-    while max(hi - lo for lo, hi in split(rows, chunks)) > fit:  # a tapered split's first chunk is the largest
-        chunks += 1
-    return chunks
+    return max(chunks, -(-rows // fit))
 
 
 def _ring(pm: PeerMemory, region: int, budget: int, most: int) -> int:
@@ -192,7 +177,7 @@ def all_gather_gemm(pm: PeerMemory, rows: torch.Tensor, b: torch.Tensor, chunks:
 
 def _reduce_scatter_phase(pm: PeerMemory, st: _Streams, rows: torch.Tensor, b: torch.Tensor, blocks: list[tuple[int, int]],
                           chunks: int, ring: int, slot0: int, region: int, out: torch.Tensor,
-                          after_chunk: Any = None, split: Any = _split) -> list[torch.Tensor]:
+                          after_chunk: Any = None) -> list[torch.Tensor]:
     """Peers' blocks first (the first ``ring`` chunks; chunk j + ring after this rank's chunk j, see
     "Issue order"), each chunk pushed as soon as it is computed; then this rank's block with the
     peers' partial sums as addmm's C operand, into ``out`` (this block's rows).
@@ -202,7 +187,7 @@ def _reduce_scatter_phase(pm: PeerMemory, st: _Streams, rows: torch.Tensor, b: t
     n = b.shape[1]
     peers = [(r + d) % w for d in range(1, w)]
     staging = []
-    splits = {q: split(blocks[q][1] - blocks[q][0], chunks) for q in peers}
+    splits = {q: _split(blocks[q][1] - blocks[q][0], chunks) for q in peers}
 
     def send(j: int) -> None:
         # chunk j of every peer's block: a peer consumes a ring slot once every rank has filled
@@ -222,7 +207,7 @@ def _reduce_scatter_phase(pm: PeerMemory, st: _Streams, rows: torch.Tensor, b: t
     for j in range(min(ring, chunks)):
         send(j)
     r_lo, r_hi = blocks[r]
-    for j, (lo, hi) in enumerate(split(r_hi - r_lo, chunks)):
+    for j, (lo, hi) in enumerate(_split(r_hi - r_lo, chunks)):
         s, u = slot0 + j % ring, j // ring
         pm.ce_wait(st.ms, s, CE_PUSHED, u + 1, kernel=True)
         if hi > lo:
@@ -265,14 +250,14 @@ def gemm_all_reduce(pm: PeerMemory, rows: torch.Tensor, b: torch.Tensor, chunks:
     blocks = [(min(total, q * step), min(total, (q + 1) * step)) for q in range(w)]
     out = rows.new_empty((total, n))
     half = pm.slot_bytes // 2 // _ALIGN * _ALIGN
-    chunks = _enough(chunks, step, n, es, w, half, _tapered)
-    region = _region(max(hi - lo for lo, hi in _tapered(step, chunks)), n, es)
+    chunks = _enough(chunks, step, n, es, w, half)
+    region = _region(max(hi - lo for lo, hi in _split(step, chunks)), n, es)
     ring = _ring(pm, region, half, CE_RING // 2)
     ag0 = CE_RING // 2  # ring slots of the all-gather phase, in the second half of the buffer
     peers = [(r + d) % w for d in range(1, w)]
     st = _Streams(pm)
     r_lo = blocks[r][0]
-    splits = {q: _tapered(blocks[q][1] - blocks[q][0], chunks) for q in peers}
+    splits = {q: _split(blocks[q][1] - blocks[q][0], chunks) for q in peers}
 
     def share(j: int, lo: int, hi: int) -> None:
         # this reduced chunk to every peer (push stream), after the addmm that made it
@@ -295,8 +280,7 @@ def gemm_all_reduce(pm: PeerMemory, rows: torch.Tensor, b: torch.Tensor, chunks:
 
     pm.ce_open()
     st.after_main(st.pull)
-    staging = _reduce_scatter_phase(pm, st, rows, b, blocks, chunks, ring, 0, region, out[r_lo:blocks[r][1]], share,
-                                    _tapered)
+    staging = _reduce_scatter_phase(pm, st, rows, b, blocks, chunks, ring, 0, region, out[r_lo:blocks[r][1]], share)
     st.join(st.push, st.pull)
     del staging
     pm.ce_close()

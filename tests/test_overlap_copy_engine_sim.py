@@ -99,22 +99,3 @@ def test_chunks_grow_to_fit_the_peer_buffer() -> None:
     assert CE._enough(40, 1000, 64, 8, 2, 64 << 10) == 40
     with pytest.raises(CE.UnsupportedError, match="COMMOPS_PEER_BYTES"):
         CE._enough(1, 10, 1 << 20, 8, 2, 64 << 10)
-
-
-@pytest.mark.parametrize("n,chunks", [(0, 3), (1, 4), (7, 3), (10, 4), (8192, 4), (4097, 8), (5, 1)])
-def test_tapered_chunks_cover_the_block_and_shrink(n: int, chunks: int) -> None:
-    bounds = CE._tapered(n, chunks)
-    assert len(bounds) == chunks and bounds[0][0] == 0 and bounds[-1][1] == n
-    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))  # contiguous, in order
-    sizes = [hi - lo for lo, hi in bounds]
-    total = chunks * (chunks + 1) // 2
-    for j, size in enumerate(sizes):  # chunk j gets its share, weight chunks - j of `total`, to a row
-        assert abs(size - n * (chunks - j) / total) < 1 + 1e-9, (j, sizes)
-    if n >= 2 * total:  # then the sizes fall and the last is the least
-        assert all(a >= b for a, b in zip(sizes, sizes[1:])) and 0 < sizes[-1] == min(sizes)
-
-
-def test_tapered_chunks_grow_to_fit_the_peer_buffer() -> None:
-    # the same 32-row limit: the first tapered chunk (2/(c+1) of the rows) must fit it
-    c = CE._enough(2, 1000, 64, 8, 2, 64 << 10, CE._tapered)
-    assert max(hi - lo for lo, hi in CE._tapered(1000, c)) <= 32 < max(hi - lo for lo, hi in CE._tapered(1000, c - 1))
