@@ -43,7 +43,7 @@ def pm(monkeypatch: pytest.MonkeyPatch) -> Any:
     p.world, p.rank, p.closed, p._index, p.device = 2, 0, False, -1, torch.device("cpu")
     p._plans, p._ready, p._block_bytes, p._max_blocks = {}, weakref.WeakSet(), 8 << 10, M.MAX_BLOCKS
     p._set_bytes, p.ll_max_bytes, p.timeout_s = 1 << 20, M.ONE_SHOT_LL_MAX_BYTES, 1.0
-    p._err_np = np.zeros(4, dtype=np.int32)
+    p._err_np = np.zeros(8, dtype=np.int32)  # the host-mapped record (kernels.cu, struct Ctx)
     p.comm = SimpleNamespace(global_ranks=(0, 1))
 
     def kernel(kind: str, dtype: Any, vec: bool, nargs: int = 4, bases: Any = None) -> _Kernel:
@@ -126,7 +126,7 @@ def test_a_reported_timeout_raises_instead_of_launching(pm: Any) -> None:
     x = torch.empty(64, dtype=torch.float32)
     run = pm.runner("all_reduce", "one_shot")
     _twice(pm, run, x, x)
-    pm._err_np[:] = (1, 0, 0, 1)  # a kernel gave up waiting for rank 1
+    pm._err_np[:4] = (1, 0, 0, 1)  # a kernel gave up waiting for rank 1
     pm.log.clear()
     with pytest.raises(CollectiveTimeout):
         run(x, x)
@@ -212,3 +212,14 @@ def test_launch_binds_the_kernels_own_device(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(_launch, "bind_context", lambda device=None: bound.append(device))
     _launch.launch(5, 1, 0, 0, "k", 3)
     assert bound == [3]
+
+
+def test_a_released_section_names_the_peer_behind(pm: Any) -> None:
+    # the section watchdog's record (collectives/peer/_watchdog.py): stage 20, no block, peer 1
+    pm._err_np[:4] = (1, M._STREAM_WAIT, -1, 1)
+    with pytest.raises(CollectiveTimeout) as info:
+        pm.check()
+    assert info.value.missing == [1] and "copy-engine section" in str(info.value) and "block" not in str(info.value)
+    pm._err_np[:4] = (1, 10, 3, 1)  # a kernel's own timeout still names its block and flag
+    with pytest.raises(CollectiveTimeout, match="block 3 for the flag 'chunk pushed"):
+        pm.check()

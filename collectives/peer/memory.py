@@ -49,7 +49,7 @@ _CTX = np.dtype([("slots", "<u8", (MAX_RANKS,)), ("flags", "<u8", (MAX_RANKS,)),
 _STREAM_WAIT = 20  # the error record's stage when the section watchdog released stream waits
 _STAGES = {0: "data pushed", 1: "reduced shard pushed", 2: "low-latency words pushed",
            10: "chunk pushed (copy engine)", 11: "chunk reduced (copy engine)", 12: "chunk pulled (copy engine)",
-           _STREAM_WAIT: "copy-engine section's stream waits"}
+           _STREAM_WAIT: "copy-engine section, stream waits"}
 _TAGS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 DTYPES = frozenset(_TAGS)
 PACK_BYTES = 16
@@ -772,7 +772,8 @@ class PeerMemory:
             stage, block, peer = (int(x) for x in self._err_np[1:4])
             what = _STAGES.get(stage, f"stage {stage}")
             where = f"in block {block} for the flag '{what}'" if stage != _STREAM_WAIT else \
-                f"in a copy-engine section with no progress (its {what}: peer flags behind)"
+                "in a copy-engine section that made no progress (its stream waits were released; the named " \
+                "peer's copy-engine signals were the furthest behind)"
             raise CollectiveTimeout(
                 "peer-memory collective", [self.comm.global_ranks[peer]] if 0 <= peer < self.world else [],
                 f"rank {self.comm.global_ranks[self.rank]} waited {self.timeout_s:g} s {where}; the "
