@@ -345,7 +345,7 @@ class PeerRows:
         return off
 
     def _fence(self) -> None:
-        self.pm.ce_open()  # a barrier of every rank on the current stream (bounded)
+        self.pm.barrier()  # a barrier of every rank on the current stream (bounded)
 
     def _grid(self, n: int) -> int:
         return max(1, min(_MAX_GRID, -(-n // _WARPS_PER_BLOCK)))
@@ -718,7 +718,7 @@ class PeerRows:
         bad = [c for c in range(n) if counts[c][_errors_at(W, self.e_loc):][:2].any()]
         if bad:  # the same on every rank: close the section (its flags back to zero), then raise
             st.join()
-            pm.ce_close()
+            pm.barrier(clear=True)
             self.calls += 2
             self._refuse_bad(counts[bad[0]], topk_idx)
         self.check()
@@ -747,7 +747,7 @@ class PeerRows:
                 summed(c - 1)
         summed(n - 1)
         st.join(out)  # every copy and signal of this rank issued before the closing barrier
-        pm.ce_close()  # every rank has what it waited for; this rank's flags back to zero
+        pm.barrier(clear=True)  # every rank has what it waited for; this rank's flags back to zero
         self.calls += 2
         return out
 

@@ -192,7 +192,7 @@ class Machine:
             if q != me.rank:
                 _at(me._flag_pointers[q] + me.flag_offset(slot, stage, me.rank), 1, torch.int32).fill_(value)
 
-    def _k_ce_fence(self, me: FakeRank, clear: int) -> _Op:
+    def _k_ce_fence(self, me: FakeRank, mode: int) -> _Op:
         me.fences += 1
         k = me.fences
         reached = [False]
@@ -204,7 +204,7 @@ class Machine:
             return all(a >= k for a in self._arrived)
 
         def run() -> None:
-            if clear:
+            if mode & M._FENCE_CLEAR:
                 start = M._BLOCK_FLAG_WORDS
                 self.flags[me.rank][start:start + M.CE_RING * M.CE_STAGES * M.MAX_RANKS] = 0
         return ready, run

@@ -58,14 +58,18 @@ class FakeMemory:
         assert offset % es == 0 and 0 <= offset and offset + n * es <= self.slot_bytes, (offset, shape)
         return self.hub.slots[self.rank][offset:offset + n * es].view(dtype).view(shape)
 
-    def ce_open(self) -> None:
+    def barrier(self, clear: bool = False) -> None:
         self.hub.fences[self.rank] += 1
         self.hub.barrier.wait()
+        if clear:
+            with self.hub.flagged:
+                self.hub.flags[self.rank].clear()
+
+    def ce_open(self) -> None:
+        raise AssertionError("the MoE transport opens no copy-engine section: its barriers are barrier()")
 
     def ce_close(self) -> None:
-        self.hub.barrier.wait()
-        with self.hub.flagged:
-            self.hub.flags[self.rank].clear()
+        raise AssertionError("the MoE transport closes no copy-engine section: its barriers are barrier()")
 
     # -- copy engines: a copy is done when issued (every rank is a thread issuing in its order)
     @property

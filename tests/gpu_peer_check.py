@@ -361,6 +361,28 @@ class Checker:
                     self.failures.append(f"rank 0: section timeout named {exc.missing} after {waited:.2f} s: {exc}")
         dist.barrier()
         pm.close()
+        # Plain barriers (the MoE transport's) and closed sections leave nothing open: idle for
+        # longer than the timeout, the watchdog must not release anything.
+        pm = PeerMemory(self.comm, slot_bytes=1 << 20, timeout_s=0.5)
+        for _ in range(3):
+            pm.barrier()
+        pm.barrier(clear=True)
+        pm.ce_open()
+        pm.ce_close()
+        torch.cuda.synchronize()
+        time.sleep(1.2)
+        z = torch.ones(64, device=self.dev)
+        self.checks += 1
+        try:
+            pm.check()
+            pm.all_reduce(z, "one_shot")
+            torch.cuda.synchronize()
+            if not torch.equal(z, torch.full_like(z, float(self.w))):
+                self.failures.append(f"rank {self.r}: an all-reduce after idle barriers gave {z[:4].tolist()}")
+        except C.CollectiveTimeout as exc:
+            self.failures.append(f"rank {self.r}: idle after barriers and a closed section, yet: {exc}")
+        dist.barrier()
+        pm.close()
 
     def other_thread(self) -> None:
         """Calls from a thread that has made no CUDA call of its own (as autograd's device thread

@@ -91,3 +91,12 @@ def test_a_bound_release_is_held_weakly() -> None:
     w = SectionWatchdog(record, 1.0, owner.release)
     del owner
     assert not w.observe() and w._stop.is_set()  # its owner is gone: it stops instead
+
+
+def test_more_closes_than_opens_is_no_open_section() -> None:
+    w, rec, clock, calls = _watch(1.0)
+    rec[OPENED], rec[CLOSED] = 2, 3  # a caller that closed what it had not opened
+    for _ in range(5):
+        clock.t += 10
+        assert not w.observe()
+    assert calls == []

@@ -64,7 +64,7 @@ class SectionWatchdog:
         failed = int(self.record[FAILED]) != 0
         opened, closed = int(self.record[OPENED]), int(self.record[CLOSED])
         if not failed:
-            if opened == closed:  # no section open
+            if opened <= closed:  # no section open
                 self._seen = None
                 return False
             now = self._clock()

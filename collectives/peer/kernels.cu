@@ -523,21 +523,22 @@ __device__ bool ce_wait_all(const Ctx& c, int slot, int stage, u32 v) {
   return __syncthreads_or(failed) == 0;
 }
 
-// A one-block barrier call that brackets a copy-engine call (`clear`: also zero this rank's
-// copy-engine flags afterwards: every peer has signalled its last one before arriving here).
-extern "C" __global__ void ce_fence(const Ctx c, long clear) {
+// A one-block barrier of every rank. `mode` bits: 1, zero this rank's copy-engine flags afterwards
+// (every peer has signalled its last one before arriving here); 2, it opens a copy-engine section;
+// 4, it closes one. Sections opened and closed are counted here and shown to the host's watchdog
+// (err[4], err[5]), which bounds the sections' stream waits (collectives/peer/_watchdog.py);
+// graph replays count too. A plain barrier (no 2 or 4) is no section boundary.
+extern "C" __global__ void ce_fence(const Ctx c, long mode) {
   u32 e;
   if (!begin(c, &e)) return;
   if (!barrier(c.flags, c.rank, c.world, STAGE_READY, e, c.timeout_ns, c.err, c.err_dev)) return;
-  if (clear) {
+  if (mode & 1) {
     u32* f = ce_flag(c.flags.p[c.rank], 0, 0, 0);
     for (int i = threadIdx.x; i < CE_RING * CE_STAGES * MAX_RANKS; i += blockDim.x) f[i] = 0;
     __threadfence_system();
   }
-  if (threadIdx.x == 0) {
-    // sections opened / closed, counted here and shown to the host's watchdog (err[4], err[5]),
-    // which bounds the section's stream waits (collectives/peer/_watchdog.py); graph replays count
-    const int k = clear ? 1 : 0;
+  if (threadIdx.x == 0 && (mode & 6)) {
+    const int k = (mode & 4) ? 1 : 0;
     const u32 n = c.calls[3 + k] + 1;
     c.calls[3 + k] = n;
     reinterpret_cast<volatile int*>(c.err)[4 + k] = (int)n;

@@ -47,6 +47,8 @@ _CTX = np.dtype([("slots", "<u8", (MAX_RANKS,)), ("flags", "<u8", (MAX_RANKS,)),
                  ("err", "<u8"), ("err_dev", "<u8"), ("rank", "<i4"), ("world", "<i4"), ("timeout_ns", "<u8"),
                  ("set_bytes", "<u8"), ("ll_off", "<u8"), ("ll_set_bytes", "<u8")])
 _STREAM_WAIT = 20  # the error record's stage when the section watchdog released stream waits
+# ce_fence's mode bits (kernels.cu): zero this rank's copy-engine flags; open a section; close one
+_FENCE_CLEAR, _FENCE_OPEN, _FENCE_CLOSE = 1, 2, 4
 _STAGES = {0: "data pushed", 1: "reduced shard pushed", 2: "low-latency words pushed",
            10: "chunk pushed (copy engine)", 11: "chunk reduced (copy engine)", 12: "chunk pulled (copy engine)",
            _STREAM_WAIT: "copy-engine section, stream waits"}
@@ -449,11 +451,13 @@ class PeerMemory:
     # slot_view(), and orders itself with ce_signal() / ce_wait() on the copy-engine flags: ring
     # slots 0..CE_RING-1, stages CE_PUSHED, CE_REDUCED, CE_PULLED, each flag one per source rank.
     # Values are use counts the host knows (see kernels.cu, "copy-engine path"); ce_close()
-    # resets this rank's flags for the next user.
+    # resets this rank's flags for the next user. The section watchdog counts ce_open() and
+    # ce_close() to bound ce_wait()'s stream waits; a caller whose waits are all kernels
+    # (ce_wait(..., kernel=True)) synchronises with barrier() instead, which opens nothing.
 
     def ce_open(self) -> None:
         """Open a copy-engine section on the current stream (a barrier of every rank)."""
-        self._kernel("ce_fence", None, False, 1)(1, _launch.current_stream(self._index), 0)
+        self._kernel("ce_fence", None, False, 1)(1, _launch.current_stream(self._index), _FENCE_OPEN)
         self._watch()
 
     def _watch(self) -> None:
@@ -464,7 +468,13 @@ class PeerMemory:
 
     def ce_close(self) -> None:
         """Close it (a barrier; then this rank's copy-engine flags are zeroed)."""
-        self._kernel("ce_fence", None, False, 1)(1, _launch.current_stream(self._index), 1)
+        self._kernel("ce_fence", None, False, 1)(1, _launch.current_stream(self._index), _FENCE_CLEAR | _FENCE_CLOSE)
+
+    def barrier(self, clear: bool = False) -> None:
+        """A barrier of every rank on the current stream (bounded), which is no section boundary:
+        for callers that wait only with kernels (``ce_wait(..., kernel=True)``), whose bound is
+        their own. With ``clear``, this rank's copy-engine flags are zeroed afterwards."""
+        self._kernel("ce_fence", None, False, 1)(1, _launch.current_stream(self._index), _FENCE_CLEAR if clear else 0)
 
     def ce_wait(self, stream: int, slot: int, stage: int, value: int, *, kernel: bool = False) -> None:
         """On ``stream``: wait until every peer's flag (slot, stage) to this rank is >= value.
@@ -652,7 +662,7 @@ class PeerMemory:
         a closing barrier clears this rank's copy-engine flags (kernels.cu, "copy-engine path")."""
         fence = self._kernel("ce_fence", None, False, 1)
         main = _launch.current_stream(self._index)
-        fence(1, main, 0)
+        fence(1, main, _FENCE_OPEN)
         self._watch()
         current = torch.cuda.current_stream(self.device)
         start = torch.cuda.Event()
@@ -664,7 +674,7 @@ class PeerMemory:
             done = torch.cuda.Event()
             done.record(side)
             current.wait_event(done)
-        fence(1, main, 1)
+        fence(1, main, _FENCE_CLEAR | _FENCE_CLOSE)
 
     def _by_shard(self, kind: str, output: torch.Tensor, input: torch.Tensor, m: int) -> None:
         """Launch ``kind`` over shards of ``m`` elements, in pieces that fit one set of slots."""
