@@ -223,3 +223,23 @@ def test_a_released_section_names_the_peer_behind(pm: Any) -> None:
     pm._err_np[:4] = (1, 10, 3, 1)  # a kernel's own timeout still names its block and flag
     with pytest.raises(CollectiveTimeout, match="block 3 for the flag 'chunk pushed"):
         pm.check()
+
+
+def test_sections_and_barriers_tell_the_fence_apart(pm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # ce_fence's mode bits (kernels.cu): the watchdog counts only sections, so a plain barrier
+    # (the MoE transport's) must open none, and only ce_open starts the watchdog
+    started: list[Any] = []
+    monkeypatch.setattr(M, "SectionWatchdog", lambda *args: SimpleNamespace(start=lambda: started.append(args)))
+    pm._watchdog = None
+    fence = []
+    pm._kernel = lambda kind, *a, **k: (lambda blocks, stream, *args: fence.append((kind, args)))
+    pm.barrier()
+    pm.barrier(clear=True)
+    assert fence == [("ce_fence", (0,)), ("ce_fence", (M._FENCE_CLEAR,))] and started == []
+    fence.clear()
+    pm.ce_open()
+    pm.ce_close()
+    pm.ce_open()
+    assert fence == [("ce_fence", (M._FENCE_OPEN,)), ("ce_fence", (M._FENCE_CLEAR | M._FENCE_CLOSE,)),
+                     ("ce_fence", (M._FENCE_OPEN,))]
+    assert len(started) == 1  # one watchdog, started by the first section
