@@ -482,17 +482,19 @@ __device__ void all_gather(const Ctx& c, const T* in, T* out, long m, long out_s
 // ---- copy-engine path -------------------------------------------------------------------------
 //
 // Large all-reduces move their bytes with cudaMemcpyAsync (the copy engines, no SMs) and use SMs
-// only to reduce. A call is bracketed by two barrier calls (ce_enter, ce_exit) and split into
-// chunks that cycle through `R` ring slots of each rank's slot buffer:
+// only to reduce. A call is bracketed by two barrier calls (ce_fence: open, then clear and close)
+// and split into chunks that cycle through `R` ring slots of each rank's slot buffer:
 //
 //   copy stream:    push chunk j's shards into the peers' ring slot j%R  ->  flag PUSHED
 //   compute stream: ce_reduce(j): wait PUSHED(j) [and PULLED(j-R)], reduce my shard into `out`
 //                   and into my ring slot's result area  ->  flag REDUCED (last block)
-//   copy stream:    ce_wait REDUCED(j); pull each peer's reduced shard into `out`  ->  flag PULLED
+//   copy stream:    wait REDUCED(j); pull each peer's reduced shard into `out`  ->  flag PULLED
 //
 // Copy-engine flags hold the use count of their ring slot within the call (j / R + 1), which the
-// host knows, so the copy stream signals with stream memory writes and CUDA graphs replay the
-// same values; ce_exit clears this rank's copy-engine flags once every peer has finished.
+// host knows, so the copy streams signal and wait with stream memory operations (no kernel beside
+// the compute stream's; the host's section watchdog bounds those waits) and CUDA graphs replay the
+// same values; the closing ce_fence clears this rank's copy-engine flags once every peer has
+// finished.
 
 #define CE_RING 16
 #define CE_STAGES 3
@@ -546,7 +548,8 @@ extern "C" __global__ void ce_fence(const Ctx c, long mode) {
   end(c);
 }
 
-// One block: wait until every peer's flag (slot, stage) >= v (the copy stream's bounded wait).
+// One block: wait until every peer's flag (slot, stage) >= v (a compute stream's bounded wait;
+// the copy streams wait with stream memory operations instead).
 extern "C" __global__ void ce_wait(const Ctx c, long slot, long stage, long v) {
   if (*(volatile int*)c.err_dev) return;
   ce_wait_all(c, (int)slot, (int)stage, (u32)v);
