@@ -112,11 +112,13 @@ class _Streams:
         self.main = torch.cuda.current_stream(pm.device)
         self.push, self.pull = pm.copy_streams
         self.ms, self.ps, self.ls = self.main.cuda_stream, self.push.cuda_stream, self.pull.cuda_stream
+        # One event for every "after the compute stream's work so far": a wait takes the record
+        # that is current when it is issued, so recording again later leaves earlier waits alone.
+        self._mark = torch.cuda.Event()
 
     def after_main(self, side: torch.cuda.Stream) -> None:
-        ev = torch.cuda.Event()
-        ev.record(self.main)
-        side.wait_event(ev)
+        self._mark.record(self.main)
+        side.wait_event(self._mark)
 
     def join(self, *sides: torch.cuda.Stream) -> None:
         for side in sides:
