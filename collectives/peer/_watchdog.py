@@ -7,13 +7,14 @@ Such a wait takes no SM. A one-block spinning kernel beside a GEMM slowed the GE
 2026-11-30). But a stream wait has no timeout. This watchdog gives it one:
 
 * The open and close barriers count sections in host-mapped memory. The GPU writes the counts,
-  so CUDA-graph replays count too.
+  so CUDA-graph replays count too. A plain barrier (``PeerMemory.barrier``) opens nothing.
 * A section that stays open without progress for the peer-memory timeout makes the watchdog
   release every wait of this rank. A kernel that reports a timeout does the same.
 * The release sets this rank's copy-engine flags far ahead and sets the device error word, so
-  that queued kernels return at once. It also records which peers were behind.
+  that queued kernels return at once. It also records the peer whose signals were the furthest
+  behind.
 * The host learns of it as it learns of a kernel's timeout: ``PeerMemory.check()`` raises
-  ``CollectiveTimeout`` and names those peers.
+  ``CollectiveTimeout`` and names that peer.
 
 After a release the peer memory is unusable, as after any peer-memory timeout.
 """
