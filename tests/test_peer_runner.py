@@ -243,3 +243,33 @@ def test_sections_and_barriers_tell_the_fence_apart(pm: Any, monkeypatch: pytest
     assert fence == [("ce_fence", (M._FENCE_OPEN,)), ("ce_fence", (M._FENCE_CLEAR | M._FENCE_CLOSE,)),
                      ("ce_fence", (M._FENCE_OPEN,))]
     assert len(started) == 1  # one watchdog, started by the first section
+
+
+def test_memory_operations_bind_a_context_once_and_report_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the copy, the flag write and the stream wait: arguments reach the driver in order (the
+    # wait with CU_STREAM_WAIT_VALUE_GEQ), an invalid-context status binds one and calls again,
+    # any other status raises naming the call
+    calls: list[Any] = []
+    status = [0]
+
+    def op(i: int) -> Any:
+        def call(*args: int) -> int:
+            calls.append((i, args))
+            rc, status[0] = status[0], 0
+            return rc
+        return call
+
+    bound: list[int] = []
+    monkeypatch.setattr(_launch, "_memops", lambda: (op(0), op(1), op(2)))
+    monkeypatch.setattr(_launch, "bind_context", lambda device=None: bound.append(1))
+    _launch.copy_async(10, 20, 30, 7)
+    _launch.write_value(7, 40, 5)
+    _launch.wait_value(7, 40, 6)
+    assert calls == [(0, (10, 20, 30, 7)), (1, (7, 40, 5, 0)), (2, (7, 40, 6, 0))] and bound == []
+    calls.clear()
+    status[0] = _launch._INVALID_CONTEXT
+    _launch.wait_value(7, 44, 2)
+    assert calls == [(2, (7, 44, 2, 0))] * 2 and bound == [1]
+    status[0] = 1
+    with pytest.raises(RuntimeError, match="cuStreamWriteValue32 failed with CUDA driver error 1"):
+        _launch.write_value(7, 40, 5)

@@ -216,24 +216,25 @@ def _memops() -> tuple[Any, Any, Any]:
     return cp, wv, wt
 
 
-def copy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
-    """``nbytes`` from ``src`` to ``dst`` (device or peer-mapped addresses) on ``stream``, by a copy engine."""
-    rc = _memops()[0](dst, src, nbytes, stream)
+def _memop(which: int, name: str, *args: int) -> None:
+    """Call ``_memops()[which]`` (the driver's ``name``); a thread with no current context binds
+    one and calls again; any other error status raises."""
+    rc = _memops()[which](*args)
     if rc == _INVALID_CONTEXT:
         bind_context()
-        rc = _memops()[0](dst, src, nbytes, stream)
+        rc = _memops()[which](*args)
     if rc:
-        raise RuntimeError(f"cuMemcpyDtoDAsync failed with CUDA driver error {rc}")
+        raise RuntimeError(f"{name} failed with CUDA driver error {rc}")
+
+
+def copy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
+    """``nbytes`` from ``src`` to ``dst`` (device or peer-mapped addresses) on ``stream``, by a copy engine."""
+    _memop(0, "cuMemcpyDtoDAsync", dst, src, nbytes, stream)
 
 
 def write_value(stream: int, addr: int, value: int) -> None:
     """Write ``value`` (32 bits) at ``addr`` once the stream's earlier work is done and visible."""
-    rc = _memops()[1](stream, addr, value, 0)
-    if rc == _INVALID_CONTEXT:
-        bind_context()
-        rc = _memops()[1](stream, addr, value, 0)
-    if rc:
-        raise RuntimeError(f"cuStreamWriteValue32 failed with CUDA driver error {rc}")
+    _memop(1, "cuStreamWriteValue32", stream, addr, value, 0)
 
 
 _WAIT_GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ: until (int32)(*addr - value) >= 0
@@ -243,9 +244,4 @@ def wait_value(stream: int, addr: int, value: int) -> None:
     """Hold ``stream`` until the 32-bit word at ``addr`` is >= ``value`` (compared cyclically). A
     stream memory operation: no kernel, no SM; it has no bound of its own, which is the caller's
     to provide (``collectives.peer._watchdog``)."""
-    rc = _memops()[2](stream, addr, value, _WAIT_GEQ)
-    if rc == _INVALID_CONTEXT:
-        bind_context()
-        rc = _memops()[2](stream, addr, value, _WAIT_GEQ)
-    if rc:
-        raise RuntimeError(f"cuStreamWaitValue32 failed with CUDA driver error {rc}")
+    _memop(2, "cuStreamWaitValue32", stream, addr, value, _WAIT_GEQ)
