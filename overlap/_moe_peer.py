@@ -716,7 +716,7 @@ class PeerRows:
         layouts = [self._layout(_Region(0, c * size, 0, t_cap), info[c]) for c in range(n)]
         counts = info.cpu().numpy()  # the one wait, for every chunk
         bad = [c for c in range(n) if counts[c][_errors_at(W, self.e_loc):][:2].any()]
-        if bad:  # the same on every rank: close the section (its flags back to zero), then raise
+        if bad:  # the same on every rank: a barrier that zeroes this rank's flags, then raise
             st.join()
             pm.barrier(clear=True)
             self.calls += 2
