@@ -7,7 +7,8 @@
 # overlap_tune_graph overlap overlap_graph tp_mlp moe peer_bench peer_big tune_peer (host cost per
 # call, with a profile); and, only when named: sanitize (the peer-memory checks and
 # tests/gpu_sanitize_cases.py under compute-sanitizer's memcheck and racecheck), topology (python -m topology), a2a_bench (NCCL's
-# and our all-to-all algorithms, 8 B - 1 GB, eager and graphs) and model (a calibration of this
+# and our all-to-all algorithms, 8 B - 1 GB, eager and graphs), peer_epilogue (GEMMs writing
+# into a peer's memory against GEMMs beside a copy engine) and model (a calibration of this
 # machine, then the cost model's predictions against peer_bench's and a2a_bench's measurements,
 # which run first). On 4 or 8 GPUs: NPROC=n launch/gpu_suite.sh OUT peer_check overlap_check
 # topology peer_bench a2a_bench model overlap moe.
@@ -70,6 +71,8 @@ for step in $STEPS; do
         --json "$OUT/peer.json" --plot-vs-native "$OUT/peer.png" ;;
     tune_peer) run tune_peer 200 $R launch/tune_peer.py -b 8 -e 256K -f 8 --json "$OUT/tune_peer.json" ;;
     topology) run topology 60 $R -m topology --json "$OUT/topology.json" ;;
+    peer_epilogue) COMMOPS_PEER_BYTES=$BIG run peer_epilogue 120 $R launch/probe_peer_epilogue.py \
+        --json "$OUT/peer_epilogue.json" --plot "$OUT/peer_epilogue.png" ;;
     a2a_bench) run a2a_bench 240 $R launch/bench_collectives.py --op all_to_all -d bf16 -b 8 -e 1G -f 4 \
         -a native,pairwise,bruck,auto -G both -n 10 -r 5 -w 3 --json "$OUT/a2a.json" --plot-vs-native "$OUT/a2a.png" ;;
     model)

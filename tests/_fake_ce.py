@@ -73,6 +73,7 @@ class FakeRank:
         self.main = Stream(machine, 100 * rank)
         self._copy_streams = (Stream(machine, 100 * rank + 1), Stream(machine, 100 * rank + 2))
         self.fences = 0
+        self._sections = 0
 
     # PeerMemory's own host code, run on this stand-in
     def _ce_flag(self, q: int, slot: int, stage: int) -> int:
@@ -87,7 +88,7 @@ class FakeRank:
     def _ce_all_reduce(self, t: torch.Tensor, vec: bool) -> None:
         M.PeerMemory._ce_all_reduce(cast(Any, self), t, vec)
 
-    def ce_wait(self, stream: int, slot: int, stage: int, value: int, *, kernel: bool = False) -> None:
+    def ce_wait(self, stream: int, slot: int, stage: int, value: int, *, kernel: bool | None = None) -> None:
         M.PeerMemory.ce_wait(cast(Any, self), stream, slot, stage, value, kernel=kernel)
 
     def _watch(self) -> None:

@@ -98,7 +98,7 @@ class _FakePeerMemory:
             for key in [k for k in self.hub.flags if k[0] == self.rank]:
                 del self.hub.flags[key]
 
-    def ce_wait(self, stream: Any, slot: int, stage: int, value: int, *, kernel: bool = False) -> None:
+    def ce_wait(self, stream: Any, slot: int, stage: int, value: int, *, kernel: bool | None = None) -> None:
         def ready() -> bool:
             return all(self.hub.flags.get((self.rank, slot, stage, q), 0) >= value
                        for q in range(self.world) if q != self.rank)

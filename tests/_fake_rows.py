@@ -89,7 +89,7 @@ class FakeMemory:
             self.hub.flags[peer][(slot, stage, self.rank)] = value
             self.hub.flagged.notify_all()
 
-    def ce_wait(self, stream: Any, slot: int, stage: int, value: int, *, kernel: bool = False) -> None:
+    def ce_wait(self, stream: Any, slot: int, stage: int, value: int, *, kernel: bool | None = None) -> None:
         mine = self.hub.flags[self.rank]
         peers = [q for q in range(self.world) if q != self.rank]
         with self.hub.flagged:

@@ -351,6 +351,18 @@ class Checker:
                                 lambda exc: bool(exc.missing) and 0.4 < waited < 10 and "copy-engine section" in str(exc))
         dist.barrier()
         pm.close()
+        # Outside a section nothing watches a stream wait, so ce_wait's default there is its
+        # bounded kernel: a flag never signalled must time out, not hang the stream.
+        pm = PeerMemory(self.comm, slot_bytes=1 << 20, timeout_s=0.5)
+        if self.r == 0:
+            t0 = time.perf_counter()
+            pm.ce_wait(torch.cuda.current_stream().cuda_stream, 2, CE_PUSHED, 1)
+            torch.cuda.synchronize()
+            waited = time.perf_counter() - t0
+            self.expect_timeout(pm, "a wait outside any section was never signalled", waited,
+                                lambda exc: bool(exc.missing) and 0.4 < waited < 10)
+        dist.barrier()
+        pm.close()
         # Plain barriers (the MoE transport's) and closed sections leave nothing open: idle for
         # longer than the timeout, the watchdog must not release anything.
         pm = PeerMemory(self.comm, slot_bytes=1 << 20, timeout_s=0.5)

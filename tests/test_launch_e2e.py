@@ -75,3 +75,11 @@ def test_dispatch_benchmark_runs() -> None:
                 "launch/bench_dispatch.py", "--calls", "20", "--rounds", "3"])
     assert res.returncode == 0, res.stdout + res.stderr
     assert "overhead:" in res.stdout
+
+
+def test_peer_epilogue_probe_refuses_cpus_naming_the_fix() -> None:
+    # the probe times GEMMs writing into a peer GPU's memory: on Gloo it must say so, not time CPUs
+    res = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                "launch/probe_peer_epilogue.py", "--shapes", "64x64x64"])
+    assert res.returncode != 0
+    assert "UnsupportedError" in res.stderr and "GPUs of one node" in res.stderr, res.stderr[-2000:]

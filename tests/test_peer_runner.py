@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from collectives.errors import CollectiveTimeout
+from collectives.errors import CollectiveTimeout, UnsupportedError
 from collectives.peer import _launch
 from collectives.peer import memory as M
 
@@ -44,6 +44,7 @@ def pm(monkeypatch: pytest.MonkeyPatch) -> Any:
     p._plans, p._ready, p._block_bytes, p._max_blocks = {}, weakref.WeakSet(), 8 << 10, M.MAX_BLOCKS
     p._set_bytes, p.ll_max_bytes, p.timeout_s = 1 << 20, M.ONE_SHOT_LL_MAX_BYTES, 1.0
     p._err_np = np.zeros(8, dtype=np.int32)  # the host-mapped record (kernels.cu, struct Ctx)
+    p._sections = 0
     p.comm = SimpleNamespace(global_ranks=(0, 1))
 
     def kernel(kind: str, dtype: Any, vec: bool, nargs: int = 4, bases: Any = None) -> _Kernel:
@@ -243,6 +244,29 @@ def test_sections_and_barriers_tell_the_fence_apart(pm: Any, monkeypatch: pytest
     assert fence == [("ce_fence", (M._FENCE_OPEN,)), ("ce_fence", (M._FENCE_CLEAR | M._FENCE_CLOSE,)),
                      ("ce_fence", (M._FENCE_OPEN,))]
     assert len(started) == 1  # one watchdog, started by the first section
+
+
+def test_stream_waits_only_inside_a_section(pm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the watchdog bounds stream waits only while a section is open: outside one, ce_wait waits
+    # with its bounded kernel, and a stream wait asked for there is refused before anything runs
+    monkeypatch.setattr(M, "SectionWatchdog", lambda *args: SimpleNamespace(start=lambda: None))
+    pm._watchdog = None
+    pm._flag_pointers = (1 << 20, 2 << 20)
+    log: list[Any] = []
+    pm._kernel = lambda kind, *a, **k: (lambda blocks, stream, *args: log.append((kind, args)))
+    monkeypatch.setattr(_launch, "wait_value", lambda stream, address, value: log.append(("wait_value", value)))
+    pm.ce_wait(5, 1, M.CE_PULLED, 3)
+    assert log == [("ce_wait", (1, M.CE_PULLED, 3))]
+    with pytest.raises(UnsupportedError, match="kernel.*outside a copy-engine section.*kernel=True"):
+        pm.ce_wait(5, 1, M.CE_PULLED, 3, kernel=False)
+    log.clear()
+    pm.ce_open()
+    pm.ce_wait(5, 1, M.CE_PULLED, 3)  # one stream wait per peer (one peer here)
+    pm.ce_wait(5, 1, M.CE_PULLED, 4, kernel=True)
+    pm.ce_close()
+    pm.ce_wait(5, 1, M.CE_PULLED, 5)
+    assert log == [("ce_fence", (M._FENCE_OPEN,)), ("wait_value", 3), ("ce_wait", (1, M.CE_PULLED, 4)),
+                   ("ce_fence", (M._FENCE_CLEAR | M._FENCE_CLOSE,)), ("ce_wait", (1, M.CE_PULLED, 5))]
 
 
 def test_memory_operations_bind_a_context_once_and_report_errors(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -276,6 +276,7 @@ class PeerMemory:
         self._slot_tensor: torch.Tensor | None = None  # slot_view's tensor over my slot buffer
         self._views: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor] = {}  # slot_view's, kept
         self._watchdog: SectionWatchdog | None = None  # started by the first ce_open
+        self._sections = 0  # copy-engine sections this host has opened and not closed
         torch.cuda.synchronize(self.device)
         _all_gather_ints(comm, [0])  # every rank mapped every peer before anyone pushes
 
@@ -458,6 +459,7 @@ class PeerMemory:
     def ce_open(self) -> None:
         """Open a copy-engine section on the current stream (a barrier of every rank)."""
         self._kernel("ce_fence", None, False, 1)(1, _launch.current_stream(self._index), _FENCE_OPEN)
+        self._sections += 1
         self._watch()
 
     def _watch(self) -> None:
@@ -469,6 +471,7 @@ class PeerMemory:
     def ce_close(self) -> None:
         """Close it (a barrier; then this rank's copy-engine flags are zeroed)."""
         self._kernel("ce_fence", None, False, 1)(1, _launch.current_stream(self._index), _FENCE_CLEAR | _FENCE_CLOSE)
+        self._sections = max(0, self._sections - 1)
 
     def barrier(self, clear: bool = False) -> None:
         """A barrier of every rank on the current stream (bounded), which is no section boundary:
@@ -476,16 +479,22 @@ class PeerMemory:
         their own. With ``clear``, this rank's copy-engine flags are zeroed afterwards."""
         self._kernel("ce_fence", None, False, 1)(1, _launch.current_stream(self._index), _FENCE_CLEAR if clear else 0)
 
-    def ce_wait(self, stream: int, slot: int, stage: int, value: int, *, kernel: bool = False) -> None:
+    def ce_wait(self, stream: int, slot: int, stage: int, value: int, *, kernel: bool | None = None) -> None:
         """On ``stream``: wait until every peer's flag (slot, stage) to this rank is >= value.
 
-        By default, stream memory waits: no kernel, bounded by the section's watchdog (only
-        inside ``ce_open`` ... ``ce_close``). A copy stream waits this way, because a spinning
-        block slows a GEMM running beside it (``_watchdog``'s note). With ``kernel``, a one-block
-        kernel waits instead, bounded by itself. It sees the flag sooner, which suits the stream
-        that runs the GEMMs, as nothing runs beside it there. On 2xH200, stream waits there made
-        the copy-engine overlap 2-6% slower at 2048 and 4096 rows under graphs (2026-11-30).
+        Inside ``ce_open`` ... ``ce_close`` the default is stream memory waits: no kernel, bounded
+        by the section's watchdog. A copy stream waits this way, because a spinning block slows a
+        GEMM running beside it (``_watchdog``'s note). With ``kernel=True``, and by default outside
+        a section, a one-block kernel waits instead, bounded by itself. It sees the flag sooner,
+        which suits the stream that runs the GEMMs, as nothing runs beside it there. On 2xH200,
+        stream waits there made the copy-engine overlap 2-6% slower at 2048 and 4096 rows under
+        graphs (2026-11-30). ``kernel=False`` outside a section is refused: nothing would bound it.
         """
+        if kernel is None:
+            kernel = self._sections == 0
+        elif not kernel and self._sections == 0:
+            raise UnsupportedError("kernel", kernel, "asks for a stream wait outside a copy-engine section, where "
+                                   "no watchdog bounds it", "open a section with ce_open() first, or pass kernel=True")
         if kernel:
             self._kernel("ce_wait", None, False, 3)(1, stream, slot, stage, value)
             return
@@ -663,18 +672,22 @@ class PeerMemory:
         fence = self._kernel("ce_fence", None, False, 1)
         main = _launch.current_stream(self._index)
         fence(1, main, _FENCE_OPEN)
+        self._sections += 1
         self._watch()
         current = torch.cuda.current_stream(self.device)
         start = torch.cuda.Event()
         start.record(current)
         for side in self._copy_streams:
             side.wait_event(start)
-        yield
-        for side in self._copy_streams:
-            done = torch.cuda.Event()
-            done.record(side)
-            current.wait_event(done)
-        fence(1, main, _FENCE_CLEAR | _FENCE_CLOSE)
+        try:
+            yield
+            for side in self._copy_streams:
+                done = torch.cuda.Event()
+                done.record(side)
+                current.wait_event(done)
+            fence(1, main, _FENCE_CLEAR | _FENCE_CLOSE)
+        finally:
+            self._sections = max(0, self._sections - 1)
 
     def _by_shard(self, kind: str, output: torch.Tensor, input: torch.Tensor, m: int) -> None:
         """Launch ``kind`` over shards of ``m`` elements, in pieces that fit one set of slots."""
