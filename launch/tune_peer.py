@@ -65,6 +65,8 @@ def host_costs(comm: C.Communicator, pm: PeerMemory, dev: torch.device) -> dict[
         # flight recorder's entry
         "dispatch_tensors": _host_us(lambda: dispatch_tensors(comm, "all_reduce", x, x, sum_op, "auto", False)),
         "peer_memory_one_shot": _host_us(lambda: pm.all_reduce(x, "one_shot")),
+        # the floor under any torch op on this host: an in-place add of 8 bytes, one launch
+        "torch_add_": _host_us(lambda: x.add_(0)),
     }
     keep = RECORDER.enabled
     RECORDER.enabled = False
