@@ -19,7 +19,7 @@ memory operations too, which take no SM from the GEMMs and are bounded by the se
   goes on with the next chunk.
 
 Why copies, not a GEMM whose epilogue stores into the peer's memory: on 2xH200 a copy engine
-beside a GEMM hid 74-104% of the transfer, and cuBLAS writing its result over NVLink only 14-83%
+beside a GEMM hid 55-100% of the transfer, and cuBLAS writing its result over NVLink only 13-77%
 (``launch/probe_peer_epilogue.py``, ``bench/results/gpu_2xh200_peer_epilogue.json``).
 
 Ring slots are reused when the peer has consumed them (the ``CE_PULLED`` flag); a block too large

@@ -90,3 +90,18 @@ def test_plot_vs_native_draws_one_panel_per_op_and_mode(tmp_path) -> None:  # no
     path = tmp_path / "r.png"
     plot_vs_native(recs, str(path), "t")
     assert path.stat().st_size > 1000
+
+
+def test_peer_epilogue_report_and_plot(tmp_path) -> None:  # noqa: ANN001
+    # the probe's records as the GPU run writes them: one line each with both shares, and a plot
+    from bench.peer_epilogue import EpilogueRecord, format_epilogue, plot_epilogue
+
+    recs = [EpilogueRecord(512, 2048, 8192, "bfloat16", 2, 512 * 8192 * 2, 27.6, 25.4, 49.3, 34.2,
+                           (27.6 + 25.4 - 49.3) / 25.4, (27.6 + 25.4 - 34.2) / 25.4, 0),
+            EpilogueRecord(8192, 4096, 8192, "bfloat16", 2, 8192 * 8192 * 2, 818.6, 346.7, 876.4, 804.3,
+                           (818.6 + 346.7 - 876.4) / 346.7, (818.6 + 346.7 - 804.3) / 346.7, 3)]
+    line = format_epilogue(recs[0])
+    assert "512x2048x8192" in line and "hides  14.6% of the push" in line and "hides  74.0%" in line
+    assert line.endswith("#wrong 0") and format_epilogue(recs[1]).endswith("#wrong 3")
+    plot_epilogue(recs, str(tmp_path / "e.png"), "t")
+    assert (tmp_path / "e.png").stat().st_size > 1000
