@@ -8,9 +8,10 @@ fresh random data before timing.
 
 Timing: ``warmup`` calls, then ``reps`` loops of ``iters`` back-to-back calls (more calls per loop
 when ``min_loop_s`` asks for loops of at least that duration). On GPUs a loop is
-timed with CUDA events (or replayed as one captured CUDA graph with ``graph=True``); on CPUs
-with ``perf_counter``. A loop's time per call is the maximum over ranks (the slowest rank sets
-the pace); the record holds the median, min and max over loops.
+timed with CUDA events (or replayed as one captured CUDA graph with ``graph=True``), from the end
+of a one-element all-reduce that lines the GPUs up (``_align``); on CPUs with ``perf_counter``. A
+loop's time per call is the maximum over ranks (the slowest rank sets the pace); the record holds
+the median, min and max over loops.
 """
 
 from __future__ import annotations
@@ -169,18 +170,48 @@ def _captured(call: Callable[[], object], iters: int) -> Callable[[], None]:
     return g.replay
 
 
+_ALIGN: dict[torch.device, torch.Tensor] = {}
+
+
+def _align(comm: C.Communicator, dev: torch.device) -> None:
+    """Line the GPUs up on the current stream: a one-element all-reduce of the group's device
+    backend, which ends on every GPU once the last rank has reached it.
+
+    After a host barrier the ranks leave at different times, by up to a few hundred microseconds
+    on the 2xH200 host. Without this, each rank's loop of calls that wait for one another would
+    start its clock when it alone got there and absorb that skew: ``skew / iters`` per call,
+    several microseconds for loops of a few dozen small calls."""
+    t = _ALIGN.get(dev)
+    if t is None:
+        t = _ALIGN[dev] = torch.zeros(1, device=dev)
+    dist.all_reduce(t, group=comm.group)
+
+
 def _timed_runs(run: Callable[[], None], comm: C.Communicator, dev: torch.device, iters: int, reps: int) -> list[float]:
     out = []
     for _ in range(reps):
         _sync(dev)
         dist.barrier(group=comm.group)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        _align(comm, dev)  # the start event fires on every GPU when the last rank is there
         start.record()
         run()
         end.record()
         end.synchronize()
         out.append(start.elapsed_time(end) / 1e3 / iters)
     return out
+
+
+def _per_call_s(fn: Callable[[], object], comm: C.Communicator, device: torch.device, calls: int) -> float:
+    """Seconds per call in a loop of ``calls`` back-to-back calls (the slowest rank's), to size
+    loops by. (From one call and a sync it would be the call's latency, several times the pace of
+    a loop of small calls, and the loops ``min_loop_s`` asks for would come out that much shorter.)"""
+    dist.barrier(group=comm.group)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    _sync(device)
+    return _slowest(comm, [(time.perf_counter() - t0) / calls], device)[0]
 
 
 class _Fn:
@@ -219,11 +250,7 @@ def time_interleaved(fns: dict[str, Callable[[], object]], comm: C.Communicator,
     loops = dict.fromkeys(fns, iters)
     if min_loop_s > 0 and not graph:
         for name, fn in fns.items():
-            dist.barrier(group=comm.group)
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            one = _slowest(comm, [time.perf_counter() - t0], device)[0]
+            one = _per_call_s(fn, comm, device, iters)
             loops[name] = max(iters, min(100 * iters, math.ceil(min_loop_s / max(one, 1e-9))))
     replays = {name: _captured(fn, iters) for name, fn in fns.items()} if graph and device.type == "cuda" else {}
     per: dict[str, list[float]] = {name: [] for name in fns}
@@ -260,11 +287,7 @@ def measure(comm: C.Communicator, op: str, algorithm: str, nbytes: int, dtype: t
         case.call()
     _sync(device)
     if min_loop_s > 0:
-        dist.barrier(group=comm.group)
-        t0 = time.perf_counter()
-        case.call()
-        _sync(device)
-        one = _slowest(comm, [time.perf_counter() - t0], device)[0]
+        one = _per_call_s(case.call, comm, device, iters)
         iters = max(iters, min(10_000, int(min_loop_s / max(one, 1e-7))))
     per_call = _slowest(comm, _time_loops(case, iters, reps, graph), device)
     if wrong is not None:
