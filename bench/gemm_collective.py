@@ -27,7 +27,7 @@ import collectives as C
 import overlap
 from overlap import ops as O
 
-from .harness import _slowest
+from .harness import _slowest, paired_ratio
 from .harness import time_interleaved as _time_interleaved
 
 __all__ = ["OverlapRecord", "measure_shape", "format_overlap_table", "plot_overlap", "tuned_overlap_table", "OPS"]
@@ -59,6 +59,8 @@ class OverlapRecord:
     vs_sequential: float  # time / sequential
     wrong: int | None
     chosen: str | None = None
+    # the median over rounds of time / sequential in the same round (bench.harness.paired_ratio)
+    vs_sequential_paired: float | None = None
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -186,7 +188,9 @@ def measure_shape(comm: C.Communicator, op: str, M: int, K: int, N: int, dtype: 
             chosen = overlap.last_choice(g).strategy if name == "auto" else None  # type: ignore[union-attr]
             checked[name] = (wrong, chosen)
         # every variant timed in the same rounds (bench/harness.py:time_interleaved)
-        times = _time_interleaved(dict(variants), comm, device, iters, reps, graph=graph, min_loop_s=min_loop_s)
+        rounds: dict[str, list[float]] = {}
+        times = _time_interleaved(dict(variants), comm, device, iters, reps, graph=graph, min_loop_s=min_loop_s,
+                                  rounds=rounds)
         if in_graph:  # the label is the choice the timed graph holds, not the eager check's
             checked["auto"] = (checked["auto"][0], in_graph[-1])
         t_gemm, t_comm = times["gemm"], times["collective"]
@@ -200,7 +204,9 @@ def measure_shape(comm: C.Communicator, op: str, M: int, K: int, N: int, dtype: 
                                  wrong=None, **common)]  # type: ignore[arg-type]
     for name, t, wrong, chosen in timed:
         out_records.append(OverlapRecord(variant=name, time_us=t, hidden_pct=100 * (seq - t) / t_comm if t_comm else 0.0,
-                                         vs_sequential=t / seq, wrong=wrong, chosen=chosen, **common))  # type: ignore[arg-type]
+                                         vs_sequential=t / seq, wrong=wrong, chosen=chosen,
+                                         vs_sequential_paired=paired_ratio(rounds, name, "sequential"),
+                                         **common))  # type: ignore[arg-type]
     dist.barrier(group=g)
     return out_records
 
@@ -219,7 +225,8 @@ def format_overlap_table(records: list[OverlapRecord]) -> str:
             continue
         label = r.variant + (f"({r.chosen})" if r.chosen else "")
         wrong = "-" if r.wrong is None else str(r.wrong)
-        lines.append(f"  {label:<22} {r.time_us:>10.1f} us  {r.vs_sequential:6.2f}x seq  {r.hidden_pct:7.1f}% hidden  "
+        paired = "" if r.vs_sequential_paired is None else f" ({r.vs_sequential_paired:.3f}x paired)"
+        lines.append(f"  {label:<22} {r.time_us:>10.1f} us  {r.vs_sequential:6.2f}x seq{paired}  {r.hidden_pct:7.1f}% hidden  "
                      f"#wrong {wrong}")
     return "\n".join(lines)
 

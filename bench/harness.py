@@ -233,10 +233,12 @@ def time_fn(fn: Callable[[], object], comm: C.Communicator, device: torch.device
 
 
 def time_interleaved(fns: dict[str, Callable[[], object]], comm: C.Communicator, device: torch.device, iters: int,
-                     reps: int, warmup: int = 2, graph: bool = False, min_loop_s: float = 0.0) -> dict[str, float]:
+                     reps: int, warmup: int = 2, graph: bool = False, min_loop_s: float = 0.0,
+                     rounds: dict[str, list[float]] | None = None) -> dict[str, float]:
     """Microseconds per call of each of ``fns``, timed like :func:`time_fn` but in rounds: each
     round times one loop of every function in turn (each round in its own order), and each gets
-    the median over ``reps`` rounds.
+    the median over ``reps`` rounds. ``rounds``, if given, receives each function's time in every
+    round, in round order (for comparisons paired within a round: :func:`paired_ratio`).
     Variants compared with each other then share the machine's drift instead of each getting a
     different stretch of it (on a busy host, a loop timed a second later can be 2x off). With
     ``graph`` (CUDA), each function's loop is captured once in a CUDA graph and the rounds replay it.
@@ -266,7 +268,18 @@ def time_interleaved(fns: dict[str, Callable[[], object]], comm: C.Communicator,
             else:
                 loop = _time_loops(_Fn(fn, comm, device), loops[name], 1, False)  # type: ignore[arg-type]
             per[name] += _slowest(comm, loop, device)
+    if rounds is not None:
+        rounds.update({name: [t * 1e6 for t in v] for name, v in per.items()})
     return {name: statistics.median(v) * 1e6 for name, v in per.items()}
+
+
+def paired_ratio(rounds: dict[str, list[float]], name: str, base: str) -> float:
+    """The median over rounds of ``name``'s time over ``base``'s in the same round.
+
+    Two variants timed in the same round share that stretch of the machine's drift; the ratio
+    of their medians does not pair them, and on a host-bound loop of 40-90 us calls two runs of
+    one program differed by up to 4-6% that way on 2xH200."""
+    return statistics.median(t / b for t, b in zip(rounds[name], rounds[base], strict=True))
 
 
 def measure(comm: C.Communicator, op: str, algorithm: str, nbytes: int, dtype: torch.dtype, device: torch.device, *,

@@ -105,3 +105,14 @@ def test_peer_epilogue_report_and_plot(tmp_path) -> None:  # noqa: ANN001
     assert line.endswith("#wrong 0") and format_epilogue(recs[1]).endswith("#wrong 3")
     plot_epilogue(recs, str(tmp_path / "e.png"), "t")
     assert (tmp_path / "e.png").stat().st_size > 1000
+
+
+def test_paired_ratio_pairs_rounds() -> None:
+    # a drift that slows both variants in round 2 cancels in the pairs, not in the medians
+    from bench.harness import paired_ratio
+
+    rounds = {"auto": [10.0, 30.0, 10.5], "sequential": [10.0, 29.0, 10.0], "gemm": [1.0, 1.0]}
+    assert paired_ratio(rounds, "auto", "sequential") == pytest.approx(30.0 / 29.0)
+    assert paired_ratio(rounds, "sequential", "sequential") == 1.0
+    with pytest.raises(ValueError):  # rounds that do not line up are an error, not a silent truncation
+        paired_ratio(rounds, "gemm", "sequential")

@@ -163,6 +163,8 @@ def _bench_smoke(rank: int, world: int) -> list[tuple[str, str, int | None, floa
         for r in measure_shape(C.get_communicator(), op, 8, 16, 12, torch.float32, torch.device("cpu"),
                                chunk_counts=(2, 4), iters=1, reps=1):
             out.append((op, r.variant, r.wrong, r.vs_sequential))
+            # one round: the paired ratio is that round's ratio, i.e. the ratio of the medians
+            assert r.variant in ("gemm", "collective") or r.vs_sequential_paired == pytest.approx(r.vs_sequential)
     return out
 
 
