@@ -30,7 +30,7 @@ def _data(seed: int, world: int, m: int, k: int, n: int) -> tuple[list[torch.Ten
 
 
 # (world, rows, chunks): odd sizes, empty chunks, a rank with an empty block (all-reduce)
-CASES = [(2, 6, 1), (2, 7, 3), (3, 9, 2), (3, 5, 4), (4, 3, 2), (2, 1, 3)]
+CASES = [(2, 6, 1), (2, 7, 3), (3, 9, 2), (3, 5, 4), (4, 3, 2), (2, 1, 3), (8, 5, 2)]  # 8: MAX_RANKS
 
 
 @pytest.mark.parametrize("world,rows,chunks", CASES)

@@ -98,6 +98,7 @@ def _case(world: int, e_loc: int, k: int, rounds: list[list[int]], dtype: torch.
     (3, 2, 3, [[6, 0, 9], [0, 0, 2]]),        # ranks without tokens
     (2, 4, 4, [[7, 5]]),                      # several of a token's experts on one rank
     (4, 1, 2, [[3, 6, 2, 5], [1, 1, 1, 1]]),
+    (8, 1, 3, [[3, 0, 6, 2, 5, 1, 0, 4]]),    # the most ranks of one node (MAX_RANKS)
 ])
 def test_dense_dispatch_combine_and_gradients(world: int, e_loc: int, k: int, rounds: list[list[int]]) -> None:
     _case(world, e_loc, k, rounds, torch.float32, seed=world * 10 + k)
@@ -219,6 +220,7 @@ class _SameStream:
     (2, 2, 2, [9, 6], 2),
     (2, 3, 3, [10, 2], 3),    # a rank with fewer tokens than chunks: empty chunks
     (3, 1, 2, [4, 0, 7], 4),
+    (8, 1, 2, [5, 0, 3, 6, 1, 2, 7, 4], 2),
 ])
 def test_pipelined_forward_over_the_device_layout(monkeypatch: pytest.MonkeyPatch, world: int, e_loc: int, k: int,
                                                   tokens: list[int], chunks: int, transfers: str) -> None:

@@ -24,7 +24,7 @@ def _flags_clear(m: Machine) -> None:
 
 # (elements per shard, chunk bytes, ring slots): slot buffers of ring x world chunks, so that
 # the ring wraps many times, and shards that end in a partial chunk or fit in one
-@pytest.mark.parametrize("world", [2, 3, 4, 5])
+@pytest.mark.parametrize("world", [2, 3, 4, 5, 8])  # 8: the most ranks of one node (MAX_RANKS)
 @pytest.mark.parametrize("kind", ["reduce_scatter", "all_gather"])
 def test_reduce_scatter_and_all_gather_by_copy_engines(world: int, kind: str) -> None:
     for seed, (m_elems, chunk_bytes, ring) in enumerate([(250, 64, 2), (37, 64, 3), (1000, 256, 2), (1, 64, 2)]):
@@ -51,7 +51,7 @@ def test_reduce_scatter_and_all_gather_by_copy_engines(world: int, kind: str) ->
             assert machine.most_uses >= 2, "the ring did not wrap"
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
 def test_all_reduce_by_copy_engines(world: int) -> None:
     # slot buffers of 2-3 ring slots of (world + 1) shards of a chunk
     for seed, (n, chunk_bytes, slot_bytes) in enumerate([(1001, 64, 2 * 6 * 64), (4000, 256, 3 * 6 * 256),
