@@ -11,7 +11,7 @@ with the arguments written into a parameter block that is built once per entry p
 communicator; CuPy only compiles and loads the module. The call into the driver is CuPy's
 compiled ``launchKernel``, with ctypes as the fallback where CuPy lacks it: in a probe on the
 2xH200 host (2026-11-30, not kept) it took 5.1 us per launch against 7.0 us through ctypes; the
-bare launch is 3.6 us in ``bench/results/gpu_2xh200_peer_host.json``, on a faster lease. A caller that repeats the same
+bare launch is 3.6 us in ``bench/results/gpu_2xh200_peer_host.json``, on a faster host. A caller that repeats the same
 arguments (the same tensor, again and again, as small all-reduces in a decode loop do) can keep
 a prepared block (``Kernel.prepare``) and launch it with no argument writes at all.
 
