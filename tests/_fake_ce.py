@@ -82,6 +82,12 @@ class FakeRank:
     def _ce_section(self) -> Any:
         return M.PeerMemory._ce_section(cast(Any, self))
 
+    def ce_open(self) -> None:
+        M.PeerMemory.ce_open(cast(Any, self))
+
+    def ce_close(self) -> None:
+        M.PeerMemory.ce_close(cast(Any, self))
+
     def _ce_by_shard(self, kind: str, output: torch.Tensor, input: torch.Tensor, m: int) -> None:
         M.PeerMemory._ce_by_shard(cast(Any, self), kind, output, input, m)
 

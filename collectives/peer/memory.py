@@ -669,11 +669,7 @@ class PeerMemory:
         """A copy-engine call on the current stream: a barrier of every rank, the copy streams
         ordered after the work queued so far; at the end the current stream waits for both and
         a closing barrier clears this rank's copy-engine flags (kernels.cu, "copy-engine path")."""
-        fence = self._kernel("ce_fence", None, False, 1)
-        main = _launch.current_stream(self._index)
-        fence(1, main, _FENCE_OPEN)
-        self._sections += 1
-        self._watch()
+        self.ce_open()
         current = torch.cuda.current_stream(self.device)
         start = torch.cuda.Event()
         start.record(current)
@@ -685,9 +681,10 @@ class PeerMemory:
                 done = torch.cuda.Event()
                 done.record(side)
                 current.wait_event(done)
-            fence(1, main, _FENCE_CLEAR | _FENCE_CLOSE)
-        finally:
-            self._sections = max(0, self._sections - 1)
+        except BaseException:
+            self._sections = max(0, self._sections - 1)  # abandoned: no closing barrier, nothing open here
+            raise
+        self.ce_close()
 
     def _by_shard(self, kind: str, output: torch.Tensor, input: torch.Tensor, m: int) -> None:
         """Launch ``kind`` over shards of ``m`` elements, in pieces that fit one set of slots."""
