@@ -112,8 +112,19 @@ RECORDER: EnvVar[bool] = EnvVar(
     "call is in the README).",
 )
 
+NATIVE: EnvVar[bool] = EnvVar(
+    "COMMOPS_NATIVE", True,
+    "The compiled fast path for repeated small GPU collectives (collectives/_native.py): built with "
+    "the system C compiler on the first repeatable GPU call and cached in COMMOPS_CACHE_DIR; '0' keeps "
+    "the Python fast path, which does the same work.",
+)
+CACHE_DIR: EnvVar[str] = EnvVar(
+    "COMMOPS_CACHE_DIR", "",
+    "Where compiled helpers are kept (default: $XDG_CACHE_HOME/commops, else ~/.cache/commops).",
+)
+
 VARIABLES = (NVTX, MPI_MASTER_ADDR, TOPOLOGY, CALIBRATION, TUNED, PEER_BYTES, PEER_TIMEOUT_S, OVERLAP_TUNED,
-             TRACE_DIR, DEBUG, RECORDER)
+             TRACE_DIR, DEBUG, RECORDER, NATIVE, CACHE_DIR)
 
 
 @functools.cache

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _env
+from . import _env, _native
 from ._types import normalize_reduce_op
 from ._validate import _current_device, validate
 from ._wait import limit
@@ -146,6 +146,18 @@ def _resolve(call: Call) -> Algorithm:
     return algo
 
 
+def _use_native() -> None:
+    """Load the compiled fast path (collectives/_native.py) for this process's CUDA calls."""
+    global _native_dispatch, _native_tried
+    module = _native.configure_cuda()
+    _native_dispatch = None if module is None else module.fast_dispatch
+    _native_tried = True
+
+
+# the compiled fast path's entry point, once loaded: fast_dispatch(comm, op, output, input,
+# reduce_op, algorithm) is None when it ran the call, NotImplemented when Python should
+_native_dispatch: Callable[..., Any] | None = None
+_native_tried = False
 _now = time.time
 _FAST_MAX = 512  # call signatures kept per communicator (dispatch_tensors); a full table starts again
 
@@ -168,6 +180,9 @@ def dispatch_tensors(comm: Communicator, op: str, output: torch.Tensor, input: t
     the 2xH200 machine it takes several microseconds off each small peer-memory call, which is
     most of the host time such a call has.
     """
+    if _native_dispatch is not None and not async_op \
+            and _native_dispatch(comm, op, output, input, reduce_op, algorithm) is None:
+        return None  # the compiled fast path ran it (the same checks, tables and record as below)
     if not async_op and type(output) is torch.Tensor and output.is_cuda and not _HOOKS and not comm.debug \
             and limit() is None:
         # A ReduceOp member hashes slowly (~0.2 us); the key holds its id, and the entry holds the
@@ -202,6 +217,8 @@ def dispatch_tensors(comm: Communicator, op: str, output: torch.Tensor, input: t
                 async_op=async_op, algorithm=algorithm)
     result = dispatch(call)
     if key is not None and call.fast is not None:
+        if not _native_tried:
+            _use_native()
         if len(comm._fast) >= _FAST_MAX:
             comm._fast.clear()
         comm._fast[key] = (call.fast, reduce_op)

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import collectives as C  # noqa: E402
 from bench.cli import parse_size, sizes  # noqa: E402
 from bench.harness import time_fn  # noqa: E402
+from collectives import _native, dispatch as _dispatch  # noqa: E402
 from collectives.dispatch import dispatch_tensors  # noqa: E402
 from collectives.peer import PeerMemory, _launch  # noqa: E402
 from collectives.recorder import RECORDER  # noqa: E402
@@ -68,6 +69,13 @@ def host_costs(comm: C.Communicator, pm: PeerMemory, dev: torch.device) -> dict[
         # the floor under any torch op on this host: an in-place add of 8 bytes, one launch
         "torch_add_": _host_us(lambda: x.add_(0)),
     }
+    # the same verb through the Python fast path instead of the compiled one (collectives/_native.py)
+    out["native"] = _native.status()  # type: ignore[assignment]
+    compiled, _dispatch._native_dispatch = _dispatch._native_dispatch, None
+    try:
+        out["commops_auto_python"] = _host_us(lambda: C.all_reduce(x))
+    finally:
+        _dispatch._native_dispatch = compiled
     keep = RECORDER.enabled
     RECORDER.enabled = False
     try:

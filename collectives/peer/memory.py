@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import _env
+from .. import _env, _native
 from ..errors import CollectiveTimeout, UnsupportedError
 from . import _launch
 from ._watchdog import SectionWatchdog
@@ -753,6 +753,9 @@ class PeerMemory:
                 return
             launch(hit[0], hit[1], _launch.current_stream(index), hit[2].params, hit[3], index)
         run.ready = ready  # type: ignore[attr-defined]  # (launch/tune_peer.py times the bare launch)
+        native = _native.configure_cuda()
+        if native is not None:  # the same runner, compiled (collectives/_native.py): ``run`` serves its misses
+            return native.Runner(ready, self._err.data_ptr(), index, run, in_place)  # type: ignore[no-any-return]
         return run
 
     READY_MAX = 64  # prepared launches per runner; a full cache starts again

@@ -1,0 +1,179 @@
+"""The compiled fast path (collectives/_fastpath.c) against what the Python fast path does.
+
+On CPU, with stand-ins: the driver's launch is a ctypes callback that records its arguments,
+torch's current CUDA device reads -1 (what ``get_device()`` gives a CPU tensor) and the current
+stream is a made-up handle. The tables are the real ones: a communicator's ``_fast``, a runner's
+prepared launches, the flight recorder's ring.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import collectives as C
+from collectives import _native
+from collectives.recorder import FIELDS, RECORDER
+
+STREAM = 0x5EED
+LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *([ctypes.c_uint] * 7), ctypes.c_void_p, ctypes.c_void_p,
+                          ctypes.c_void_p)
+
+
+class Params:
+    """What ``_launch.Kernel.prepare`` returns, as far as a launch reads it."""
+
+    def __init__(self, params: int) -> None:
+        self.params = params
+
+
+def _setup(tmp: str) -> tuple:  # type: ignore[type-arg]
+    module = _native._import(_native.build(Path(tmp)))
+    launches: list[tuple] = []  # type: ignore[type-arg]
+    py_launches: list[tuple] = []  # type: ignore[type-arg]
+    rc = [0]
+
+    def fake_launch(fn, gx, gy, gz, bx, by, bz, shared, stream, params, extra):  # noqa: ANN001, ANN202
+        launches.append((fn, gx, gy, gz, bx, by, bz, shared, stream, params, extra))
+        return rc[0]
+
+    cb = LAUNCH(fake_launch)
+    _native.configure(module, current_device=lambda: -1, current_stream=lambda device: STREAM,
+                      launch_address=ctypes.cast(cb, ctypes.c_void_p).value,
+                      py_launch=lambda *a: py_launches.append(a), threads=512, device_flag="is_cpu")
+    return module, cb, launches, py_launches, rc
+
+
+def body_native(rank: int, world: int) -> dict:  # type: ignore[type-arg]
+    out: dict = {}  # type: ignore[type-arg]
+    with tempfile.TemporaryDirectory() as tmp:
+        module, cb, launches, py_launches, rc = _setup(tmp)
+        comm = C.get_communicator()
+        err = torch.zeros(8, dtype=torch.int32)
+        slow_calls: list[tuple] = []  # type: ignore[type-arg]
+        x = torch.randn(37)
+        sum_op = C.ReduceOp.SUM
+        ready = {x.data_ptr(): (0xF00D, 7, Params(0xBEEF), "one_shot_all_reduce")}
+        runner = module.Runner(ready, err.data_ptr(), 3, lambda o, i: slow_calls.append((o.data_ptr(), i.data_ptr())), True)
+        key = ("all_reduce", "auto", id(sum_op), x.dtype, x.numel())
+        comm._fast.clear()
+        comm._fast[key] = (runner, sum_op)
+
+        # a repeat: one launch, counted and recorded like the Python path's
+        seq0, next0 = comm.seq, RECORDER._next
+        line = sys._getframe().f_lineno + 1
+        got = module.fast_dispatch(comm, "all_reduce", x, x, sum_op, "auto")
+        out["ran"] = got is None
+        out["launch"] = launches[-1] if launches else None
+        out["seq"] = comm.seq - seq0
+        entry = dict(zip(FIELDS, RECORDER._ring[next0 % RECORDER.capacity]))
+        out["entry"] = {k: (list(v) if isinstance(v, torch.Size) else v) for k, v in entry.items()
+                        if k not in ("t_enqueue", "t_end", "group_ranks", "dtype")}
+        out["entry_dtype"] = entry["dtype"] is x.dtype
+        out["entry_times"] = entry["t_enqueue"] <= entry["t_end"]
+        out["line"] = (__file__, line)
+        out["group"] = comm._group_name
+
+        # what it leaves to Python: nothing launched, nothing counted
+        n, seq1 = len(launches), comm.seq
+        misses = {
+            "other count": (torch.randn(38), sum_op),
+            "not contiguous": (torch.randn(74)[::2], sum_op),
+            "other reduce op": (x, C.ReduceOp.AVG),
+            "other dtype": (x.double(), sum_op),
+        }
+        out["misses"] = {k: module.fast_dispatch(comm, "all_reduce", t, t, op, "auto") is NotImplemented
+                         for k, (t, op) in misses.items()}
+        hook = lambda *a: None  # noqa: E731
+        C.add_trace_hook(hook)
+        out["misses"]["trace hook"] = module.fast_dispatch(comm, "all_reduce", x, x, sum_op, "auto") is NotImplemented
+        C.remove_trace_hook(hook)
+        with C.call_timeout(5):
+            out["misses"]["call_timeout"] = module.fast_dispatch(comm, "all_reduce", x, x, sum_op, "auto") is NotImplemented
+        out["miss_launches"], out["miss_seq"] = len(launches) - n, comm.seq - seq1
+
+        # the runner's own misses go to the Python runner: an unknown address, a reported timeout
+        y = torch.randn(37)
+        runner(y, y)
+        err[0] = 1
+        runner(x, x)
+        err[0] = 0
+        out["slow"] = slow_calls == [(y.data_ptr(), y.data_ptr()), (x.data_ptr(), x.data_ptr())]
+        # a failed launch goes to the Python launcher with the same arguments
+        rc[0] = 201
+        runner(x, x)
+        rc[0] = 0
+        out["py_launch"] = py_launches[-1] if py_launches else None
+
+        # a runner that raises: the entry says failed and the error reaches the caller
+        def boom(o: torch.Tensor, i: torch.Tensor) -> None:
+            raise RuntimeError("kernel said no")
+
+        comm._fast[key] = (boom, sum_op)
+        nxt = RECORDER._next
+        try:
+            module.fast_dispatch(comm, "all_reduce", x, x, sum_op, "auto")
+            out["raised"] = None
+        except RuntimeError as exc:
+            out["raised"] = str(exc)
+        out["failed_state"] = RECORDER._ring[nxt % RECORDER.capacity][FIELDS.index("state")]
+
+        # out of place (reduce-scatter's signature), with the recorder off
+        comm._fast[key] = (runner, sum_op)
+        big, small = torch.randn(74), torch.randn(37)
+        ready[(small.data_ptr(), big.data_ptr())] = (0xCAFE, 3, Params(0xD00D), "reduce_scatter")
+        rs = module.Runner(ready, err.data_ptr(), 3, lambda o, i: slow_calls.append("rs"), False)
+        comm._fast[("reduce_scatter", "one_shot", "sum", small.dtype, 37, 74)] = (rs, "sum")
+        RECORDER.enabled, nxt = False, RECORDER._next
+        try:
+            out["rs"] = module.fast_dispatch(comm, "reduce_scatter", small, big, "sum", "one_shot") is None
+        finally:
+            RECORDER.enabled = True
+        out["rs_launch"] = launches[-1][:2] + launches[-1][8:10]
+        out["rs_unrecorded"] = RECORDER._next == nxt
+        out["rs_wrong_input_dtype"] = module.fast_dispatch(comm, "reduce_scatter", small, big.double(), "sum",
+                                                           "one_shot") is NotImplemented
+
+        # no references gained or lost over many calls (once the ring is full of such calls, a
+        # call's entry replaces an equal one)
+        objs = [x, comm, sum_op, runner, ready, x.dtype, "all_reduce", "auto", comm._group_name, comm.global_ranks]
+        for _ in range(RECORDER.capacity):
+            module.fast_dispatch(comm, "all_reduce", x, x, sum_op, "auto")
+        before = [sys.getrefcount(o) for o in objs]
+        for _ in range(RECORDER.capacity + 7):
+            module.fast_dispatch(comm, "all_reduce", x, x, sum_op, "auto")
+        out["refcounts"] = [sys.getrefcount(o) for o in objs] == before
+        comm._fast.clear()
+        del cb
+    return out
+
+
+def test_compiled_fast_path_matches_the_python_one(worlds) -> None:  # noqa: ANN001
+    [r] = worlds(1).run(body_native)
+    assert r["ran"] and r["seq"] == 1
+    assert r["launch"] == (0xF00D, 7, 1, 1, 512, 1, 1, 0, STREAM, 0xBEEF, None)
+    e = r["entry"]
+    assert (e["group"], e["seq"] > 0, e["op"], e["algorithm"], e["in_shape"], e["out_shape"], e["root"], e["state"]) \
+        == (r["group"], True, "all_reduce", "auto", [37], [37], None, "completed")
+    assert e["reduce_op"] is not None and r["entry_dtype"] and r["entry_times"]
+    assert tuple(e["callsite"]) == tuple(r["line"])
+    assert r["misses"] == {k: True for k in r["misses"]} and len(r["misses"]) == 6
+    assert r["miss_launches"] == 0 and r["miss_seq"] == 0
+    assert r["slow"]
+    assert r["py_launch"] is not None and r["py_launch"][0] == 0xF00D and r["py_launch"][2] == STREAM \
+        and r["py_launch"][3] == 0xBEEF and r["py_launch"][4] == "one_shot_all_reduce" and r["py_launch"][5] == 3
+    assert r["raised"] == "kernel said no" and r["failed_state"] == "failed"
+    assert r["rs"] and r["rs_launch"] == (0xCAFE, 3, STREAM, 0xD00D) and r["rs_unrecorded"]
+    assert r["rs_wrong_input_dtype"]
+    assert r["refcounts"]
+
+
+def test_build_failure_is_reported(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setenv("CC", "false")
+    with pytest.raises(RuntimeError, match="failed"):
+        _native.build(tmp_path)
