@@ -30,15 +30,16 @@ typedef int (*launch_t)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned
                         unsigned shared, void *stream, void **params, void **extra);
 
 /* What configure() hands over: the objects the Python fast path reads. */
-static PyObject *tensor_type, *hooks, *local, *profiling, *nvtx, *current_device, *current_stream, *recorder,
-    *skipped, *fail, *py_launch, *s_started, *s_completed, *s_failed;
+static PyObject *tensor_type, *hooks, *local, *open_bounds, *profiling, *current_device, *current_stream, *recorder,
+    *ring, *skipped, *fail, *py_launch, *s_started, *s_completed, *s_failed;
+static int nvtx_on; /* NVTX ranges wanted (collectives._env.nvtx_enabled(), fixed per process) */
 static launch_t cu_launch;
 static unsigned threads;
 
 /* Interned attribute names. */
 static PyObject *a_timeout, *a_debug, *a_fast, *a_seq, *a_is_device, *a_dtype, *a_numel, *a_is_contiguous,
     *a_get_device, *a_data_ptr, *a_shape, *a_group_name, *a_global_ranks, *a_enabled, *a_next, *a_ring,
-    *a_capacity, *a_progress, *a_track, *a_params;
+    *a_progress, *a_track, *a_params;
 
 #define NFIELDS 14 /* recorder.FIELDS */
 #define T_ENQUEUE 11
@@ -281,17 +282,11 @@ static PyObject *record_start(PyObject *comm, PyObject *op, PyObject *algorithm,
     int on = truthy_attr(recorder, a_enabled);
     if (on <= 0) return on < 0 ? NULL : Py_None;
     PyObject *next = PyObject_GetAttr(recorder, a_next);
-    PyObject *ring = PyObject_GetAttr(recorder, a_ring);
-    PyObject *cap = PyObject_GetAttr(recorder, a_capacity);
-    PyObject *entry = NULL, *one = NULL, *after = NULL, *slot = NULL;
-    if (next == NULL || ring == NULL || cap == NULL || !PyList_Check(ring)) goto done;
-    one = PyLong_FromLong(1);
-    after = one ? PyNumber_Add(next, one) : NULL;
-    slot = PyNumber_Remainder(next, cap);
-    if (after == NULL || slot == NULL || PyObject_SetAttr(recorder, a_next, after) < 0) goto done;
-    Py_ssize_t i = PyLong_AsSsize_t(slot);
-    if (i < 0 || i >= PyList_GET_SIZE(ring)) goto done;
-    entry = PyList_GET_ITEM(ring, i);
+    PyObject *entry = NULL, *after = NULL;
+    long long n = next ? PyLong_AsLongLong(next) : -1;
+    if (n < 0 || (after = PyLong_FromLongLong(n + 1)) == NULL || PyObject_SetAttr(recorder, a_next, after) < 0)
+        goto done;
+    entry = PyList_GET_ITEM(ring, n % PyList_GET_SIZE(ring)); /* the ring has ``capacity`` slots */
     if (!PyList_Check(entry) || PyList_GET_SIZE(entry) != NFIELDS) {
         entry = NULL;
         goto done;
@@ -327,7 +322,8 @@ static PyObject *record_start(PyObject *comm, PyObject *op, PyObject *algorithm,
     Py_XDECREF(progress);
     if (PyErr_Occurred()) entry = NULL;
 done:
-    Py_XDECREF(next); Py_XDECREF(ring); Py_XDECREF(cap); Py_XDECREF(one); Py_XDECREF(after); Py_XDECREF(slot);
+    Py_XDECREF(next);
+    Py_XDECREF(after);
     return entry;
 }
 
@@ -371,10 +367,12 @@ static PyObject *fast_dispatch(PyObject *module, PyObject *const *args, Py_ssize
 
     MISS_IF(Py_TYPE(output) != (PyTypeObject *)tensor_type || PyList_GET_SIZE(hooks) != 0);
     MISS_IF((r = truthy_attr(comm, a_debug)) != 0);
-    PyObject *bound = PyObject_GetAttr(local, a_timeout); /* a call_timeout block's bound */
-    int unbounded = bound == Py_None;
-    Py_XDECREF(bound);
-    MISS_IF(!unbounded);
+    if (PyLong_AsLong(PyList_GET_ITEM(open_bounds, 0)) != 0) { /* a call_timeout block is open somewhere */
+        PyObject *bound = PyObject_GetAttr(local, a_timeout); /* this thread's bound */
+        int unbounded = bound == Py_None;
+        Py_XDECREF(bound);
+        MISS_IF(!unbounded);
+    }
     MISS_IF((r = truthy_attr(output, a_is_device)) != 1);
 
     rop = (reduce_op == Py_None || PyUnicode_CheckExact(reduce_op)) ? (Py_INCREF(reduce_op), reduce_op)
@@ -412,8 +410,7 @@ static PyObject *fast_dispatch(PyObject *module, PyObject *const *args, Py_ssize
         MISS_IF(!same);
         MISS_IF((r = tensor_ok(input, device)) != 1);
     }
-    MISS_IF((r = truthy_call(profiling)) != 0);
-    MISS_IF((r = truthy_call(nvtx)) != 0);
+    MISS_IF(nvtx_on || (r = truthy_call(profiling)) != 0);
 
     /* from here on the call is ours: count it, record it, run it */
     PyObject *runner = PyTuple_GET_ITEM(hit, 0);
@@ -466,16 +463,26 @@ error:
 }
 
 static PyObject *configure(PyObject *module, PyObject *args, PyObject *kwargs) {
-    static char *names[] = {"tensor_type", "hooks", "local", "profiling", "nvtx", "current_device",
-                            "current_stream", "recorder", "skipped", "fail", "py_launch", "launch_address",
-                            "threads", "device_flag", NULL};
+    static char *names[] = {"tensor_type", "hooks", "local", "open_bounds", "profiling", "nvtx",
+                            "current_device", "current_stream", "recorder", "skipped", "fail", "py_launch",
+                            "launch_address", "threads", "device_flag", NULL};
     PyObject *o[11], *flag;
     unsigned long long addr;
     unsigned t;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OOOOOOO!OOKIU", names, &o[0], &PyList_Type, &o[1], &o[2],
-                                     &o[3], &o[4], &o[5], &o[6], &o[7], &PyTuple_Type, &o[8], &o[9], &o[10], &addr,
-                                     &t, &flag))
+    int nvtx;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OO!OpOOOO!OOKIU", names, &o[0], &PyList_Type, &o[1], &o[2],
+                                     &PyList_Type, &o[3], &o[4], &nvtx, &o[5], &o[6], &o[7], &PyTuple_Type, &o[8],
+                                     &o[9], &o[10], &addr, &t, &flag))
         return NULL;
+    PyObject *r = PyObject_GetAttr(o[7], a_ring);
+    if (r == NULL) return NULL;
+    if (!PyList_Check(r) || PyList_GET_SIZE(r) == 0 || PyList_GET_SIZE(o[3]) != 1) {
+        Py_DECREF(r);
+        PyErr_SetString(PyExc_TypeError, "recorder._ring must be a non-empty list and open_bounds a list of one int");
+        return NULL;
+    }
+    Py_XSETREF(ring, r);
+    nvtx_on = nvtx;
     Py_INCREF(flag);
     PyUnicode_InternInPlace(&flag);
     Py_XSETREF(a_is_device, flag);
@@ -483,8 +490,8 @@ static PyObject *configure(PyObject *module, PyObject *args, PyObject *kwargs) {
         PyErr_SetString(PyExc_ValueError, "launch_address is 0: pass the address of cuLaunchKernel");
         return NULL;
     }
-    PyObject **slots[11] = {&tensor_type, &hooks, &local, &profiling, &nvtx, &current_device, &current_stream,
-                            &recorder, &skipped, &fail, &py_launch};
+    PyObject **slots[11] = {&tensor_type, &hooks, &local, &open_bounds, &profiling, &current_device,
+                            &current_stream, &recorder, &skipped, &fail, &py_launch};
     for (int i = 0; i < 11; i++) {
         Py_INCREF(o[i]);
         Py_XSETREF(*slots[i], o[i]);
@@ -526,7 +533,7 @@ PyMODINIT_FUNC PyInit__fastpath(void) {
     INTERN(a_dtype, "dtype"); INTERN(a_numel, "numel");
     INTERN(a_is_contiguous, "is_contiguous"); INTERN(a_get_device, "get_device"); INTERN(a_data_ptr, "data_ptr");
     INTERN(a_shape, "shape"); INTERN(a_group_name, "_group_name"); INTERN(a_global_ranks, "global_ranks");
-    INTERN(a_enabled, "enabled"); INTERN(a_next, "_next"); INTERN(a_ring, "_ring"); INTERN(a_capacity, "capacity");
+    INTERN(a_enabled, "enabled"); INTERN(a_next, "_next"); INTERN(a_ring, "_ring"); 
     INTERN(a_progress, "_progress"); INTERN(a_track, "_track"); INTERN(a_params, "params");
     INTERN(s_started, "started"); INTERN(s_completed, "completed"); INTERN(s_failed, "failed");
 #undef INTERN

@@ -125,11 +125,11 @@ def configure(module: ModuleType, *, current_device: Any, current_stream: Any, l
     import torch
 
     from .dispatch import _HOOKS, _failed, _profiling
-    from ._wait import _LOCAL
+    from ._wait import _LOCAL, _OPEN
     from .recorder import _SKIPPED, RECORDER
 
-    module.configure(tensor_type=torch.Tensor, hooks=_HOOKS, local=_LOCAL, profiling=_profiling,
-                     nvtx=_env.nvtx_enabled, current_device=current_device, current_stream=current_stream,
+    module.configure(tensor_type=torch.Tensor, hooks=_HOOKS, local=_LOCAL, open_bounds=_OPEN, profiling=_profiling,
+                     nvtx=_env.nvtx_enabled(), current_device=current_device, current_stream=current_stream,
                      recorder=RECORDER, skipped=tuple(_SKIPPED), fail=_failed, py_launch=py_launch,
                      launch_address=launch_address, threads=threads, device_flag=device_flag)
 

@@ -35,6 +35,9 @@ class _Local(threading.local):
 
 
 _LOCAL = _Local()
+# call_timeout blocks open on any thread: while none is, no thread has a bound to read (the
+# compiled fast path, collectives/_fastpath.c, skips the thread-local lookup then)
+_OPEN = [0]
 
 
 @contextmanager
@@ -45,9 +48,11 @@ def call_timeout(seconds: float | datetime.timedelta) -> Iterator[None]:
         raise InvalidArgumentError("seconds", seconds, "is not a positive duration", "pass e.g. 30")
     before = _LOCAL.timeout
     _LOCAL.timeout = t
+    _OPEN[0] += 1
     try:
         yield
     finally:
+        _OPEN[0] -= 1
         _LOCAL.timeout = before
 
 
