@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ._types import DATA_OPS, OPS, REDUCE_OPS, ReduceOp
 from .bootstrap import LaunchInfo, init
 from .communicator import Communicator, destroy, get_communicator
+from . import dispatch as _dispatch
 from .dispatch import Call, add_trace_hook, dispatch_tensors, remove_trace_hook
 from .errors import (
     CollectiveMismatch,
@@ -63,18 +64,27 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Group = None
         async_op: return a :class:`Work` handle instead of waiting.
         algorithm: "auto" or a name from :func:`algorithms` ("all_reduce").
     """
+    fast = _dispatch._native_verb  # a repeat, compiled (collectives/_native.py); None: it is not one
+    if fast is not None and fast("all_reduce", tensor, tensor, op, group, async_op, algorithm) is None:
+        return None
     return dispatch_tensors(get_communicator(group), "all_reduce", tensor, tensor, op, algorithm, async_op)
 
 
 def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM, group: Group = None,
                           async_op: bool = False, *, algorithm: str = "auto") -> Work | None:
     """Reduce ``input`` ([world * n]) across ranks; rank r receives elements [r*n, (r+1)*n) into ``output`` ([n])."""
+    fast = _dispatch._native_verb
+    if fast is not None and fast("reduce_scatter", output, input, op, group, async_op, algorithm) is None:
+        return None
     return dispatch_tensors(get_communicator(group), "reduce_scatter", output, input, op, algorithm, async_op)
 
 
 def all_gather_single(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Group = None,
                       async_op: bool = False, *, algorithm: str = "auto") -> Work | None:
     """Gather every rank's ``input_tensor`` ([n]) in rank order into ``output_tensor`` ([world * n])."""
+    fast = _dispatch._native_verb
+    if fast is not None and fast("all_gather", output_tensor, input_tensor, None, group, async_op, algorithm) is None:
+        return None
     return dispatch_tensors(get_communicator(group), "all_gather", output_tensor, input_tensor, None, algorithm, async_op)
 
 

@@ -32,6 +32,7 @@ typedef int (*launch_t)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned
 /* What configure() hands over: the objects the Python fast path reads. */
 static PyObject *tensor_type, *hooks, *local, *open_bounds, *profiling, *current_device, *current_stream, *recorder,
     *ring, *skipped, *fail, *py_launch, *s_started, *s_completed, *s_failed;
+static PyObject *comms, *world_comm, *c10d; /* communicator._COMMS, communicator._WORLD, torch.distributed.distributed_c10d */
 static int nvtx_on; /* NVTX ranges wanted (collectives._env.nvtx_enabled(), fixed per process) */
 static launch_t cu_launch;
 static unsigned threads;
@@ -39,7 +40,7 @@ static unsigned threads;
 /* Interned attribute names. */
 static PyObject *a_timeout, *a_debug, *a_fast, *a_seq, *a_is_device, *a_dtype, *a_numel, *a_is_contiguous,
     *a_get_device, *a_data_ptr, *a_shape, *a_group_name, *a_global_ranks, *a_enabled, *a_next, *a_ring,
-    *a_progress, *a_track, *a_params;
+    *a_progress, *a_track, *a_params, *a_world, *a_default_pg, *a_group;
 
 #define NFIELDS 14 /* recorder.FIELDS */
 #define T_ENQUEUE 11
@@ -462,18 +463,69 @@ error:
     return NULL;
 }
 
+/* communicator.get_communicator(group) where it is a lookup (a borrowed reference), else NULL
+   with no exception: the default group's communicator while it is still torch's default group
+   (GroupMember.WORLD), or a group's cached one. */
+static PyObject *find_comm(PyObject *group) {
+    if (comms == NULL) return NULL;
+    PyObject *holder = PyObject_GetAttr(c10d, a_world);
+    PyObject *world = holder ? PyObject_GetAttr(holder, a_default_pg) : NULL;
+    Py_XDECREF(holder);
+    if (world == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    PyObject *comm = NULL;
+    if (group == Py_None || group == world) {
+        if (PyList_GET_SIZE(world_comm) > 0) {
+            PyObject *c = PyList_GET_ITEM(world_comm, 0);
+            PyObject *g = PyObject_GetAttr(c, a_group);
+            if (g == world) comm = c;
+            Py_XDECREF(g);
+        }
+    } else {
+        /* _COMMS is a WeakKeyDictionary; ``comms`` is its dict of weak references (a weak
+           reference hashes and compares as its referent; the plain one is shared, so this
+           allocates nothing after the first call) */
+        PyObject *ref = PyWeakref_NewRef(group, NULL);
+        comm = ref ? PyDict_GetItemWithError(comms, ref) : NULL; /* borrowed */
+        Py_XDECREF(ref);
+    }
+    Py_DECREF(world);
+    PyErr_Clear();
+    return comm;
+}
+
+static PyObject *fast_verb(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "fast_verb(op, output, input, reduce_op, group, async_op, algorithm)");
+        return NULL;
+    }
+    if (args[5] != Py_False || tensor_type == NULL) Py_RETURN_NOTIMPLEMENTED;
+    PyObject *comm = find_comm(args[4]);
+    if (comm == NULL) Py_RETURN_NOTIMPLEMENTED;
+    PyObject *call[6] = {comm, args[0], args[1], args[2], args[3], args[6]};
+    return fast_dispatch(module, call, 6);
+}
+
 static PyObject *configure(PyObject *module, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"tensor_type", "hooks", "local", "open_bounds", "profiling", "nvtx",
                             "current_device", "current_stream", "recorder", "skipped", "fail", "py_launch",
-                            "launch_address", "threads", "device_flag", NULL};
-    PyObject *o[11], *flag;
+                            "launch_address", "threads", "device_flag", "comms", "world", "c10d", NULL};
+    PyObject *o[11], *flag, *cm, *wc, *cd; /* comms: a dict */
     unsigned long long addr;
     unsigned t;
     int nvtx;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OO!OpOOOO!OOKIU", names, &o[0], &PyList_Type, &o[1], &o[2],
-                                     &PyList_Type, &o[3], &o[4], &nvtx, &o[5], &o[6], &o[7], &PyTuple_Type, &o[8],
-                                     &o[9], &o[10], &addr, &t, &flag))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OO!OpOOOO!OOKIUO!O!O", names, &o[0], &PyList_Type, &o[1],
+                                     &o[2], &PyList_Type, &o[3], &o[4], &nvtx, &o[5], &o[6], &o[7], &PyTuple_Type,
+                                     &o[8], &o[9], &o[10], &addr, &t, &flag, &PyDict_Type, &cm, &PyList_Type, &wc, &cd))
         return NULL;
+    Py_INCREF(cm);
+    Py_INCREF(wc);
+    Py_INCREF(cd);
+    Py_XSETREF(comms, cm);
+    Py_XSETREF(world_comm, wc);
+    Py_XSETREF(c10d, cd);
     PyObject *r = PyObject_GetAttr(o[7], a_ring);
     if (r == NULL) return NULL;
     if (!PyList_Check(r) || PyList_GET_SIZE(r) == 0 || PyList_GET_SIZE(o[3]) != 1) {
@@ -520,6 +572,9 @@ static PyMethodDef methods[] = {
     {"last_miss", (PyCFunction)last_miss, METH_NOARGS, "the source line of the last check that sent a call to Python"},
     {"fast_dispatch", (PyCFunction)(void (*)(void))fast_dispatch, METH_FASTCALL,
      "fast_dispatch(comm, op, output, input, reduce_op, algorithm) -> None (ran) or NotImplemented"},
+    {"fast_verb", (PyCFunction)(void (*)(void))fast_verb, METH_FASTCALL,
+     "fast_verb(op, output, input, reduce_op, group, async_op, algorithm): fast_dispatch with the group's "
+     "communicator found as get_communicator finds it; NotImplemented where it is not a lookup"},
     {"configure", (PyCFunction)(void (*)(void))configure, METH_VARARGS | METH_KEYWORDS,
      "configure(**objects the fast path reads; see collectives/_native.py)"},
     {NULL, NULL, 0, NULL},
@@ -535,6 +590,7 @@ PyMODINIT_FUNC PyInit__fastpath(void) {
     INTERN(a_shape, "shape"); INTERN(a_group_name, "_group_name"); INTERN(a_global_ranks, "global_ranks");
     INTERN(a_enabled, "enabled"); INTERN(a_next, "_next"); INTERN(a_ring, "_ring"); 
     INTERN(a_progress, "_progress"); INTERN(a_track, "_track"); INTERN(a_params, "params");
+    INTERN(a_world, "_world"); INTERN(a_default_pg, "default_pg"); INTERN(a_group, "group");
     INTERN(s_started, "started"); INTERN(s_completed, "completed"); INTERN(s_failed, "failed");
 #undef INTERN
     if (PyType_Ready(&RunnerType) < 0) return NULL;

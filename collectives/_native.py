@@ -124,6 +124,9 @@ def configure(module: ModuleType, *, current_device: Any, current_stream: Any, l
     accessors and the launcher are arguments so that tests can give CPU stand-ins."""
     import torch
 
+    import torch.distributed.distributed_c10d as c10d
+
+    from .communicator import _COMMS, _WORLD
     from .dispatch import _HOOKS, _failed, _profiling
     from ._wait import _LOCAL, _OPEN
     from .recorder import _SKIPPED, RECORDER
@@ -131,7 +134,8 @@ def configure(module: ModuleType, *, current_device: Any, current_stream: Any, l
     module.configure(tensor_type=torch.Tensor, hooks=_HOOKS, local=_LOCAL, open_bounds=_OPEN, profiling=_profiling,
                      nvtx=_env.nvtx_enabled(), current_device=current_device, current_stream=current_stream,
                      recorder=RECORDER, skipped=tuple(_SKIPPED), fail=_failed, py_launch=py_launch,
-                     launch_address=launch_address, threads=threads, device_flag=device_flag)
+                     launch_address=launch_address, threads=threads, device_flag=device_flag,
+                     comms=_COMMS.data, world=_WORLD, c10d=c10d)  # data: weak reference -> communicator
 
 
 def configure_cuda() -> ModuleType | None:

@@ -157,7 +157,7 @@ class Communicator:
         if self._derived is None:
             from topology.groups import derive
 
-            self._derived = derive(self.topology, self.rank, self.global_ranks, self.backend)
+            self._derived = derive(self.topology, self.rank, self.global_ranks, self.backend, self.group)
         return self._derived
 
     # -- internals used by algorithms -------------------------------------------------------

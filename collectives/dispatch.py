@@ -148,15 +148,19 @@ def _resolve(call: Call) -> Algorithm:
 
 def _use_native() -> None:
     """Load the compiled fast path (collectives/_native.py) for this process's CUDA calls."""
-    global _native_dispatch, _native_tried
+    global _native_dispatch, _native_verb, _native_tried
     module = _native.configure_cuda()
     _native_dispatch = None if module is None else module.fast_dispatch
+    _native_verb = None if module is None else module.fast_verb
     _native_tried = True
 
 
 # the compiled fast path's entry point, once loaded: fast_dispatch(comm, op, output, input,
 # reduce_op, algorithm) is None when it ran the call, NotImplemented when Python should
 _native_dispatch: Callable[..., Any] | None = None
+# the same for the verbs, finding the communicator too: fast_verb(op, output, input, reduce_op,
+# group, async_op, algorithm) (collectives/__init__.py)
+_native_verb: Callable[..., Any] | None = None
 _native_tried = False
 _now = time.time
 _FAST_MAX = 512  # call signatures kept per communicator (dispatch_tensors); a full table starts again

@@ -165,3 +165,25 @@ def body_init_on_existing_group(rank: int, world: int) -> list:
 def test_init_is_idempotent_and_adopts_the_callers_group(worlds) -> None:  # noqa: ANN001
     for res in worlds(2).run(body_init_on_existing_group):
         assert all(res)
+
+
+def body_uneven_group_counts(rank: int, world: int) -> list[float]:
+    from topology import Topology
+
+    # ranks 0 and 2 make a group that rank 1 does not: they now count one process group more,
+    # and torch names groups made with local synchronization after that count
+    if rank in (0, 2):
+        dist.new_group([0, 2], use_local_synchronization=True)
+    comm = C.get_communicator()
+    comm.set_topology(Topology.from_nodes([[0, 1], [2]]))
+    try:
+        x = torch.full((5,), float(rank + 1))
+        C.all_reduce(x, algorithm="hierarchical")  # derives groups (0, 1), (2,) and the leaders (0, 2)
+        return x.tolist()
+    finally:
+        comm.set_topology(None)
+
+
+def test_derived_groups_survive_ranks_with_different_group_counts(worlds) -> None:  # noqa: ANN001
+    for got in worlds(3).run(body_uneven_group_counts, timeout=120):
+        assert got == [6.0] * 5

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import collectives as C
 from collectives import _native
@@ -78,6 +79,20 @@ def body_native(rank: int, world: int) -> dict:  # type: ignore[type-arg]
         out["entry_times"] = entry["t_enqueue"] <= entry["t_end"]
         out["line"] = (__file__, line)
         out["group"] = comm._group_name
+
+        # the verbs' way in finds the communicator as get_communicator does
+        n0 = len(launches)
+        out["verb_default"] = module.fast_verb("all_reduce", x, x, sum_op, None, False, "auto") is None
+        out["verb_world"] = module.fast_verb("all_reduce", x, x, sum_op, comm.group, False, "auto") is None
+        sub = dist.new_group([0])
+        out["verb_unknown_group"] = module.fast_verb("all_reduce", x, x, sum_op, sub, False, "auto") is NotImplemented
+        sub_comm = C.get_communicator(sub)
+        sub_comm._fast[key] = (runner, sum_op)
+        seq_sub = sub_comm.seq
+        out["verb_subgroup"] = module.fast_verb("all_reduce", x, x, sum_op, sub, False, "auto") is None \
+            and sub_comm.seq == seq_sub + 1
+        out["verb_async"] = module.fast_verb("all_reduce", x, x, sum_op, None, True, "auto") is NotImplemented
+        out["verb_launches"] = len(launches) - n0
 
         # what it leaves to Python: nothing launched, nothing counted
         n, seq1 = len(launches), comm.seq
@@ -162,6 +177,8 @@ def test_compiled_fast_path_matches_the_python_one(worlds) -> None:  # noqa: ANN
         == (r["group"], True, "all_reduce", "auto", [37], [37], None, "completed")
     assert e["reduce_op"] is not None and r["entry_dtype"] and r["entry_times"]
     assert tuple(e["callsite"]) == tuple(r["line"])
+    assert r["verb_default"] and r["verb_world"] and r["verb_unknown_group"] and r["verb_subgroup"] and r["verb_async"]
+    assert r["verb_launches"] == 3
     assert r["misses"] == {k: True for k in r["misses"]} and len(r["misses"]) == 6
     assert r["miss_launches"] == 0 and r["miss_seq"] == 0
     assert r["slow"]

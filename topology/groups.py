@@ -11,7 +11,10 @@ Groups are created once per (backend, rank set) and cached for the life of the p
 communicators over the same ranks share them. Creation uses ``new_group(...,
 use_local_synchronization=True)``: only members take part, each rank creates its groups in one
 fixed order (intra, rail, leaders), which cannot deadlock because every group's members all reach
-its creation after creating the same earlier groups.
+its creation after creating the same earlier groups. torch names such a group after its ranks and
+the number of groups the process has made, so before creating any, the communicator's ranks line
+that number up (:func:`_align_group_counts`); a program whose ranks made different numbers of
+groups would otherwise hang there.
 """
 
 from __future__ import annotations
@@ -66,7 +69,29 @@ def _group(backend: str, global_ranks: tuple[int, ...], world_group: Any) -> Any
     return g
 
 
-def derive(topo: Topology, rank: int, global_ranks: tuple[int, ...], backend: str) -> DerivedGroups:
+def _align_group_counts(group: Any, backend: str) -> None:
+    """Give every member of ``group`` as many process groups as the one with the most.
+
+    torch names a group made with ``use_local_synchronization=True`` after its ranks and the
+    number of groups the calling process has made so far (``_hash_ranks_to_str`` in
+    ``torch.distributed.distributed_c10d``). Members that have made different numbers (a subgroup
+    that left some of them out, made by the program or by commops) would name the same new group
+    differently and wait for each other forever. So the members compare their counts (one small
+    all-gather over ``group``, which exists) and each one behind makes single-rank groups until it
+    has caught up; those cost nothing to the others."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    names = getattr(world, "pg_names", None)
+    if names is None:  # a torch that names groups some other way: nothing to align
+        return
+    counts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(counts, len(names), group=group)
+    me = dist.get_rank()
+    for _ in range(max(counts) - len(names)):
+        dist.new_group([me], backend=backend, use_local_synchronization=True)
+
+
+def derive(topo: Topology, rank: int, global_ranks: tuple[int, ...], backend: str,
+           group: Any = None) -> DerivedGroups:
     """Create (or fetch) this rank's derived groups. Collective over each derived group's members.
 
     Args:
@@ -74,6 +99,8 @@ def derive(topo: Topology, rank: int, global_ranks: tuple[int, ...], backend: st
         rank: this rank's index in the communicator's group.
         global_ranks: the communicator's group ranks -> global ranks.
         backend: the backend string of the communicator's group.
+        group: the communicator's process group (default: the world), over which the members
+            first line up their group counts (:func:`_align_group_counts`).
     """
     if topo.world != len(global_ranks):
         raise ValueError(f"topology has {topo.world} ranks but the group has {len(global_ranks)}")
@@ -81,6 +108,7 @@ def derive(topo: Topology, rank: int, global_ranks: tuple[int, ...], backend: st
     node = next(k for k, members in enumerate(nodes) if rank in members)
     local = nodes[node].index(rank)
     world_pg = dist.group.WORLD
+    _align_group_counts(world_pg if group is None else group, backend)
 
     def pg(members: tuple[int, ...]) -> Any:
         return _group(backend, tuple(global_ranks[m] for m in members), world_pg)
