@@ -135,7 +135,8 @@ def configure(module: ModuleType, *, current_device: Any, current_stream: Any, l
                      nvtx=_env.nvtx_enabled(), current_device=current_device, current_stream=current_stream,
                      recorder=RECORDER, skipped=tuple(_SKIPPED), fail=_failed, py_launch=py_launch,
                      launch_address=launch_address, threads=threads, device_flag=device_flag,
-                     comms=_COMMS.data, world=_WORLD, c10d=c10d)  # data: weak reference -> communicator
+                     comms=_COMMS.data,  # type: ignore[attr-defined]  # weak reference -> communicator
+                     world=_WORLD, c10d=c10d)
 
 
 def configure_cuda() -> ModuleType | None:

@@ -71,11 +71,12 @@ def host_costs(comm: C.Communicator, pm: PeerMemory, dev: torch.device) -> dict[
     }
     # the same verb through the Python fast path instead of the compiled one (collectives/_native.py)
     out["native"] = _native.status()  # type: ignore[assignment]
-    compiled, _dispatch._native_dispatch = _dispatch._native_dispatch, None
+    compiled = _dispatch._native_dispatch, _dispatch._native_verb
+    _dispatch._native_dispatch = _dispatch._native_verb = None
     try:
         out["commops_auto_python"] = _host_us(lambda: C.all_reduce(x))
     finally:
-        _dispatch._native_dispatch = compiled
+        _dispatch._native_dispatch, _dispatch._native_verb = compiled
     keep = RECORDER.enabled
     RECORDER.enabled = False
     try:
