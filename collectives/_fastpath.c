@@ -107,17 +107,26 @@ static int launch_ready(Runner *self, PyObject *hit) {
     unsigned long grid = PyLong_AsUnsignedLong(blocks);
     void *p = params ? PyLong_AsVoidPtr(params) : NULL;
     void *s = stream ? PyLong_AsVoidPtr(stream) : NULL;
-    int r = 1;
-    if (PyErr_Occurred()) {
+    int r;
+    if (PyErr_Occurred()) { /* something it could not read: the Python runner takes the call */
         PyErr_Clear();
-    } else if (cu_launch(f, (unsigned)grid, 1, 1, threads, 1, 1, 0, s, (void **)p, NULL) == 0) {
-        r = 0;
+        r = 1;
     } else {
-        /* a failed launch takes the Python launcher: it binds the device's context on a thread
-           that has none and tries again, or raises naming the kernel */
-        PyObject *res = PyObject_CallFunctionObjArgs(py_launch, fn, blocks, stream, params, name, dev, NULL);
-        r = res == NULL ? -1 : 0;
-        Py_XDECREF(res);
+        int rc;
+        /* the driver can block while the launch queue is full: other threads run meanwhile, as
+           with CuPy's launcher and torch's ops */
+        Py_BEGIN_ALLOW_THREADS
+        rc = cu_launch(f, (unsigned)grid, 1, 1, threads, 1, 1, 0, s, (void **)p, NULL);
+        Py_END_ALLOW_THREADS
+        if (rc == 0) {
+            r = 0;
+        } else {
+            /* a failed launch takes the Python launcher: it binds the device's context on a
+               thread that has none and tries again, or raises naming the kernel */
+            PyObject *res = PyObject_CallFunctionObjArgs(py_launch, fn, blocks, stream, params, name, dev, NULL);
+            r = res == NULL ? -1 : 0;
+            Py_XDECREF(res);
+        }
     }
     Py_XDECREF(params);
     Py_XDECREF(dev);

@@ -194,3 +194,13 @@ def test_build_failure_is_reported(tmp_path, monkeypatch) -> None:  # noqa: ANN0
     monkeypatch.setenv("CC", "false")
     with pytest.raises(RuntimeError, match="failed"):
         _native.build(tmp_path)
+
+
+def test_a_missing_compiler_falls_back_visibly(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setattr(_native, "_cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(_native, "_STATE", {"module": None, "why": "", "tried": False})
+    with pytest.warns(RuntimeWarning, match="COMMOPS_NATIVE=0"):
+        assert _native.load() is None
+    assert _native.status().startswith("not available")
+    assert _native.load() is None  # tried once: no second build, no second warning
