@@ -265,7 +265,8 @@ static int is_inside(PyCodeObject *code) { /* 1, 0, or -1 with an exception */
     return inside;
 }
 
-/* (file, line) of the first frame outside the package (recorder._callsite), or None. New reference. */
+/* (code, instruction offset) of the first frame outside the package (recorder._callsite), or
+   None; the line is worked out when the entry is read. New reference. */
 static PyObject *callsite(void) {
     PyFrameObject *f = PyEval_GetFrame(); /* borrowed */
     Py_XINCREF(f);
@@ -273,7 +274,7 @@ static PyObject *callsite(void) {
         PyCodeObject *code = PyFrame_GetCode(f);
         int inside = is_inside(code);
         if (inside <= 0) {
-            PyObject *r = inside < 0 ? NULL : Py_BuildValue("(Oi)", code->co_filename, PyFrame_GetLineNumber(f));
+            PyObject *r = inside < 0 ? NULL : Py_BuildValue("(Oi)", (PyObject *)code, PyFrame_GetLasti(f));
             Py_DECREF(code);
             Py_DECREF(f);
             return r;

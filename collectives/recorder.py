@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import CodeType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -49,13 +50,25 @@ PROGRESS_PERIOD_S = 0.5
 _SKIPPED = (str(Path(__file__).resolve().parent), contextlib.__file__)
 
 
-def _callsite() -> tuple[str, int] | None:
-    """(file, line) of the first frame outside this package (the user's call); entries show it
-    as "file:line", formatted only when they are read."""
+def _callsite() -> tuple[CodeType, int] | None:
+    """(code, instruction offset) of the first frame outside this package (the user's call);
+    entries show it as "file:line", worked out only when they are read (:func:`_site`): a frame's
+    line number is a walk over its code's line table, most of a call site's cost."""
     f = sys._getframe(2)
     while f is not None and f.f_code.co_filename.startswith(_SKIPPED):
         f = f.f_back  # type: ignore[assignment]
-    return (f.f_code.co_filename, f.f_lineno) if f is not None else None
+    return (f.f_code, f.f_lasti) if f is not None else None
+
+
+def _site(site: Any) -> str:
+    """A recorded call site as "file:line" (``_callsite``'s pair, or a (file, line) pair)."""
+    if site is None:
+        return "?"
+    where, at = site
+    if isinstance(where, CodeType):
+        line = next((n for start, end, n in where.co_lines() if start <= at < end), None)
+        return f"{where.co_filename}:{line if line is not None else '?'}"
+    return f"{where}:{at}"
 
 
 class FlightRecorder:
@@ -99,7 +112,7 @@ class FlightRecorder:
             f = f.f_back  # type: ignore[assignment]
         group, seq, shape = comm._group_name, comm.seq, output.shape
         e[:] = (group, comm.global_ranks, seq, op, algorithm, shape if input is output else input.shape, shape,
-                output.dtype, reduce_op, None, (f.f_code.co_filename, f.f_lineno) if f is not None else None,
+                output.dtype, reduce_op, None, (f.f_code, f.f_lasti) if f is not None else None,
                 _now(), None, "started")
         progress = self._progress.get(group)
         if progress is None:
@@ -210,8 +223,7 @@ def _as_dict(e: list[Any]) -> dict[str, Any]:
     if d["dtype"] is not None:
         d["dtype"] = str(d["dtype"]).removeprefix("torch.")
     d["group_ranks"] = list(d["group_ranks"])
-    site = d["callsite"]
-    d["callsite"] = f"{site[0]}:{site[1]}" if site is not None else "?"
+    d["callsite"] = _site(d["callsite"])
     return d
 
 

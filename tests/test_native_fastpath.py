@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import collectives as C
 from collectives import _native
-from collectives.recorder import FIELDS, RECORDER
+from collectives.recorder import FIELDS, RECORDER, _site
 
 STREAM = 0x5EED
 LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *([ctypes.c_uint] * 7), ctypes.c_void_p, ctypes.c_void_p,
@@ -73,6 +73,7 @@ def body_native(rank: int, world: int) -> dict:  # type: ignore[type-arg]
         out["launch"] = launches[-1] if launches else None
         out["seq"] = comm.seq - seq0
         entry = dict(zip(FIELDS, RECORDER._ring[next0 % RECORDER.capacity]))
+        entry["callsite"] = _site(entry["callsite"])
         out["entry"] = {k: (list(v) if isinstance(v, torch.Size) else v) for k, v in entry.items()
                         if k not in ("t_enqueue", "t_end", "group_ranks", "dtype")}
         out["entry_dtype"] = entry["dtype"] is x.dtype
@@ -176,7 +177,7 @@ def test_compiled_fast_path_matches_the_python_one(worlds) -> None:  # noqa: ANN
     assert (e["group"], e["seq"] > 0, e["op"], e["algorithm"], e["in_shape"], e["out_shape"], e["root"], e["state"]) \
         == (r["group"], True, "all_reduce", "auto", [37], [37], None, "completed")
     assert e["reduce_op"] is not None and r["entry_dtype"] and r["entry_times"]
-    assert tuple(e["callsite"]) == tuple(r["line"])
+    assert e["callsite"] == "{}:{}".format(*r["line"])
     assert r["verb_default"] and r["verb_world"] and r["verb_unknown_group"] and r["verb_subgroup"] and r["verb_async"]
     assert r["verb_launches"] == 3
     assert r["misses"] == {k: True for k in r["misses"]} and len(r["misses"]) == 6
