@@ -10,11 +10,19 @@
          Returns None when it ran the call, NotImplemented when the call is not one it takes
          (the Python path then runs it, and may fill the tables for the next call).
 
-     Runner(ready, err_address, device, slow)
-         A prepared runner: a repeat on tensors whose launch ``ready`` holds is one cuLaunchKernel
-         on torch's current stream of ``device``; anything else (a new address, a kernel that
-         reported a timeout in the int32 at ``err_address``, a failed launch) calls ``slow``, the
-         Python runner, which plans, remembers, rebinds a context or raises.
+     fast_verb(op, output, input, reduce_op, group, async_op, algorithm)
+         The verbs' way in: the group's communicator found as get_communicator finds it (where
+         that is a lookup), then fast_dispatch.
+
+     Runner(ready, err_address, device, slow, in_place)
+         A prepared runner: a repeat on tensors whose launch ``ready`` holds (keyed by the
+         output's address, or by the output's and input's) is one cuLaunchKernel on torch's
+         current stream of ``device``; anything else (a new address, a kernel that reported a
+         timeout in the int32 at ``err_address``) calls ``slow``, the Python runner, which plans,
+         remembers or raises, and a failed launch goes to the Python launcher, which rebinds a
+         context or raises.
+
+     last_miss() is the source line of the last check that sent a call to Python (for diagnosis).
 
    No CUDA headers: the driver's cuLaunchKernel comes in as an address (configure()). Every
    Python object it touches is reached through the C API, so a torch or Python without some
