@@ -1160,6 +1160,44 @@ def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
     return ok
 
 
+class _PinnedSlots:
+    """Small int32 vectors sent to a GPU from a ring of pinned host buffers, without waiting.
+
+    ``pin_memory()`` on every call would reuse a pinned block only once the GPU has done the copy
+    that last used it; while the GPU runs behind the host (a pipeline's queued work), every call
+    then allocates pinned memory anew, about 250 us of host time on the 2xH200 machine against
+    27-41 us with the GPU idle (scratch probe, 2026-11-30). Here a slot is written again once the
+    event recorded after its copy has fired; the host has to be ``slots`` calls ahead of the GPU
+    before a call falls back to ``pin_memory()``.
+    """
+
+    def __init__(self, slots: int = 64) -> None:
+        self._slots: list[tuple[torch.Tensor, torch.cuda.Event] | None] = [None] * slots
+        self._next = 0
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _PinnedSlots:
+        return _PinnedSlots(len(self._slots))  # scratch: a copy of a module starts with its own
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_slots": [None] * len(self._slots), "_next": 0}
+
+    def send(self, values: np.ndarray, device: torch.device) -> torch.Tensor:
+        """``values`` (int32) on ``device``, copied on its current stream; the host does not wait."""
+        i = self._next
+        self._next = (i + 1) % len(self._slots)
+        slot, n = self._slots[i], values.size
+        if slot is not None and not slot[1].query():  # the GPU has not copied out of it yet
+            return torch.from_numpy(values).pin_memory().to(device, non_blocking=True)
+        buf = slot[0] if slot is not None and slot[0].numel() >= n else \
+            torch.empty(max(n, 64), dtype=torch.int32, pin_memory=True)
+        buf.numpy()[:n] = values
+        out = buf[:n].to(device, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(device))
+        self._slots[i] = (buf, done)
+        return out
+
+
 class GroupedSwiGLU(nn.Module):
     """The local experts' SwiGLU MLPs, ``w2(silu(x w1) * (x w3))``, on rows grouped by expert
     (the layout ``MoEDispatcher.dispatch`` returns).
@@ -1179,6 +1217,7 @@ class GroupedSwiGLU(nn.Module):
         for p in (self.w1, self.w3):
             nn.init.normal_(p, std=hidden ** -0.5)
         nn.init.normal_(self.w2, std=ffn_hidden ** -0.5)
+        self._offsets = _PinnedSlots()  # the experts' row offsets, sent to the GPU every call
 
     def _grouped(self, x: torch.Tensor) -> bool:
         hidden, ffn = self.w1.shape[1], self.w1.shape[2]
@@ -1189,10 +1228,10 @@ class GroupedSwiGLU(nn.Module):
     def forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
         """``[rows, hidden]`` -> ``[rows, hidden]``; ``tokens_per_expert[e]`` consecutive rows per local expert."""
         if x.shape[0] and self._grouped(x):
-            ends = torch.from_numpy(np.cumsum(tokens_per_expert, dtype=np.int32))
+            rows = np.cumsum(tokens_per_expert, dtype=np.int32)
             # from pinned memory, not waited for: a plain copy would stall the host until the GPU
             # is idle, and the launches after it would then leave the GPU idle in turn
-            ends = ends.pin_memory().to(x.device, non_blocking=True) if x.is_cuda else ends
+            ends = self._offsets.send(rows, x.device) if x.is_cuda else torch.from_numpy(rows)
             h1 = torch._grouped_mm(x, self.w1, offs=ends)
             h3 = torch._grouped_mm(x, self.w3, offs=ends)
             if not torch.is_grad_enabled():  # no backward to shape: skip two autograd.Function calls
