@@ -35,3 +35,30 @@ def test_overlap_on_gpus() -> None:
 def test_overlap_check_script_on_gloo() -> None:
     res = _run(2, {"CUDA_VISIBLE_DEVICES": ""})
     assert res.returncode == 0 and " 0 failed" in res.stdout, res.stdout[-6000:] + res.stderr[-4000:]
+
+
+@pytest.mark.gpu
+def test_pinned_offsets_never_overwrite_a_pending_copy() -> None:
+    """``GroupedSwiGLU``'s offsets ring (``overlap.moe._PinnedSlots``): with the GPU held behind
+    the host, more sends than slots must neither wait for the GPU nor overwrite a buffer whose copy
+    has not run; every vector lands as sent."""
+    import numpy as np
+
+    from overlap.moe import _PinnedSlots
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ring = _PinnedSlots(slots=4)
+    a = torch.randn(4096, 4096, device=dev)
+    rng = np.random.default_rng(0)
+    sent, got = [], []
+    for _ in range(3):
+        a @ a  # keeps the GPU busy while the copies below queue up behind it
+    for i in range(11):  # wraps the ring twice while the copies are pending
+        v = rng.integers(0, 1 << 30, size=5 + i, dtype=np.int32)
+        sent.append(v.copy())
+        got.append(ring.send(v, dev))
+        v[:] = -1  # the caller's array may change at once
+    torch.cuda.synchronize()
+    for v, t in zip(sent, got):
+        assert t.dtype == torch.int32 and t.device == dev
+        assert np.array_equal(t.cpu().numpy(), v)
