@@ -25,6 +25,7 @@ import importlib.machinery
 import importlib.util
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -45,8 +46,13 @@ _STATE: dict[str, Any] = {"module": None, "why": "not loaded yet (no repeated GP
 
 
 def _compiler() -> list[str]:
-    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
-    return shlex.split(cc)
+    """``$CC`` if set; else the compiler Python was built with, where this machine has it; else ``cc``."""
+    if os.environ.get("CC"):
+        return shlex.split(os.environ["CC"])
+    built_with = shlex.split(sysconfig.get_config_var("CC") or "")
+    if built_with and shutil.which(built_with[0]):
+        return built_with
+    return ["cc"]
 
 
 def _cache_dir() -> Path:

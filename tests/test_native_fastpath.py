@@ -205,3 +205,14 @@ def test_a_missing_compiler_falls_back_visibly(tmp_path, monkeypatch) -> None:  
         assert _native.load() is None
     assert _native.status().startswith("not available")
     assert _native.load() is None  # tried once: no second build, no second warning
+
+
+def test_compiler_choice(monkeypatch) -> None:  # noqa: ANN001
+    import sysconfig
+
+    monkeypatch.setenv("CC", "my-cc -O1")
+    assert _native._compiler() == ["my-cc", "-O1"]  # asked for: used as given
+    monkeypatch.delenv("CC")
+    real = sysconfig.get_config_var
+    monkeypatch.setattr(sysconfig, "get_config_var", lambda name: "no-such-cc-anywhere -pthread" if name == "CC" else real(name))
+    assert _native._compiler() == ["cc"]  # Python's own compiler is not on this machine
