@@ -67,7 +67,8 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Group = None
     fast = _dispatch._native_verb  # a repeat, compiled (collectives/_native.py); None: it is not one
     if fast is not None and fast("all_reduce", tensor, tensor, op, group, async_op, algorithm) is None:
         return None
-    return dispatch_tensors(get_communicator(group), "all_reduce", tensor, tensor, op, algorithm, async_op)
+    return dispatch_tensors(get_communicator(group), "all_reduce", tensor, tensor, op, algorithm, async_op,
+                            fast is not None)
 
 
 def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM, group: Group = None,
@@ -76,7 +77,8 @@ def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: Any = R
     fast = _dispatch._native_verb
     if fast is not None and fast("reduce_scatter", output, input, op, group, async_op, algorithm) is None:
         return None
-    return dispatch_tensors(get_communicator(group), "reduce_scatter", output, input, op, algorithm, async_op)
+    return dispatch_tensors(get_communicator(group), "reduce_scatter", output, input, op, algorithm, async_op,
+                            fast is not None)
 
 
 def all_gather_single(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Group = None,
@@ -85,7 +87,8 @@ def all_gather_single(output_tensor: torch.Tensor, input_tensor: torch.Tensor, g
     fast = _dispatch._native_verb
     if fast is not None and fast("all_gather", output_tensor, input_tensor, None, group, async_op, algorithm) is None:
         return None
-    return dispatch_tensors(get_communicator(group), "all_gather", output_tensor, input_tensor, None, algorithm, async_op)
+    return dispatch_tensors(get_communicator(group), "all_gather", output_tensor, input_tensor, None, algorithm,
+                            async_op, fast is not None)
 
 
 # torch 2.13 renamed these two; both names are offered.

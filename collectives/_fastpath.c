@@ -574,19 +574,7 @@ static PyObject *configure(PyObject *module, PyObject *args, PyObject *kwargs) {
 
 static PyObject *last_miss(PyObject *module, PyObject *unused) { return PyLong_FromLong(miss_line); }
 
-/* A launch that does nothing and succeeds: what a timing of this path's own cost launches with. */
-static int noop_launch(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
-                       unsigned shared, void *stream, void **params, void **extra) {
-    return 0;
-}
-
-static PyObject *noop_launch_address(PyObject *module, PyObject *unused) {
-    return PyLong_FromVoidPtr((void *)(uintptr_t)noop_launch);
-}
-
 static PyMethodDef methods[] = {
-    {"noop_launch_address", (PyCFunction)noop_launch_address, METH_NOARGS,
-     "the address of a launch function that does nothing (for timing this path alone)"},
     {"last_miss", (PyCFunction)last_miss, METH_NOARGS, "the source line of the last check that sent a call to Python"},
     {"fast_dispatch", (PyCFunction)(void (*)(void))fast_dispatch, METH_FASTCALL,
      "fast_dispatch(comm, op, output, input, reduce_op, algorithm) -> None (ran) or NotImplemented"},

@@ -8,7 +8,8 @@ attribute reads and calls. ``_fastpath.c`` runs the same reads and calls from C,
 tables (``Communicator._fast``, the runners' prepared launches, the flight recorder's ring), so
 it needs no bookkeeping of its own and either path can serve any call. Most of what is left is
 torch's and Python's own attribute machinery, which C reaches through the same C API: on a 2-core
-CPU the verb's cost over a launch fell from 2.0 to 1.25 us, not to nothing.
+CPU the verb's cost over a launch fell from 2.0 to 1.25 us (a launch stand-in doing nothing; a
+timing script, not kept), not to nothing.
 
 It is a plain CPython extension (no torch or CUDA headers: the driver's ``cuLaunchKernel`` is
 passed in as an address), compiled with the C compiler Python was built with, the way Triton

@@ -171,7 +171,7 @@ _profiling = torch._C._autograd._profiler_enabled
 
 
 def dispatch_tensors(comm: Communicator, op: str, output: torch.Tensor, input: torch.Tensor, reduce_op: Any,
-                     algorithm: str, async_op: bool) -> Work | None:
+                     algorithm: str, async_op: bool, native_tried: bool = False) -> Work | None:
     """The tensor verbs' way in: a repeat of a call already resolved takes the fast path, any other
     call the full :func:`dispatch`.
 
@@ -182,9 +182,10 @@ def dispatch_tensors(comm: Communicator, op: str, output: torch.Tensor, input: t
     runner (``Algorithm.fast_path``), outside ``call_timeout`` blocks, with no trace hook,
     profiler or NVTX tool to inform; the call still counts in ``comm.seq`` and is recorded. On
     the 2xH200 machine it takes several microseconds off each small peer-memory call, which is
-    most of the host time such a call has.
+    most of the host time such a call has. The compiled fast path (collectives/_native.py) is
+    tried first, unless the caller has just tried it (``native_tried``: the verbs do).
     """
-    if _native_dispatch is not None and not async_op \
+    if _native_dispatch is not None and not async_op and not native_tried \
             and _native_dispatch(comm, op, output, input, reduce_op, algorithm) is None:
         return None  # the compiled fast path ran it (the same checks, tables and record as below)
     if not async_op and type(output) is torch.Tensor and output.is_cuda and not _HOOKS and not comm.debug \
