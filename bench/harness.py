@@ -11,7 +11,8 @@ when ``min_loop_s`` asks for loops of at least that duration). On GPUs a loop is
 timed with CUDA events (or replayed as one captured CUDA graph with ``graph=True``), from the end
 of a one-element all-reduce that lines the GPUs up (``_align``); on CPUs with ``perf_counter``. A
 loop's time per call is the maximum over ranks (the slowest rank sets the pace); the record holds
-the median, min and max over loops.
+the median, min and max over loops. The algorithms of one size are timed side by side, a loop of
+each per round (:func:`measure_side_by_side`), so that a comparison shares the host's drift.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from collectives.algos import REGISTRY, busbw_factor
 from . import anchors as A
 from . import reference as R
 
-__all__ = ["Record", "measure", "sweep", "element_count", "prepare", "time_fn", "time_interleaved"]
+__all__ = ["Record", "measure", "measure_side_by_side", "sweep", "element_count", "prepare", "time_fn", "time_interleaved"]
 
 _DIVIDED = ("reduce_scatter", "all_gather", "all_to_all")
 
@@ -68,6 +69,24 @@ def element_count(op: str, nbytes: int, dtype: torch.dtype, world: int) -> int:
     return n
 
 
+def _caller(op: str, a: str, out: torch.Tensor, inp: torch.Tensor, g: object, root: int) -> Callable[[], object]:
+    """The call a user would write, bound once: a loop of calls times the verb, not the benchmark
+    (the anchors are timed as the bare calls they are, too)."""
+    if op == "all_reduce":
+        return lambda: C.all_reduce(out, group=g, algorithm=a)
+    if op == "reduce_scatter":
+        return lambda: C.reduce_scatter_single(out, inp, group=g, algorithm=a)
+    if op == "all_gather":
+        return lambda: C.all_gather_single(out, inp, group=g, algorithm=a)
+    if op == "all_to_all":
+        return lambda: C.all_to_all_single(out, inp, group=g, algorithm=a)
+    if op == "broadcast":
+        return lambda: C.broadcast(out, group=g, group_src=root, algorithm=a)
+    if op == "reduce":
+        return lambda: C.reduce(out, group=g, group_dst=root, algorithm=a)
+    raise ValueError(op)
+
+
 class _Case:
     """Buffers and the call for one (op, algorithm, size), built once and called many times."""
 
@@ -77,35 +96,17 @@ class _Case:
         self.dtype, self.device, self.seed, self.root = dtype, device, seed, root
         w, r = comm.size, comm.rank
         n_in = total if op != "all_gather" else total // w
-        self._anchor = None
         if algorithm in A.ANCHORS:
-            self.inp, self.out, self._anchor = A.build(algorithm, comm.group, total, dtype, device)
+            self.inp, self.out, anchor = A.build(algorithm, comm.group, total, dtype, device)
             self.inp.copy_(R.rank_data(r, n_in, dtype, seed, device))
+            self.call: Callable[[], object] = anchor
             return
         self.inp = R.rank_data(r, n_in, dtype, seed, device)
         if op in ("reduce_scatter", "all_gather", "all_to_all"):
             self.out = torch.empty(total // w if op == "reduce_scatter" else total, dtype=dtype, device=device)
         else:
             self.out = self.inp
-
-    def call(self) -> None:
-        a, op = self.algorithm, self.op
-        if self._anchor is not None:
-            self._anchor()
-        elif op == "all_reduce":
-            C.all_reduce(self.out, algorithm=a, group=self.comm.group)
-        elif op == "reduce_scatter":
-            C.reduce_scatter_single(self.out, self.inp, group=self.comm.group, algorithm=a)
-        elif op == "all_gather":
-            C.all_gather_single(self.out, self.inp, group=self.comm.group, algorithm=a)
-        elif op == "all_to_all":
-            C.all_to_all_single(self.out, self.inp, group=self.comm.group, algorithm=a)
-        elif op == "broadcast":
-            C.broadcast(self.out, group=self.comm.group, group_src=self.root, algorithm=a)
-        elif op == "reduce":
-            C.reduce(self.out, group=self.comm.group, group_dst=self.root, algorithm=a)
-        else:
-            raise ValueError(op)
+        self.call = _caller(op, algorithm, self.out, self.inp, comm.group, root)
 
     def check(self) -> int:
         """#wrong of one call on fresh data (all ranks' inputs regenerated locally)."""
@@ -285,32 +286,65 @@ def paired_ratio(rounds: dict[str, list[float]], name: str, base: str) -> float:
 def measure(comm: C.Communicator, op: str, algorithm: str, nbytes: int, dtype: torch.dtype, device: torch.device, *,
             iters: int = 20, warmup: int = 5, reps: int = 5, check: bool = True, graph: bool = False,
             seed: int = 0, min_loop_s: float = 0.0) -> Record:
-    """Time one (op, algorithm, size); see the module docstring for the conventions.
+    """Time one (op, algorithm, size); see the module docstring for the conventions."""
+    return measure_side_by_side(comm, op, [algorithm], nbytes, dtype, device, iters=iters, warmup=warmup, reps=reps,
+                                check=check, graph=graph, seed=seed, min_loop_s=min_loop_s)[0]
 
-    ``min_loop_s`` > 0 raises the calls per loop above ``iters`` until a loop lasts about that long
-    (from the slowest rank's time for one call, so every rank makes the same number of calls):
-    fast calls then get enough repetitions for a stable median.
+
+def measure_side_by_side(comm: C.Communicator, op: str, algorithms: list[str], nbytes: int, dtype: torch.dtype,
+                         device: torch.device, *, iters: int = 20, warmup: int = 5, reps: int = 5, check: bool = True,
+                         graph: bool = False, seed: int = 0, min_loop_s: float = 0.0) -> list[Record]:
+    """Time each of ``algorithms`` on one (op, size), in rounds: each round times one loop of
+    every algorithm, each round in its own order, and each record holds its algorithm's median,
+    min and max over the ``reps`` rounds. Algorithms compared with each other then share the
+    host's drift (on the 2xH200 hosts a loop of small calls can run 1.5x slower a few seconds
+    later) instead of each getting a different stretch of it.
+
+    ``min_loop_s`` > 0 raises an algorithm's calls per loop above ``iters`` until its loop lasts
+    about that long (from the slowest rank's time for one call, so every rank makes the same
+    number of calls): fast calls then get enough repetitions for a stable median.
     """
     w = comm.size
     total = element_count(op, nbytes, dtype, w)
-    case = _Case(comm, op, algorithm, total, dtype, device, seed)
-    wrong = case.check() if check else None
-    chosen = comm.last_choice.algorithm if algorithm == "auto" and comm.last_choice else None
-    for _ in range(warmup):
-        case.call()
-    _sync(device)
-    if min_loop_s > 0:
-        one = _per_call_s(case.call, comm, device, iters)
-        iters = max(iters, min(10_000, int(min_loop_s / max(one, 1e-7))))
-    per_call = _slowest(comm, _time_loops(case, iters, reps, graph), device)
-    if wrong is not None:
-        wrong = int(_slowest(comm, [float(wrong)], device)[0])
-    med = statistics.median(per_call)
+    cases: dict[str, _Case] = {}
+    wrong: dict[str, int | None] = {}
+    chosen: dict[str, str | None] = {}
+    loops: dict[str, int] = {}
+    for a in algorithms:
+        case = cases[a] = _Case(comm, op, a, total, dtype, device, seed)
+        wrong[a] = case.check() if check else None
+        chosen[a] = comm.last_choice.algorithm if a == "auto" and comm.last_choice else None
+        for _ in range(warmup):
+            case.call()
+        _sync(device)
+        loops[a] = iters
+        if min_loop_s > 0:
+            one = _per_call_s(case.call, comm, device, iters)
+            loops[a] = max(iters, min(10_000, int(min_loop_s / max(one, 1e-7))))
+    replays = {a: _captured(cases[a].call, loops[a]) for a in algorithms} if graph and device.type == "cuda" else {}
+    per: dict[str, list[float]] = {a: [] for a in algorithms}
+    for i in range(reps):
+        order = list(algorithms)
+        random.Random(i).shuffle(order)  # the same order on every rank
+        for a in order:
+            if a in replays:
+                loop = _timed_runs(replays[a], comm, device, loops[a], 1)
+            else:
+                loop = _time_loops(cases[a], loops[a], 1, False)
+            per[a] += _slowest(comm, loop, device)
     size = total * torch.empty((), dtype=dtype).element_size()
-    algbw = size / med / 1e9 if med > 0 else 0.0
-    return Record(op, algorithm, str(dtype).removeprefix("torch."), size, total, w,
-                  comm.backend_for(device.type) or comm.backend, str(device), graph, med * 1e6,
-                  min(per_call) * 1e6, max(per_call) * 1e6, algbw, algbw * busbw_factor(op, w), wrong, chosen)
+    out = []
+    for a in algorithms:
+        n_wrong = wrong[a]
+        if n_wrong is not None:
+            n_wrong = int(_slowest(comm, [float(n_wrong)], device)[0])
+        med = statistics.median(per[a])
+        algbw = size / med / 1e9 if med > 0 else 0.0
+        out.append(Record(op, a, str(dtype).removeprefix("torch."), size, total, w,
+                          comm.backend_for(device.type) or comm.backend, str(device), graph, med * 1e6,
+                          min(per[a]) * 1e6, max(per[a]) * 1e6, algbw, algbw * busbw_factor(op, w), n_wrong,
+                          chosen[a]))
+    return out
 
 
 def prepare(op: str, algorithms: Iterable[str], comm: C.Communicator, dtype: torch.dtype, device: torch.device,
@@ -345,13 +379,14 @@ def prepare(op: str, algorithms: Iterable[str], comm: C.Communicator, dtype: tor
 def sweep(comm: C.Communicator, op: str, algorithms: list[str], sizes: list[int], dtype: torch.dtype,
           device: torch.device, *, graph_modes: tuple[bool, ...] = (False,),
           progress: Callable[[int, int, str], None] | None = None, **kw: object) -> list[Record]:
-    """Measure every (size, algorithm, graph mode); returns the records in that order."""
-    out = []
-    jobs = [(s, a, g) for s in sizes for g in graph_modes for a in algorithms]
-    for i, (s, a, g) in enumerate(jobs):
+    """Measure every (size, graph mode), the algorithms side by side (:func:`measure_side_by_side`);
+    returns the records in (size, graph mode, algorithm) order."""
+    out: list[Record] = []
+    jobs = [(s, g) for s in sizes for g in graph_modes]
+    for i, (s, g) in enumerate(jobs):
         if progress is not None:
-            progress(i, len(jobs), f"{op} {a}{' graph' if g else ''} {s} B")
-        out.append(measure(comm, op, a, s, dtype, device, graph=g, **kw))  # type: ignore[arg-type]
+            progress(i, len(jobs), f"{op}{' graph' if g else ''} {s} B")
+        out += measure_side_by_side(comm, op, algorithms, s, dtype, device, graph=g, **kw)  # type: ignore[arg-type]
     if progress is not None:
         progress(len(jobs), len(jobs), "done")
     return out

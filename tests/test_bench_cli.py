@@ -116,3 +116,34 @@ def test_paired_ratio_pairs_rounds() -> None:
     assert paired_ratio(rounds, "sequential", "sequential") == 1.0
     with pytest.raises(ValueError):  # rounds that do not line up are an error, not a silent truncation
         paired_ratio(rounds, "gemm", "sequential")
+
+
+def body_side_by_side(rank: int, world: int) -> dict:  # type: ignore[type-arg]
+    import bench.harness as H
+    import collectives as C
+
+    comm = C.get_communicator()
+    timed: list[str] = []
+    loops = H._time_loops
+
+    def logged(case, iters, reps, graph):  # noqa: ANN001, ANN202
+        timed.append(case.algorithm)
+        return loops(case, iters, reps, graph)
+
+    H._time_loops = logged
+    try:
+        recs = H.measure_side_by_side(comm, "all_reduce", ["ring", "native", "auto"], 4 * 333, torch.float32,
+                                      torch.device("cpu"), iters=2, warmup=1, reps=4)
+    finally:
+        H._time_loops = loops
+    return {"rounds": [timed[i:i + 3] for i in range(0, len(timed), 3)],
+            "records": [(r.algorithm, r.count, r.wrong, r.chosen is not None, r.time_us_min <= r.time_us <= r.time_us_max)
+                        for r in recs]}
+
+
+def test_algorithms_of_one_size_are_timed_side_by_side_in_rounds(worlds) -> None:  # noqa: ANN001
+    for out in worlds(3).run(body_side_by_side):
+        assert [sorted(r) for r in out["rounds"]] == [["auto", "native", "ring"]] * 4  # one loop of each per round
+        assert len({tuple(r) for r in out["rounds"]}) > 1  # not always in the same order
+        assert out["records"] == [("ring", 333, 0, False, True), ("native", 333, 0, False, True),
+                                  ("auto", 333, 0, True, True)]

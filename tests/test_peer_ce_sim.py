@@ -99,10 +99,10 @@ def test_copy_engine_chunks_cover_the_message_once_within_the_chunk_size(m: int,
     assert [lo for lo, _ in pieces] == [sum(n for _, n in pieces[:i]) for i in range(len(pieces))]
     assert sum(n for _, n in pieces) == m and all(0 < n <= chunk for _, n in pieces)
     assert all(n % pack == 0 for _, n in pieces[:-1]) or m % pack  # whole packs but for a ragged end
-    ramped = ramp and m >= 2 * (chunk // 8 + chunk // 4 + chunk // 2) + chunk
-    if ramped:  # a small first and last copy, full chunks between
+    ramped = ramp and m >= chunk // 2 + (chunk // 2 + chunk // 4 + chunk // 8) + chunk
+    if ramped:  # a half first piece, full chunks, then shrinking to an eighth
         sizes = [n for _, n in pieces]
-        assert sizes[:3] == [chunk // 8, chunk // 4, chunk // 2] == sizes[:-4:-1]
+        assert sizes[0] == chunk // 2 and sizes[-3:] == [chunk // 2, chunk // 4, chunk // 8]
         assert chunk in sizes
     else:
         assert pieces == [(lo, min(chunk, m - lo)) for lo in range(0, m, chunk)]

@@ -90,17 +90,28 @@ def two_shot_piece(set_bytes: int, world: int, element_size: int) -> int:
     return set_bytes // element_size // (2 * world) // pack * pack * world
 
 
-RAMP = (8, 4, 2)  # the ramped chunks' sizes, as fractions of a chunk (ce_pieces); (16, 8, 4, 2) measured no better
+# the ramped pieces' sizes, as divisors of a chunk (ce_pieces). Only the last piece's sum follows
+# the link's last byte, so the tail shrinks; every piece boundary costs the copy engines a few
+# microseconds, so the head has one half chunk. 2xH200, 1 GiB / 512 MiB all-reduce, busbw over
+# NCCL's in the same rounds (11 rounds, graph / eager): head 1/8, 1/4, 1/2 and the mirrored tail
+# 1.0975 / 1.0985 at 1 GiB, 1.107 / 1.104 at 512 MiB; head 1/2, tail 1/2, 1/4, 1/8 1.1076 /
+# 1.1047 and 1.123 / 1.115; no head 1.105 / 1.103 and 1.118 / 1.107; 256 MiB chunks (two ring
+# slots) 1.02-1.03 and 0.95-0.96.
+RAMP_HEAD = (2,)
+RAMP_TAIL = (2, 4, 8)
 
 
 def ce_pieces(m: int, chunk: int, pack: int, ramp: bool = False) -> list[tuple[int, int]]:
     """(first element, elements) of each copy-engine chunk of ``m`` elements, at most ``chunk``
-    (a multiple of ``pack``) each. With ``ramp`` the first three grow from chunk/8 and the last
-    three shrink back to it, where at least one full chunk lies between: the link then idles
-    only for a small first copy, and the last sum waits only for a small last one."""
-    steps = [max(pack, chunk // d // pack * pack) for d in RAMP]
-    head = steps if ramp and m >= 2 * sum(steps) + chunk else []
-    tail = head[::-1]
+    (a multiple of ``pack``) each. With ``ramp``, where at least one full chunk lies between,
+    the first pieces are ``chunk / RAMP_HEAD`` and the last shrink to ``chunk / RAMP_TAIL[-1]``:
+    the last sum then waits only for a small last copy."""
+    def sizes(divisors: tuple[int, ...]) -> list[int]:
+        return [max(pack, chunk // d // pack * pack) for d in divisors]
+
+    head, tail = sizes(RAMP_HEAD), sizes(RAMP_TAIL)
+    if not ramp or m < sum(head) + sum(tail) + chunk:
+        head = tail = []
     out, lo, end = [], 0, m - sum(tail)
     for n in head:
         out.append((lo, n))
@@ -251,7 +262,7 @@ class PeerMemory:
         # need for a 16 MiB chunk (a hypothesis from the eager figures, not yet measured)
         self.ce_chunk_bytes = 16 << 20
         self.ce_max_chunks = 16
-        # the two-rank one-shot all-reduce's chunks (ramped at both ends: ce_pieces). Measured on
+        # the two-rank one-shot all-reduce's chunks (ramped: ce_pieces). Measured on
         # 2xH200 with 1 GiB buffers (bench/results/gpu_2xh200_peer_ce_ar_chunks.json, eager, GB/s
         # at 512 MB / 1 GB): 128 MiB 348 / 357; 64 MiB 344 / 350; 256 MiB 308 / 344; 32 MiB 333 /
         # 329; 16 MiB 284 / 284 (each chunk costs host calls)
