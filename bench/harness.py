@@ -69,7 +69,7 @@ def element_count(op: str, nbytes: int, dtype: torch.dtype, world: int) -> int:
     return n
 
 
-def _caller(op: str, a: str, out: torch.Tensor, inp: torch.Tensor, g: object, root: int) -> Callable[[], object]:
+def _caller(op: str, a: str, out: torch.Tensor, inp: torch.Tensor, g: dist.ProcessGroup, root: int) -> Callable[[], object]:
     """The call a user would write, bound once: a loop of calls times the verb, not the benchmark
     (the anchors are timed as the bare calls they are, too)."""
     if op == "all_reduce":
