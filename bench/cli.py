@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import collectives as C
 
-from .harness import prepare, sweep
+from .harness import bind_to_core, prepare, sweep
 from .report import Progress, format_table, plot, plot_vs_native, tuned_table, write_csv, write_json
 
 __all__ = ["parse_size", "sizes", "build_parser", "main"]
@@ -83,6 +83,9 @@ def build_parser(op: str | None) -> argparse.ArgumentParser:
     p.add_argument("--plot-vs-native", metavar="PATH", help="time over native's, one panel per op and graph mode")
     p.add_argument("--tune", metavar="PATH", help="write the measured-fastest algorithm per size (for COMMOPS_TUNED)")
     p.add_argument("--backend", default=None, help="force a backend (default: nccl on GPUs, else gloo)")
+    p.add_argument("--cpu-bind", choices=["core", "none"], default=None,
+                   help="core (the default with a GPU): each local rank on a CPU core of its own, where there are "
+                        "enough (bench.harness.bind_to_core); none (the default without)")
     return p
 
 
@@ -108,6 +111,9 @@ def _meta(args: argparse.Namespace, comm: C.Communicator, device: torch.device, 
 def main(argv: Sequence[str] | None = None, op: str | None = None) -> int:
     args = build_parser(op).parse_args(argv)
     ops = [op] if op else args.op
+    core = None
+    if (args.cpu_bind or ("core" if torch.cuda.is_available() else "none")) == "core":  # before init: the threads torch and NCCL start share it
+        core = bind_to_core(int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     comm = C.init(backend=args.backend)
     device = torch.device("cuda", torch.cuda.current_device()) if comm.backend_for("cuda") and torch.cuda.is_available() \
         else torch.device("cpu")
@@ -133,6 +139,7 @@ def main(argv: Sequence[str] | None = None, op: str | None = None) -> int:
         records += done
     if lead:
         meta = _meta(args, comm, device, ",".join(ops))
+        meta["cpu_core_rank0"] = core
         if args.json:
             write_json(records, args.json, meta)
         if args.csv:

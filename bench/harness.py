@@ -18,6 +18,7 @@ each per round (:func:`measure_side_by_side`), so that a comparison shares the h
 from __future__ import annotations
 
 import math
+import os
 import random
 import statistics
 import time
@@ -33,7 +34,7 @@ from collectives.algos import REGISTRY, busbw_factor
 from . import anchors as A
 from . import reference as R
 
-__all__ = ["Record", "measure", "measure_side_by_side", "sweep", "element_count", "prepare", "time_fn", "time_interleaved"]
+__all__ = ["Record", "bind_to_core", "measure", "measure_side_by_side", "sweep", "element_count", "prepare", "time_fn", "time_interleaved"]
 
 _DIVIDED = ("reduce_scatter", "all_gather", "all_to_all")
 
@@ -67,6 +68,26 @@ def element_count(op: str, nbytes: int, dtype: torch.dtype, world: int) -> int:
     if op in _DIVIDED:
         n = max(world, n - n % world)
     return n
+
+
+def bind_to_core(local_rank: int, local_world: int, cpus: Iterable[int] | None = None) -> int | None:
+    """Bind this process (and the threads it starts from now on) to one CPU core of its own, the
+    local ranks spread evenly over the cores it may use, CPU 0 left out where there are cores to
+    spare (it takes most interrupts on many hosts). Returns the core, or None where there are
+    fewer cores than local ranks (nothing is bound).
+
+    Small GPU calls are bound by the host's time to launch them. On the 2xH200 host, unbound
+    ranks ran a loop of 8-byte all-reduces about 1.5x slower for stretches of seconds, every
+    implementation alike (NCCL's 40 -> 60-80 us, torch's two-shot 7.4 -> 9-10 us), and one
+    core per rank kept most loops at the fast figures (probe, 2026-12-01)."""
+    free = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    if len(free) > local_world and 0 in free:
+        free.remove(0)
+    if local_world < 1 or len(free) < local_world or not 0 <= local_rank < local_world:
+        return None
+    core = free[local_rank * (len(free) // local_world)]
+    os.sched_setaffinity(0, {core})
+    return core
 
 
 def _caller(op: str, a: str, out: torch.Tensor, inp: torch.Tensor, g: dist.ProcessGroup, root: int) -> Callable[[], object]:

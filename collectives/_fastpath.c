@@ -273,6 +273,12 @@ static int is_inside(PyCodeObject *code) { /* 1, 0, or -1 with an exception */
     return inside;
 }
 
+/* The last call site's pair, reused while calls come from the same place (a loop): it holds its
+   code object, so the address compared cannot be another's. */
+static PyObject *last_site;
+static PyCodeObject *last_code;
+static int last_lasti = -1;
+
 /* (code, instruction offset) of the first frame outside the package (recorder._callsite), or
    None; the line is worked out when the entry is read. New reference. */
 static PyObject *callsite(void) {
@@ -282,7 +288,17 @@ static PyObject *callsite(void) {
         PyCodeObject *code = PyFrame_GetCode(f);
         int inside = is_inside(code);
         if (inside <= 0) {
-            PyObject *r = inside < 0 ? NULL : Py_BuildValue("(Oi)", (PyObject *)code, PyFrame_GetLasti(f));
+            PyObject *r = NULL;
+            if (inside == 0) {
+                int lasti = PyFrame_GetLasti(f);
+                if (code == last_code && lasti == last_lasti) {
+                    r = Py_NewRef(last_site);
+                } else if ((r = Py_BuildValue("(Oi)", (PyObject *)code, lasti)) != NULL) {
+                    Py_XSETREF(last_site, Py_NewRef(r));
+                    last_code = code;
+                    last_lasti = lasti;
+                }
+            }
             Py_DECREF(code);
             Py_DECREF(f);
             return r;

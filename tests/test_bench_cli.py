@@ -147,3 +147,16 @@ def test_algorithms_of_one_size_are_timed_side_by_side_in_rounds(worlds) -> None
         assert len({tuple(r) for r in out["rounds"]}) > 1  # not always in the same order
         assert out["records"] == [("ring", 333, 0, False, True), ("native", 333, 0, False, True),
                                   ("auto", 333, 0, True, True)]
+
+
+def test_bind_to_core_spreads_local_ranks_and_spares_cpu_0(monkeypatch) -> None:  # noqa: ANN001
+    import bench.harness as H
+
+    bound: list[set[int]] = []
+    monkeypatch.setattr(H.os, "sched_setaffinity", lambda pid, cpus: bound.append(set(cpus)))
+    cpus = range(32)
+    assert [H.bind_to_core(r, 2, cpus) for r in range(2)] == [1, 16] and bound == [{1}, {16}]
+    assert [H.bind_to_core(r, 4, range(4, 12)) for r in range(4)] == [4, 6, 8, 10]  # no CPU 0 to spare
+    assert [H.bind_to_core(r, 2, [0, 1]) for r in range(2)] == [0, 1]  # CPU 0 too: no core to spare
+    n = len(bound)
+    assert H.bind_to_core(0, 4, [0, 1]) is None and len(bound) == n  # fewer cores than ranks: nothing bound

@@ -79,6 +79,17 @@ def body_native(rank: int, world: int) -> dict:  # type: ignore[type-arg]
         out["entry_dtype"] = entry["dtype"] is x.dtype
         out["entry_times"] = entry["t_enqueue"] <= entry["t_end"]
         out["line"] = (__file__, line)
+        # a call from another line, then from the first again: each entry names its own line
+        sites = []
+        for _ in range(2):
+            for which in range(2):
+                n_rec = RECORDER._next
+                if which == 0:
+                    module.fast_dispatch(comm, "all_reduce", x, x, sum_op, "auto")
+                else:
+                    module.fast_dispatch(comm, "all_reduce", x, x, sum_op, "auto")
+                sites.append(_site(RECORDER._ring[n_rec % RECORDER.capacity][FIELDS.index("callsite")]))
+        out["sites"] = sites
         out["group"] = comm._group_name
 
         # the verbs' way in finds the communicator as get_communicator does
@@ -178,6 +189,8 @@ def test_compiled_fast_path_matches_the_python_one(worlds) -> None:  # noqa: ANN
         == (r["group"], True, "all_reduce", "auto", [37], [37], None, "completed")
     assert e["reduce_op"] is not None and r["entry_dtype"] and r["entry_times"]
     assert e["callsite"] == "{}:{}".format(*r["line"])
+    first, second = r["sites"][:2]
+    assert first != second and first.startswith(__file__ + ":") and r["sites"] == [first, second] * 2
     assert r["verb_default"] and r["verb_world"] and r["verb_unknown_group"] and r["verb_subgroup"] and r["verb_async"]
     assert r["verb_launches"] == 3
     assert r["misses"] == {k: True for k in r["misses"]} and len(r["misses"]) == 6
