@@ -312,59 +312,64 @@ def measure(comm: C.Communicator, op: str, algorithm: str, nbytes: int, dtype: t
                                 check=check, graph=graph, seed=seed, min_loop_s=min_loop_s)[0]
 
 
-def measure_side_by_side(comm: C.Communicator, op: str, algorithms: list[str], nbytes: int, dtype: torch.dtype,
-                         device: torch.device, *, iters: int = 20, warmup: int = 5, reps: int = 5, check: bool = True,
-                         graph: bool = False, seed: int = 0, min_loop_s: float = 0.0) -> list[Record]:
-    """Time each of ``algorithms`` on one (op, size), in rounds: each round times one loop of
-    every algorithm, each round in its own order, and each record holds its algorithm's median,
-    min and max over the ``reps`` rounds. Algorithms compared with each other then share the
-    host's drift (on the 2xH200 hosts a loop of small calls can run 1.5x slower a few seconds
-    later) instead of each getting a different stretch of it.
+def measure_side_by_side(comm: C.Communicator, op: str, algorithms: list[str], nbytes: int | list[int],
+                         dtype: torch.dtype, device: torch.device, *, iters: int = 20, warmup: int = 5, reps: int = 5,
+                         check: bool = True, graph: bool = False, seed: int = 0,
+                         min_loop_s: float = 0.0) -> list[Record]:
+    """Time each of ``algorithms`` at each size of ``nbytes`` (one or a list) in rounds: each
+    round times one loop of every (size, algorithm), each round in its own order, and each record
+    holds its median, min and max over the ``reps`` rounds. What is compared then shares the
+    host's drift instead of each getting a different stretch of it: on the 2xH200 hosts, loops
+    of small calls ran 1.3-1.5x slower for stretches of 0.1-1 s, every implementation alike, and
+    a stretch now spoils a few rounds of many sizes (the medians drop them) instead of every
+    round of one size.
 
-    ``min_loop_s`` > 0 raises an algorithm's calls per loop above ``iters`` until its loop lasts
-    about that long (from the slowest rank's time for one call, so every rank makes the same
-    number of calls): fast calls then get enough repetitions for a stable median.
+    ``min_loop_s`` > 0 raises a loop's calls above ``iters`` until it lasts about that long (from
+    the slowest rank's time for one call, so every rank makes the same number of calls): fast
+    calls then get enough repetitions for a stable median. Records come in (size, algorithm) order.
     """
     w = comm.size
-    total = element_count(op, nbytes, dtype, w)
-    cases: dict[str, _Case] = {}
-    wrong: dict[str, int | None] = {}
-    chosen: dict[str, str | None] = {}
-    loops: dict[str, int] = {}
-    for a in algorithms:
-        case = cases[a] = _Case(comm, op, a, total, dtype, device, seed)
-        wrong[a] = case.check() if check else None
-        chosen[a] = comm.last_choice.algorithm if a == "auto" and comm.last_choice else None
+    jobs = [(s, a) for s in ([nbytes] if isinstance(nbytes, int) else nbytes) for a in algorithms]
+    cases: dict[tuple[int, str], _Case] = {}
+    wrong: dict[tuple[int, str], int | None] = {}
+    chosen: dict[tuple[int, str], str | None] = {}
+    loops: dict[tuple[int, str], int] = {}
+    for job in jobs:
+        s, a = job
+        case = cases[job] = _Case(comm, op, a, element_count(op, s, dtype, w), dtype, device, seed)
+        wrong[job] = case.check() if check else None
+        chosen[job] = comm.last_choice.algorithm if a == "auto" and comm.last_choice else None
         for _ in range(warmup):
             case.call()
         _sync(device)
-        loops[a] = iters
+        loops[job] = iters
         if min_loop_s > 0:
             one = _per_call_s(case.call, comm, device, iters)
-            loops[a] = max(iters, min(10_000, int(min_loop_s / max(one, 1e-7))))
-    replays = {a: _captured(cases[a].call, loops[a]) for a in algorithms} if graph and device.type == "cuda" else {}
-    per: dict[str, list[float]] = {a: [] for a in algorithms}
+            loops[job] = max(iters, min(10_000, int(min_loop_s / max(one, 1e-7))))
+    replays = {job: _captured(cases[job].call, loops[job]) for job in jobs} if graph and device.type == "cuda" else {}
+    per: dict[tuple[int, str], list[float]] = {job: [] for job in jobs}
     for i in range(reps):
-        order = list(algorithms)
+        order = list(jobs)
         random.Random(i).shuffle(order)  # the same order on every rank
-        for a in order:
-            if a in replays:
-                loop = _timed_runs(replays[a], comm, device, loops[a], 1)
+        for job in order:
+            if job in replays:
+                loop = _timed_runs(replays[job], comm, device, loops[job], 1)
             else:
-                loop = _time_loops(cases[a], loops[a], 1, False)
-            per[a] += _slowest(comm, loop, device)
-    size = total * torch.empty((), dtype=dtype).element_size()
+                loop = _time_loops(cases[job], loops[job], 1, False)
+            per[job] += _slowest(comm, loop, device)
+    elem = torch.empty((), dtype=dtype).element_size()
     out = []
-    for a in algorithms:
-        n_wrong = wrong[a]
+    for job in jobs:
+        a, total = job[1], cases[job].total
+        n_wrong = wrong[job]
         if n_wrong is not None:
             n_wrong = int(_slowest(comm, [float(n_wrong)], device)[0])
-        med = statistics.median(per[a])
-        algbw = size / med / 1e9 if med > 0 else 0.0
-        out.append(Record(op, a, str(dtype).removeprefix("torch."), size, total, w,
+        med = statistics.median(per[job])
+        algbw = total * elem / med / 1e9 if med > 0 else 0.0
+        out.append(Record(op, a, str(dtype).removeprefix("torch."), total * elem, total, w,
                           comm.backend_for(device.type) or comm.backend, str(device), graph, med * 1e6,
-                          min(per[a]) * 1e6, max(per[a]) * 1e6, algbw, algbw * busbw_factor(op, w), n_wrong,
-                          chosen[a]))
+                          min(per[job]) * 1e6, max(per[job]) * 1e6, algbw, algbw * busbw_factor(op, w), n_wrong,
+                          chosen[job]))
     return out
 
 
@@ -399,15 +404,24 @@ def prepare(op: str, algorithms: Iterable[str], comm: C.Communicator, dtype: tor
 
 def sweep(comm: C.Communicator, op: str, algorithms: list[str], sizes: list[int], dtype: torch.dtype,
           device: torch.device, *, graph_modes: tuple[bool, ...] = (False,),
-          progress: Callable[[int, int, str], None] | None = None, **kw: object) -> list[Record]:
-    """Measure every (size, graph mode), the algorithms side by side (:func:`measure_side_by_side`);
-    returns the records in (size, graph mode, algorithm) order."""
-    out: list[Record] = []
-    jobs = [(s, g) for s in sizes for g in graph_modes]
-    for i, (s, g) in enumerate(jobs):
+          progress: Callable[[int, int, str], None] | None = None, together_bytes: int = 1 << 20,
+          **kw: object) -> list[Record]:
+    """Measure every (size, graph mode) with the algorithms side by side (:func:`measure_side_by_side`),
+    the sizes up to ``together_bytes`` all in the same rounds (their buffers are small), each larger
+    size in rounds of its own; returns the records in (size, graph mode, algorithm) order."""
+    small = [s for s in sizes if s <= together_bytes]
+    batches = ([small] if small else []) + [[s] for s in sizes if s > together_bytes]
+    jobs = [(b, g) for b in batches for g in graph_modes]
+    got: dict[tuple[int, bool], list[Record]] = {}
+    m = len(algorithms)
+    for i, (batch, g) in enumerate(jobs):
         if progress is not None:
-            progress(i, len(jobs), f"{op}{' graph' if g else ''} {s} B")
-        out += measure_side_by_side(comm, op, algorithms, s, dtype, device, graph=g, **kw)  # type: ignore[arg-type]
+            what = f"{batch[0]} B" if len(batch) == 1 else f"{batch[0]}-{batch[-1]} B"
+            progress(i, len(jobs), f"{op}{' graph' if g else ''} {what}")
+        recs = measure_side_by_side(comm, op, algorithms, batch, dtype, device, graph=g, **kw)  # type: ignore[arg-type]
+        for j, s in enumerate(batch):  # records come in (size, algorithm) order
+            got[(s, g)] = recs[j * m:(j + 1) * m]
     if progress is not None:
         progress(len(jobs), len(jobs), "done")
-    return out
+    return [rec for s in sizes for g in graph_modes for rec in got[(s, g)]]
+

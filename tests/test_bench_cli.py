@@ -160,3 +160,34 @@ def test_bind_to_core_spreads_local_ranks_and_spares_cpu_0(monkeypatch) -> None:
     assert [H.bind_to_core(r, 2, [0, 1]) for r in range(2)] == [0, 1]  # CPU 0 too: no core to spare
     n = len(bound)
     assert H.bind_to_core(0, 4, [0, 1]) is None and len(bound) == n  # fewer cores than ranks: nothing bound
+
+
+def body_sweep_batches(rank: int, world: int) -> dict:  # type: ignore[type-arg]
+    import bench.harness as H
+    import collectives as C
+
+    comm = C.get_communicator()
+    timed: list[tuple[int, str]] = []
+    loops = H._time_loops
+
+    def logged(case, iters, reps, graph):  # noqa: ANN001, ANN202
+        timed.append((case.total, case.algorithm))
+        return loops(case, iters, reps, graph)
+
+    H._time_loops = logged
+    try:
+        recs = H.sweep(comm, "all_reduce", ["ring", "native"], [8, 64, 4096], torch.float32, torch.device("cpu"),
+                       iters=2, warmup=1, reps=3, together_bytes=64)
+    finally:
+        H._time_loops = loops
+    return {"timed": timed, "records": [(r.bytes, r.algorithm, r.wrong) for r in recs]}
+
+
+def test_sweep_times_small_sizes_in_the_same_rounds(worlds) -> None:  # noqa: ANN001
+    for out in worlds(2).run(body_sweep_batches):
+        assert out["records"] == [(8, "ring", 0), (8, "native", 0), (64, "ring", 0), (64, "native", 0),
+                                  (4096, "ring", 0), (4096, "native", 0)]
+        small, large = out["timed"][:12], out["timed"][12:]
+        rounds = [small[i:i + 4] for i in range(0, 12, 4)]  # 8 and 64 bytes: one loop of each job per round
+        assert all(sorted(r) == [(2, "native"), (2, "ring"), (16, "native"), (16, "ring")] for r in rounds)
+        assert sorted(large) == [(1024, "native")] * 3 + [(1024, "ring")] * 3
