@@ -118,13 +118,19 @@ NATIVE: EnvVar[bool] = EnvVar(
     "the system C compiler on the first repeatable GPU call and cached in COMMOPS_CACHE_DIR; '0' keeps "
     "the Python fast path, which does the same work.",
 )
+GRAPH_LAUNCH: EnvVar[bool] = EnvVar(
+    "COMMOPS_GRAPH_LAUNCH", True,
+    "The compiled fast path launches a repeated one-kernel call as a one-node CUDA graph "
+    "(cuGraphLaunch), which costs the host less than cuLaunchKernel (collectives/peer/_launch.py); "
+    "'0' launches the kernel.",
+)
 CACHE_DIR: EnvVar[str] = EnvVar(
     "COMMOPS_CACHE_DIR", "",
     "Where compiled helpers are kept (default: $XDG_CACHE_HOME/commops, else ~/.cache/commops).",
 )
 
 VARIABLES = (NVTX, MPI_MASTER_ADDR, TOPOLOGY, CALIBRATION, TUNED, PEER_BYTES, PEER_TIMEOUT_S, OVERLAP_TUNED,
-             TRACE_DIR, DEBUG, RECORDER, NATIVE, CACHE_DIR)
+             TRACE_DIR, DEBUG, RECORDER, NATIVE, GRAPH_LAUNCH, CACHE_DIR)
 
 
 @functools.cache

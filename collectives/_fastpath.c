@@ -16,15 +16,17 @@
 
      Runner(ready, err_address, device, slow, in_place)
          A prepared runner: a repeat on tensors whose launch ``ready`` holds (keyed by the
-         output's address, or by the output's and input's) is one cuLaunchKernel on torch's
-         current stream of ``device``; anything else (a new address, a kernel that reported a
+         output's address, or by the output's and input's) is one driver call on torch's
+         current stream of ``device``: cuGraphLaunch of the entry's one-kernel graph where it has
+         one and the stream is not being captured, else cuLaunchKernel; anything else (a new address, a kernel that reported a
          timeout in the int32 at ``err_address``) calls ``slow``, the Python runner, which plans,
          remembers or raises, and a failed launch goes to the Python launcher, which rebinds a
          context or raises.
 
      last_miss() is the source line of the last check that sent a call to Python (for diagnosis).
 
-   No CUDA headers: the driver's cuLaunchKernel comes in as an address (configure()). Every
+   No CUDA headers: the driver's cuLaunchKernel, cuGraphLaunch and cuStreamIsCapturing come in as
+   addresses (configure()). Every
    Python object it touches is reached through the C API, so a torch or Python without some
    attribute makes the call fall back to Python rather than misbehave. */
 
@@ -36,6 +38,8 @@
 
 typedef int (*launch_t)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                         unsigned shared, void *stream, void **params, void **extra);
+typedef int (*graph_launch_t)(void *exec, void *stream);
+typedef int (*is_capturing_t)(void *stream, int *status);
 
 /* What configure() hands over: the objects the Python fast path reads. */
 static PyObject *tensor_type, *hooks, *local, *open_bounds, *profiling, *current_device, *current_stream, *recorder,
@@ -43,6 +47,8 @@ static PyObject *tensor_type, *hooks, *local, *open_bounds, *profiling, *current
 static PyObject *comms, *world_comm, *c10d; /* communicator._COMMS, communicator._WORLD, torch.distributed.distributed_c10d */
 static int nvtx_on; /* NVTX ranges wanted (collectives._env.nvtx_enabled(), fixed per process) */
 static launch_t cu_launch;
+static graph_launch_t cu_graph_launch; /* NULL: ready entries' graphs are not launched */
+static is_capturing_t cu_is_capturing;
 static unsigned threads;
 
 /* Interned attribute names. */
@@ -104,9 +110,15 @@ static long long long_call(PyObject *obj, PyObject *name) { /* -1 with an except
 /* ---------------------------------------------------------------------------------------------
    Runner */
 
-/* Launch the ready entry ``hit`` on the current stream: 0 done, 1 not launched (no exception), -1 error. */
+/* Launch the ready entry ``hit`` on the current stream: 0 done, 1 not launched (no exception), -1 error.
+   An entry (function, blocks, Prepared, name[, graph handle, graph]) whose graph handle is nonzero
+   is launched as that one-kernel graph, unless the stream is being captured (or cannot say),
+   where the kernel is launched so that the capture records it. */
 static int launch_ready(Runner *self, PyObject *hit) {
     if (!PyTuple_Check(hit) || PyTuple_GET_SIZE(hit) < 4) return 1;
+    void *exec = NULL;
+    if (cu_graph_launch != NULL && PyTuple_GET_SIZE(hit) >= 6 && PyLong_Check(PyTuple_GET_ITEM(hit, 4)))
+        exec = PyLong_AsVoidPtr(PyTuple_GET_ITEM(hit, 4));
     PyObject *fn = PyTuple_GET_ITEM(hit, 0), *blocks = PyTuple_GET_ITEM(hit, 1), *name = PyTuple_GET_ITEM(hit, 3);
     PyObject *params = PyObject_GetAttr(PyTuple_GET_ITEM(hit, 2), a_params);
     PyObject *dev = PyLong_FromLong(self->device);
@@ -124,7 +136,9 @@ static int launch_ready(Runner *self, PyObject *hit) {
         /* the driver can block while the launch queue is full: other threads run meanwhile, as
            with CuPy's launcher and torch's ops */
         Py_BEGIN_ALLOW_THREADS
-        rc = cu_launch(f, (unsigned)grid, 1, 1, threads, 1, 1, 0, s, (void **)p, NULL);
+        int capturing = 0;
+        if (exec != NULL && (cu_is_capturing(s, &capturing) != 0 || capturing != 0)) exec = NULL;
+        rc = exec != NULL ? cu_graph_launch(exec, s) : cu_launch(f, (unsigned)grid, 1, 1, threads, 1, 1, 0, s, (void **)p, NULL);
         Py_END_ALLOW_THREADS
         if (rc == 0) {
             r = 0;
@@ -545,14 +559,16 @@ static PyObject *fast_verb(PyObject *module, PyObject *const *args, Py_ssize_t n
 static PyObject *configure(PyObject *module, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"tensor_type", "hooks", "local", "open_bounds", "profiling", "nvtx",
                             "current_device", "current_stream", "recorder", "skipped", "fail", "py_launch",
-                            "launch_address", "threads", "device_flag", "comms", "world", "c10d", NULL};
+                            "launch_address", "threads", "device_flag", "comms", "world", "c10d",
+                            "graph_launch_address", "capturing_address", NULL};
     PyObject *o[11], *flag, *cm, *wc, *cd; /* comms: a dict */
-    unsigned long long addr;
+    unsigned long long addr, graph_addr = 0, capturing_addr = 0;
     unsigned t;
     int nvtx;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OO!OpOOOO!OOKIUO!O!O", names, &o[0], &PyList_Type, &o[1],
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OO!OpOOOO!OOKIUO!O!O|KK", names, &o[0], &PyList_Type, &o[1],
                                      &o[2], &PyList_Type, &o[3], &o[4], &nvtx, &o[5], &o[6], &o[7], &PyTuple_Type,
-                                     &o[8], &o[9], &o[10], &addr, &t, &flag, &PyDict_Type, &cm, &PyList_Type, &wc, &cd))
+                                     &o[8], &o[9], &o[10], &addr, &t, &flag, &PyDict_Type, &cm, &PyList_Type, &wc, &cd,
+                                     &graph_addr, &capturing_addr))
         return NULL;
     Py_INCREF(cm);
     Py_INCREF(wc);
@@ -584,6 +600,9 @@ static PyObject *configure(PyObject *module, PyObject *args, PyObject *kwargs) {
     }
     for (int i = 0; i < INSIDE_SLOTS; i++) Py_CLEAR(inside_cache[i].code); /* judged against the old ``skipped`` */
     cu_launch = (launch_t)(uintptr_t)addr;
+    /* graphs only with both: a graph cannot be launched into a capture, which must be asked first */
+    cu_graph_launch = graph_addr && capturing_addr ? (graph_launch_t)(uintptr_t)graph_addr : NULL;
+    cu_is_capturing = cu_graph_launch ? (is_capturing_t)(uintptr_t)capturing_addr : NULL;
     threads = t;
     Py_RETURN_NONE;
 }

@@ -132,10 +132,14 @@ def status() -> str:
 
 
 def configure(module: ModuleType, *, current_device: Any, current_stream: Any, launch_address: int,
-              py_launch: Any, threads: int, device_flag: str = "is_cuda") -> None:
+              py_launch: Any, threads: int, device_flag: str = "is_cuda", graph_launch_address: int = 0,
+              capturing_address: int = 0) -> None:
     """Hand ``module`` the objects the Python fast path reads. It takes tensors whose
     ``device_flag`` attribute is true and whose ``get_device()`` is ``current_device()``; the device
-    accessors and the launcher are arguments so that tests can give CPU stand-ins."""
+    accessors and the launchers are arguments so that tests can give CPU stand-ins. Prepared
+    launches that carry a one-kernel graph are launched as that graph where both
+    ``graph_launch_address`` (``cuGraphLaunch``) and ``capturing_address`` (``cuStreamIsCapturing``)
+    are given."""
     import torch
 
     import torch.distributed.distributed_c10d as c10d
@@ -150,7 +154,8 @@ def configure(module: ModuleType, *, current_device: Any, current_stream: Any, l
                      recorder=RECORDER, skipped=tuple(_SKIPPED), fail=_failed, py_launch=py_launch,
                      launch_address=launch_address, threads=threads, device_flag=device_flag,
                      comms=_COMMS.data,  # type: ignore[attr-defined]  # weak reference -> communicator
-                     world=_WORLD, c10d=c10d)
+                     world=_WORLD, c10d=c10d, graph_launch_address=graph_launch_address,
+                     capturing_address=capturing_address)
 
 
 def configure_cuda() -> ModuleType | None:
@@ -166,7 +171,14 @@ def configure_cuda() -> ModuleType | None:
     except (OSError, AttributeError) as exc:
         _STATE["module"], _STATE["why"] = None, f"not available: no CUDA driver ({exc})"
         return None
+    graph_launch = capturing = 0
+    if _env.GRAPH_LAUNCH.get():
+        try:
+            graph_launch, capturing = _launch.graph_addresses()
+        except (OSError, AttributeError):  # a driver without them: kernel launches
+            pass
     configure(module, current_device=_current_device, current_stream=_launch.current_stream,
-              launch_address=int(address or 0), py_launch=_launch.launch, threads=_launch.THREADS)
+              launch_address=int(address or 0), py_launch=_launch.launch, threads=_launch.THREADS,
+              graph_launch_address=graph_launch, capturing_address=capturing)
     _STATE["configured"] = True
     return module

@@ -204,6 +204,78 @@ def test_compiled_fast_path_matches_the_python_one(worlds) -> None:  # noqa: ANN
     assert r["refcounts"]
 
 
+GRAPH_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+IS_CAPTURING = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))
+
+
+def body_graph_launch(rank: int, world: int) -> dict:  # type: ignore[type-arg]
+    out: dict = {}  # type: ignore[type-arg]
+    with tempfile.TemporaryDirectory() as tmp:
+        module = _native._import(_native.build(Path(tmp)))
+        launches: list[tuple] = []  # type: ignore[type-arg]
+        graphs: list[tuple] = []  # type: ignore[type-arg]
+        py_launches: list[tuple] = []  # type: ignore[type-arg]
+        state = {"graph_rc": 0, "capture_rc": 0, "capturing": 0}
+
+        def fake_launch(fn, gx, gy, gz, bx, by, bz, shared, stream, params, extra):  # noqa: ANN001, ANN202
+            launches.append((fn, gx, stream, params))
+            return 0
+
+        def fake_graph(exe, stream):  # noqa: ANN001, ANN202
+            graphs.append((exe, stream))
+            return state["graph_rc"]
+
+        def fake_capturing(stream, status):  # noqa: ANN001, ANN202
+            status[0] = state["capturing"]
+            return state["capture_rc"]
+
+        cbs = LAUNCH(fake_launch), GRAPH_LAUNCH(fake_graph), IS_CAPTURING(fake_capturing)
+        address = [ctypes.cast(cb, ctypes.c_void_p).value for cb in cbs]
+
+        def configure(graph_launch: int, capturing: int) -> None:
+            _native.configure(module, current_device=lambda: -1, current_stream=lambda device: STREAM,
+                              launch_address=address[0], py_launch=lambda *a: py_launches.append(a), threads=512,
+                              device_flag="is_cpu", graph_launch_address=graph_launch, capturing_address=capturing)
+
+        err = torch.zeros(8, dtype=torch.int32)
+        x, y = torch.randn(37), torch.randn(37)
+        ready = {x.data_ptr(): (0xF00D, 7, Params(0xBEEF), "one_shot_all_reduce", 0x6EA9, object()),
+                 y.data_ptr(): (0xF00D, 7, Params(0xBEEF), "one_shot_all_reduce")}  # no graph: the kernel
+        runner = module.Runner(ready, err.data_ptr(), 3, lambda o, i: None, True)
+
+        def step(t: torch.Tensor) -> tuple[int, int, int]:
+            n = len(launches), len(graphs), len(py_launches)
+            runner(t, t)
+            return len(launches) - n[0], len(graphs) - n[1], len(py_launches) - n[2]
+
+        configure(address[1], address[2])
+        out["graph"] = step(x), graphs[-1]
+        out["no_graph_in_entry"] = step(y)
+        state["capturing"] = 1
+        out["capturing"] = step(x), launches[-1]
+        state["capturing"], state["capture_rc"] = 0, 900  # cannot tell: the kernel
+        out["capture_unknown"] = step(x)
+        state["capture_rc"], state["graph_rc"] = 0, 201  # a failed graph launch: the Python launcher's kernel
+        out["graph_failed"] = step(x), py_launches[-1][:4]
+        state["graph_rc"] = 0
+        configure(address[1], 0)  # no way to ask about captures: no graphs
+        out["no_capture_query"] = step(x)
+        configure(0, 0)
+        out["unconfigured"] = step(x)
+        del cbs
+    return out
+
+
+def test_compiled_runner_launches_prepared_graphs_outside_captures(worlds) -> None:  # noqa: ANN001
+    [r] = worlds(1).run(body_graph_launch)
+    assert r["graph"] == ((0, 1, 0), (0x6EA9, STREAM))
+    assert r["no_graph_in_entry"] == (1, 0, 0)
+    assert r["capturing"] == ((1, 0, 0), (0xF00D, 7, STREAM, 0xBEEF))
+    assert r["capture_unknown"] == (1, 0, 0)
+    assert r["graph_failed"] == ((0, 1, 1), (0xF00D, 7, STREAM, 0xBEEF))
+    assert r["no_capture_query"] == (1, 0, 0) and r["unconfigured"] == (1, 0, 0)
+
+
 def test_build_failure_is_reported(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.setenv("CC", "false")
     with pytest.raises(RuntimeError, match="failed"):

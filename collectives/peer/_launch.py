@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Kernel", "THREADS", "current_stream", "copy_async", "write_value", "launch"]
+__all__ = ["Kernel", "OneKernelGraph", "THREADS", "current_stream", "copy_async", "write_value", "launch"]
 
 _INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT: no context is current on this thread
 
@@ -199,6 +199,69 @@ class Kernel:
         for i, v in enumerate(args):
             block[i] = v
         return Prepared(ctypes.addressof(params), (block, params, self._ctx))
+
+
+class _NodeParams(ctypes.Structure):  # CUDA_KERNEL_NODE_PARAMS_v2 (kern and ctx left NULL: the function's own)
+    _fields_ = [("func", ctypes.c_void_p), ("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared", ctypes.c_uint), ("params", ctypes.c_void_p), ("extra", ctypes.c_void_p),
+                ("kern", ctypes.c_void_p), ("ctx", ctypes.c_void_p)]
+
+
+@functools.cache
+def _graph_api() -> dict[str, Any]:
+    lib = ctypes.CDLL("libcuda.so.1")
+    api = {name: getattr(lib, name) for name in ("cuGraphCreate", "cuGraphAddKernelNode_v2", "cuGraphInstantiateWithFlags",
+                                                 "cuGraphDestroy", "cuGraphExecDestroy", "cuGraphLaunch",
+                                                 "cuStreamIsCapturing")}
+    for f in api.values():
+        f.restype = ctypes.c_int
+    return api
+
+
+def graph_addresses() -> tuple[int, int]:
+    """The driver's ``cuGraphLaunch`` and ``cuStreamIsCapturing``, for the compiled fast path."""
+    api = _graph_api()
+    return tuple(int(ctypes.cast(api[n], ctypes.c_void_p).value or 0)  # type: ignore[return-value]
+                 for n in ("cuGraphLaunch", "cuStreamIsCapturing"))
+
+
+class OneKernelGraph:
+    """One kernel launch (a function, its grid and a prepared parameter block) as an executable
+    CUDA graph of one node, for calls that repeat it: ``cuGraphLaunch`` of it costs the host
+    about 1.1-1.5 us where ``cuLaunchKernel`` costs 2.8-3.2 (a bare C loop of each on the 2xH200
+    host, 2026-12-01). It runs the same kernel with the same arguments, ordered on the stream it
+    is launched on like the kernel would be (and behind its own previous launch). It cannot be
+    launched into a stream being captured: there the kernel is launched instead. The arguments
+    are copied into the node when it is made; the graph is freed at once (the executable does not
+    need it) and the executable with this object (in flight, it is freed when it completes)."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, fn: int, blocks: int, params: int) -> None:
+        self.handle = 0
+        api = _graph_api()
+        graph, node, exe = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        p = _NodeParams(fn, (blocks, 1, 1), (THREADS, 1, 1), 0, params, None, None, None)
+        rc = api["cuGraphCreate"](ctypes.byref(graph), ctypes.c_uint(0))
+        if rc:
+            raise RuntimeError(f"cuGraphCreate failed with CUDA driver error {rc}")
+        try:
+            rc = api["cuGraphAddKernelNode_v2"](ctypes.byref(node), graph, None, ctypes.c_size_t(0), ctypes.byref(p))
+            if not rc:
+                rc = api["cuGraphInstantiateWithFlags"](ctypes.byref(exe), graph, ctypes.c_ulonglong(0))
+            if rc:
+                raise RuntimeError(f"making a one-kernel CUDA graph failed with CUDA driver error {rc}")
+        finally:
+            api["cuGraphDestroy"](graph)
+        self.handle = int(exe.value or 0)
+
+    def __del__(self) -> None:
+        if self.handle:
+            try:
+                _graph_api()["cuGraphExecDestroy"](ctypes.c_void_p(self.handle))
+            except Exception:  # interpreter shutdown: the driver library may be gone
+                pass
+            self.handle = 0
 
 
 @functools.cache

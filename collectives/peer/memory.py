@@ -68,11 +68,16 @@ _COPY_ENGINE = object()  # plan marker: the copy-engine path works out its chunk
 
 
 class _Ready(dict):  # type: ignore[type-arg]
-    """One runner's prepared launches: tensor address(es) -> (function, blocks, Prepared, name).
+    """One runner's prepared launches: tensor address(es) -> (function, blocks, Prepared, name),
+    followed, for the compiled runner, by (graph handle, OneKernelGraph) where one could be made.
     Compared and hashed by identity (so that a WeakSet can hold it)."""
 
     __eq__ = object.__eq__
     __hash__ = object.__hash__  # type: ignore[assignment]
+    graphs = False  # make a one-kernel graph of each launch (the compiled runner launches those)
+
+
+_GRAPHS_FAILED: list[str] = []  # why a one-kernel graph could not be made (then none is tried again)
 
 
 def _by_copy_engine(algorithm: str) -> bool:
@@ -766,6 +771,7 @@ class PeerMemory:
         run.ready = ready  # type: ignore[attr-defined]  # (launch/tune_peer.py times the bare launch)
         native = _native.configure_cuda()
         if native is not None:  # the same runner, compiled (collectives/_native.py): ``run`` serves its misses
+            ready.graphs = _env.GRAPH_LAUNCH.get()
             return native.Runner(ready, self._err.data_ptr(), index, run, in_place)  # type: ignore[no-any-return]
         return run
 
@@ -793,7 +799,15 @@ class PeerMemory:
             k, blocks, args = launches[0]
         if len(ready) >= self.READY_MAX:
             ready.clear()
-        ready[key] = (k.fn, blocks, k.prepare(*args), k.name)
+        prepared = k.prepare(*args)
+        entry: tuple[Any, ...] = (k.fn, blocks, prepared, k.name)
+        if getattr(ready, "graphs", False) and not _GRAPHS_FAILED and not torch.cuda.is_current_stream_capturing():
+            try:
+                graph = _launch.OneKernelGraph(k.fn, blocks, prepared.params)
+                entry += (graph.handle, graph)
+            except (OSError, AttributeError, RuntimeError) as exc:  # an older driver: kernel launches, as before
+                _GRAPHS_FAILED.append(repr(exc))
+        ready[key] = entry
 
     def _forget_plans(self) -> None:
         self._plans.clear()
