@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import collectives as C
+from collectives.bootstrap import launcher_environment
 
 from .harness import bind_to_core, prepare, sweep
 from .report import Progress, format_table, plot, plot_vs_native, tuned_table, write_csv, write_json
@@ -84,8 +85,8 @@ def build_parser(op: str | None) -> argparse.ArgumentParser:
     p.add_argument("--tune", metavar="PATH", help="write the measured-fastest algorithm per size (for COMMOPS_TUNED)")
     p.add_argument("--backend", default=None, help="force a backend (default: nccl on GPUs, else gloo)")
     p.add_argument("--cpu-bind", choices=["core", "none"], default=None,
-                   help="core (the default with a GPU): each local rank on a CPU core of its own, where there are "
-                        "enough (bench.harness.bind_to_core); none (the default without)")
+                   help="core (the default with a GPU): under torchrun, each local rank on a CPU core of its own, "
+                        "where there are enough (bench.harness.bind_to_core); none (the default without)")
     return p
 
 
@@ -112,8 +113,10 @@ def main(argv: Sequence[str] | None = None, op: str | None = None) -> int:
     args = build_parser(op).parse_args(argv)
     ops = [op] if op else args.op
     core = None
-    if (args.cpu_bind or ("core" if torch.cuda.is_available() else "none")) == "core":  # before init: the threads torch and NCCL start share it
-        core = bind_to_core(int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    launch = launcher_environment()
+    if (args.cpu_bind or ("core" if torch.cuda.is_available() else "none")) == "core" \
+            and launch is not None and launch.launcher == "torchrun":  # (under MPI the local ranks come with init)
+        core = bind_to_core(launch.local_rank, launch.local_world_size)  # before init: torch's and NCCL's threads too
     comm = C.init(backend=args.backend)
     device = torch.device("cuda", torch.cuda.current_device()) if comm.backend_for("cuda") and torch.cuda.is_available() \
         else torch.device("cpu")

@@ -15,6 +15,7 @@ and raw data left in the slots by other calls may hold any number there.
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -807,6 +808,9 @@ class PeerMemory:
                 entry += (graph.handle, graph)
             except (OSError, AttributeError, RuntimeError) as exc:  # an older driver: kernel launches, as before
                 _GRAPHS_FAILED.append(repr(exc))
+                warnings.warn(f"commops: repeated GPU calls are launched as kernels, not one-kernel CUDA graphs "
+                              f"(each then costs the host more): {exc!r}. COMMOPS_GRAPH_LAUNCH=0 asks for kernel "
+                              "launches and silences this.", RuntimeWarning, stacklevel=2)
         ready[key] = entry
 
     def _forget_plans(self) -> None:
