@@ -123,6 +123,46 @@ def test_a_new_grid_drops_the_kept_blocks(pm: Any) -> None:
     assert after[0][1] == 2 * first[0][1] and again == after
 
 
+def test_kept_launches_carry_a_one_kernel_graph_for_the_compiled_runner(pm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[tuple[Any, ...]] = []
+
+    class Graph:
+        def __init__(self, fn: int, blocks: int, params: Any) -> None:
+            made.append((fn, blocks, params))
+            self.handle = 0x6EA9 + len(made)
+
+    monkeypatch.setattr(_launch, "OneKernelGraph", Graph)
+    monkeypatch.setattr(M, "_GRAPHS_FAILED", [])
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    x, y, z = (torch.empty(100, dtype=torch.bfloat16) for _ in range(3))
+    run = pm.runner("all_reduce", "one_shot")
+    _twice(pm, run, x, x)
+    assert len(run.ready[x.data_ptr()]) == 4 and not made  # the Python runner's: no graph
+    run.ready.graphs = True  # what the compiled runner asks for
+    first, again = _twice(pm, run, y, y)
+    entry = run.ready[y.data_ptr()]
+    fn, blocks, prepared, name, handle, graph = entry
+    assert made == [(fn, blocks, prepared.params)] and handle == graph.handle and again == first
+    capturing[0] = True  # first met inside a capture: no graph is made there
+    _twice(pm, run, z, z)
+    assert len(run.ready[z.data_ptr()]) == 4 and len(made) == 1
+    capturing[0] = False
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("CUDA driver error 801")
+
+    monkeypatch.setattr(_launch, "OneKernelGraph", broken)
+    run.ready.clear()
+    with pytest.warns(RuntimeWarning, match="COMMOPS_GRAPH_LAUNCH=0"):
+        _twice(pm, run, x, x)
+    assert len(run.ready[x.data_ptr()]) == 4 and M._GRAPHS_FAILED
+    monkeypatch.setattr(_launch, "OneKernelGraph", Graph)
+    run.ready.clear()
+    _twice(pm, run, y, y)  # after a failure none is tried again
+    assert len(run.ready[y.data_ptr()]) == 4 and len(made) == 1
+
+
 def test_a_reported_timeout_raises_instead_of_launching(pm: Any) -> None:
     x = torch.empty(64, dtype=torch.float32)
     run = pm.runner("all_reduce", "one_shot")
