@@ -29,7 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import collectives as C  # noqa: E402
 from bench.reference import rank_data  # noqa: E402
+from collectives import _env, _native  # noqa: E402
 from collectives.peer import PeerMemory, peer_memory  # noqa: E402
+from collectives.peer import memory as M  # noqa: E402
 from collectives.peer.memory import CE_PUSHED  # noqa: E402
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -259,6 +261,13 @@ class Checker:
         self.checks += 1
         if not any(pm._ready):
             self.failures.append(f"rank {self.r}: repeated calls on the same tensors kept no prepared launch")
+        # the compiled runner's kept launches are one-kernel graphs (the calls above ran through them)
+        if _native.status() == "loaded" and _env.GRAPH_LAUNCH.get():
+            self.checks += 1
+            kinds = {len(e) for ready in pm._ready for e in ready.values()}
+            if kinds != {6}:
+                self.failures.append(f"rank {self.r}: kept launches of lengths {sorted(kinds)}, not one-kernel "
+                                     f"graphs ({len(M._GRAPHS_FAILED)} failures: {M._GRAPHS_FAILED[:1]})")
 
     def stale_words(self) -> None:
         """A larger one-shot call leaves raw data in the slots whose 8-byte words carry, in their
