@@ -17,18 +17,18 @@
      Runner(ready, err_address, device, slow, in_place)
          A prepared runner: a repeat on tensors whose launch ``ready`` holds (keyed by the
          output's address, or by the output's and input's) is one driver call on torch's
-         current stream of ``device``: cuGraphLaunch of the entry's one-kernel graph where it has
-         one and the stream is not being captured, else cuLaunchKernel; anything else (a new address, a kernel that reported a
-         timeout in the int32 at ``err_address``) calls ``slow``, the Python runner, which plans,
-         remembers or raises, and a failed launch goes to the Python launcher, which rebinds a
-         context or raises.
+         current stream of ``device``: cuGraphLaunch of the entry's one-kernel graph where it
+         has one and the stream is not being captured, else cuLaunchKernel. Anything else (a new
+         address, a kernel that reported a timeout in the int32 at ``err_address``) calls
+         ``slow``, the Python runner, which plans, remembers or raises, and a failed launch goes
+         to the Python launcher, which rebinds a context or raises.
 
      last_miss() is the source line of the last check that sent a call to Python (for diagnosis).
 
    No CUDA headers: the driver's cuLaunchKernel, cuGraphLaunch and cuStreamIsCapturing come in as
-   addresses (configure()). Every
-   Python object it touches is reached through the C API, so a torch or Python without some
-   attribute makes the call fall back to Python rather than misbehave. */
+   addresses (configure()). Every Python object it touches is reached through the C API, so a
+   torch or Python without some attribute makes the call fall back to Python rather than
+   misbehave. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -231,7 +231,9 @@ class OneKernelGraph:
     about 1.1-1.5 us where ``cuLaunchKernel`` costs 2.8-3.2 (a bare C loop of each on the 2xH200
     host, 2026-12-01). It runs the same kernel with the same arguments, ordered on the stream it
     is launched on like the kernel would be (and behind its own previous launch). It cannot be
-    launched into a stream being captured: there the kernel is launched instead. The arguments
+    launched into a stream being captured: there the kernel is launched instead. Like ``Kernel``
+    it is not for two threads at once (one communicator's calls come from one thread at a time).
+    The arguments
     are copied into the node when it is made; the graph is freed at once (the executable does not
     need it) and the executable with this object (in flight, it is freed when it completes)."""
 
