@@ -98,11 +98,11 @@ def two_shot_piece(set_bytes: int, world: int, element_size: int) -> int:
 
 # the ramped pieces' sizes, as divisors of a chunk (ce_pieces). Only the last piece's sum follows
 # the link's last byte, so the tail shrinks; every piece boundary costs the copy engines a few
-# microseconds, so the head has one half chunk. 2xH200, 1 GiB / 512 MiB all-reduce, busbw over
-# NCCL's in the same rounds (11 rounds, graph / eager): head 1/8, 1/4, 1/2 and the mirrored tail
-# 1.0975 / 1.0985 at 1 GiB, 1.107 / 1.104 at 512 MiB; head 1/2, tail 1/2, 1/4, 1/8 1.1076 /
-# 1.1047 and 1.123 / 1.115; no head 1.105 / 1.103 and 1.118 / 1.107; 256 MiB chunks (two ring
-# slots) 1.02-1.03 and 0.95-0.96.
+# microseconds, so the head has one half chunk. Measured on 2xH200 (2026-12-01), 1 GiB / 512 MiB
+# all-reduce, busbw over NCCL's in the same rounds (11 rounds, graph / eager): head 1/8, 1/4, 1/2
+# and the mirrored tail 1.0975 / 1.0985 at 1 GiB, 1.107 / 1.104 at 512 MiB; head 1/2, tail 1/2,
+# 1/4, 1/8 1.1076 / 1.1047 and 1.123 / 1.115; no head 1.105 / 1.103 and 1.118 / 1.107; 256 MiB
+# chunks (two ring slots) 1.02-1.03 and 0.95-0.96.
 RAMP_HEAD = (2,)
 RAMP_TAIL = (2, 4, 8)
 
