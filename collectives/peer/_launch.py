@@ -13,7 +13,10 @@ compiled ``launchKernel``, with ctypes as the fallback where CuPy lacks it: in a
 2xH200 host (2026-11-30, not kept) it took 5.1 us per launch against 7.0 us through ctypes; the
 bare launch is 3.6 us in ``bench/results/gpu_2xh200_peer_host.json``, on a faster host. A caller that repeats the same
 arguments (the same tensor, again and again, as small all-reduces in a decode loop do) can keep
-a prepared block (``Kernel.prepare``) and launch it with no argument writes at all.
+a prepared block (``Kernel.prepare``) and launch it with no argument writes at all. The compiled
+runner (``collectives/_fastpath.c``) goes one step further and launches such a block as a
+one-node CUDA graph (``OneKernelGraph``): the driver takes about half the host time for
+``cuGraphLaunch`` that it takes for ``cuLaunchKernel``, whatever the parameter block's size.
 
 Driver calls act on the calling thread's current context. A thread that has made no CUDA runtime
 call of its own (autograd's device thread running a backward on device 0 is one: torch skips
