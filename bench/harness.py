@@ -22,8 +22,9 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import asdict, dataclass
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,8 @@ from . import anchors as A
 from . import reference as R
 
 __all__ = ["Record", "bind_to_core", "measure", "measure_side_by_side", "sweep", "element_count", "prepare", "time_fn", "time_interleaved"]
+
+K = TypeVar("K", bound=Hashable)
 
 _DIVIDED = ("reduce_scatter", "all_gather", "all_to_all")
 
@@ -277,22 +280,30 @@ def time_interleaved(fns: dict[str, Callable[[], object]], comm: C.Communicator,
             one = _per_call_s(fn, comm, device, iters)
             loops[name] = max(iters, min(100 * iters, math.ceil(min_loop_s / max(one, 1e-9))))
     replays = {name: _captured(fn, iters) for name, fn in fns.items()} if graph and device.type == "cuda" else {}
-    per: dict[str, list[float]] = {name: [] for name in fns}
-    for i in range(reps):
-        # each round in its own order (seeded by the round: the same on every rank), so that no
-        # function always follows the same one; a GPU's clocks after a heavy loop would bias it
-        order = list(fns)
-        random.Random(i).shuffle(order)
-        for name in order:
-            fn = fns[name]
-            if name in replays:
-                loop = _timed_runs(replays[name], comm, device, iters, 1)
-            else:
-                loop = _time_loops(_Fn(fn, comm, device), loops[name], 1, False)  # type: ignore[arg-type]
-            per[name] += _slowest(comm, loop, device)
+    per = _in_rounds({name: _Fn(fn, comm, device) for name, fn in fns.items()}, loops, replays, comm, device, reps)
     if rounds is not None:
         rounds.update({name: [t * 1e6 for t in v] for name, v in per.items()})
     return {name: statistics.median(v) * 1e6 for name, v in per.items()}
+
+
+def _in_rounds(timed: dict[K, Any], loops: dict[K, int], replays: dict[K, Callable[[], None]], comm: C.Communicator,
+               device: torch.device, reps: int) -> dict[K, list[float]]:
+    """Seconds per call of each of ``timed`` (a ``_Case`` or ``_Fn``: a call, a communicator, a
+    device) in ``reps`` rounds of one loop of ``loops[k]`` calls each (the replay of its captured
+    loop, where ``replays`` has one), the slowest rank's, in round order."""
+    per: dict[K, list[float]] = {k: [] for k in timed}
+    for i in range(reps):
+        # each round in its own order (seeded by the round: the same on every rank), so that no
+        # function always follows the same one; a GPU's clocks after a heavy loop would bias it
+        order = list(timed)
+        random.Random(i).shuffle(order)
+        for k in order:
+            if k in replays:
+                loop = _timed_runs(replays[k], comm, device, loops[k], 1)
+            else:
+                loop = _time_loops(timed[k], loops[k], 1, False)
+            per[k] += _slowest(comm, loop, device)
+    return per
 
 
 def paired_ratio(rounds: dict[str, list[float]], name: str, base: str) -> float:
@@ -347,16 +358,7 @@ def measure_side_by_side(comm: C.Communicator, op: str, algorithms: list[str], n
             one = _per_call_s(case.call, comm, device, iters)
             loops[job] = max(iters, min(10_000, int(min_loop_s / max(one, 1e-7))))
     replays = {job: _captured(cases[job].call, loops[job]) for job in jobs} if graph and device.type == "cuda" else {}
-    per: dict[tuple[int, str], list[float]] = {job: [] for job in jobs}
-    for i in range(reps):
-        order = list(jobs)
-        random.Random(i).shuffle(order)  # the same order on every rank
-        for job in order:
-            if job in replays:
-                loop = _timed_runs(replays[job], comm, device, loops[job], 1)
-            else:
-                loop = _time_loops(cases[job], loops[job], 1, False)
-            per[job] += _slowest(comm, loop, device)
+    per = _in_rounds(cases, loops, replays, comm, device, reps)
     elem = torch.empty((), dtype=dtype).element_size()
     out = []
     for job in jobs:

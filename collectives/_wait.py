@@ -38,6 +38,7 @@ _LOCAL = _Local()
 # call_timeout blocks open on any thread: while none is, no thread has a bound to read (the
 # compiled fast path, collectives/_fastpath.c, skips the thread-local lookup then)
 _OPEN = [0]
+_OPEN_LOCK = threading.Lock()  # ``_OPEN[0] += 1`` is a read and a write: threads could lose a count
 
 
 @contextmanager
@@ -48,11 +49,13 @@ def call_timeout(seconds: float | datetime.timedelta) -> Iterator[None]:
         raise InvalidArgumentError("seconds", seconds, "is not a positive duration", "pass e.g. 30")
     before = _LOCAL.timeout
     _LOCAL.timeout = t
-    _OPEN[0] += 1
+    with _OPEN_LOCK:
+        _OPEN[0] += 1
     try:
         yield
     finally:
-        _OPEN[0] -= 1
+        with _OPEN_LOCK:
+            _OPEN[0] -= 1
         _LOCAL.timeout = before
 
 

@@ -778,7 +778,7 @@ class PeerMemory:
 
     READY_MAX = 64  # prepared launches per runner; a full cache starts again
 
-    def _remember(self, ready: dict[Any, Any], key: Any, op: str, algorithm: str, out: torch.Tensor,
+    def _remember(self, ready: _Ready, key: Any, op: str, algorithm: str, out: torch.Tensor,
                   inp: torch.Tensor) -> None:
         """Keep the launch of a call that was one launch (just made by the general method)."""
         if op == "all_reduce":
@@ -802,7 +802,7 @@ class PeerMemory:
             ready.clear()
         prepared = k.prepare(*args)
         entry: tuple[Any, ...] = (k.fn, blocks, prepared, k.name)
-        if getattr(ready, "graphs", False) and not _GRAPHS_FAILED and not torch.cuda.is_current_stream_capturing():
+        if ready.graphs and not _GRAPHS_FAILED and not torch.cuda.is_current_stream_capturing():
             try:
                 graph = _launch.OneKernelGraph(k.fn, blocks, prepared.params)
                 entry += (graph.handle, graph)
