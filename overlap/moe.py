@@ -58,6 +58,8 @@ from torch import nn
 import collectives as C
 from collectives.errors import InvalidArgumentError, UnsupportedError
 
+from . import _grouped_gemm
+
 __all__ = ["MoEDispatcher", "DispatchHandle", "LowLatencyHandle", "GroupedSwiGLU", "reference_moe"]
 
 
@@ -1130,6 +1132,7 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 _GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
+_FUSED_WARNED: list[str] = []  # the reason the fused experts kernel could not run, once warned
 
 
 def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
@@ -1206,11 +1209,22 @@ class GroupedSwiGLU(nn.Module):
     widths in 16-byte multiples), each of the three products is one launch for every expert;
     elsewhere one GEMM per expert. A per-expert loop costs the host ~3 launches per expert, which at 32 experts
     per rank is a hundred small launches per call.
+
+    Without autograd on CUDA (inference), ``fused`` (the default) computes the gate and up
+    products and the activation in one Triton kernel (``overlap/_grouped_gemm.py``) wherever the
+    call keeps the GPU busier than its host (``_grouped_gemm.gpu_bound``; a decode step of small
+    experts does not): ``x w1`` and ``x w3`` are accumulated in float32 side by side and never
+    stored, so the result is rounded once where torch's path rounds ``h1``, ``h3`` and their
+    product. Where that kernel cannot run (no Triton, widths it was not measured for), a warning
+    says why, once, and torch's grouped GEMMs run; ``fused=False`` keeps them without a word.
+    With autograd torch's run. ``last_path`` records (which, why) for the last call.
     """
 
     def __init__(self, num_local_experts: int, hidden: int, ffn_hidden: int, *, dtype: torch.dtype | None = None,
-                 device: Any = None) -> None:
+                 device: Any = None, fused: bool = True) -> None:
         super().__init__()
+        self.fused = fused
+        self.last_path: tuple[str, str] | None = None
         self.w1 = nn.Parameter(torch.empty(num_local_experts, hidden, ffn_hidden, dtype=dtype, device=device))
         self.w3 = nn.Parameter(torch.empty(num_local_experts, hidden, ffn_hidden, dtype=dtype, device=device))
         self.w2 = nn.Parameter(torch.empty(num_local_experts, ffn_hidden, hidden, dtype=dtype, device=device))
@@ -1225,6 +1239,30 @@ class GroupedSwiGLU(nn.Module):
         return (x.dtype == self.w1.dtype and x.is_contiguous() and hidden * es % 16 == 0 and ffn * es % 16 == 0
                 and _grouped_mm_works(x.device, x.dtype))
 
+    def _path(self, x: torch.Tensor) -> tuple[str, str]:
+        """Which grouped path runs these rows, and why (a warning, once, where the fused kernel
+        was asked for but cannot take the operands)."""
+        if not self.fused:
+            return "torch", "fused=False"
+        if not x.is_cuda:
+            return "torch", f"the fused kernel runs on CUDA; the rows are on {x.device.type}"
+        if torch.is_grad_enabled():
+            return "torch", "autograd is on (the fused kernel keeps no h1, h3 for a backward pass)"
+        experts, hidden, ffn = self.w1.shape
+        if not _grouped_gemm.gpu_bound(x.shape[0], experts, hidden, ffn, x.element_size()):
+            return "torch", "a call this small is bound by its host, where the fused kernel's launch costs more"
+        why = _grouped_gemm.supported(x, self.w1, self.w3)
+        if why:
+            if not _FUSED_WARNED:
+                import warnings
+
+                _FUSED_WARNED.append(why)
+                warnings.warn(f"GroupedSwiGLU: the fused gate/up kernel cannot run ({why}); torch's grouped GEMMs "
+                              "run instead (GroupedSwiGLU(..., fused=False) asks for them)", RuntimeWarning,
+                              stacklevel=4)
+            return "torch", f"the fused kernel cannot run: {why}"
+        return "fused", "inference on CUDA, GPU-bound: gate, up and activation in one kernel"
+
     def forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
         """``[rows, hidden]`` -> ``[rows, hidden]``; ``tokens_per_expert[e]`` consecutive rows per local expert."""
         if x.shape[0] and self._grouped(x):
@@ -1232,6 +1270,9 @@ class GroupedSwiGLU(nn.Module):
             # from pinned memory, not waited for: a plain copy would stall the host until the GPU
             # is idle, and the launches after it would then leave the GPU idle in turn
             ends = self._offsets.send(rows, x.device) if x.is_cuda else torch.from_numpy(rows)
+            self.last_path = self._path(x)
+            if self.last_path[0] == "fused":
+                return torch._grouped_mm(_grouped_gemm.grouped_swiglu(x, self.w1, self.w3, ends), self.w2, offs=ends)
             h1 = torch._grouped_mm(x, self.w1, offs=ends)
             h3 = torch._grouped_mm(x, self.w3, offs=ends)
             if not torch.is_grad_enabled():  # no backward to shape: skip two autograd.Function calls

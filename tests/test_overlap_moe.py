@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import collectives as C
 from collectives.errors import InvalidArgumentError
-from overlap.moe import MoEDispatcher, reference_moe
+from overlap.moe import GroupedSwiGLU, MoEDispatcher, reference_moe
 from tests.mp import messages
 
 H = 6
@@ -179,7 +179,6 @@ def _layer_case(rank: int, world: int, tokens: list[int], capacity: float | None
     import torch.nn.functional as F
 
     from overlap.layers import MoELayer
-    from overlap.moe import GroupedSwiGLU
 
     torch.manual_seed(4321)  # the same reference on every rank
     E, k, FF = 2 * world, 2, 10
@@ -336,7 +335,7 @@ def test_overlapped_pipeline_drops_per_chunk(worlds) -> None:  # noqa: ANN001
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 def test_grouped_experts_match_one_gemm_per_expert_in_float64(dtype: torch.dtype, tol: float) -> None:
-    from overlap.moe import GroupedSwiGLU, _grouped_mm_works
+    from overlap.moe import _grouped_mm_works
 
     if not _grouped_mm_works(torch.device("cpu"), dtype):
         pytest.skip(f"torch {torch.__version__} has no CPU grouped GEMM for {dtype}")
@@ -366,7 +365,6 @@ def test_grouped_experts_match_one_gemm_per_expert_in_float64(dtype: torch.dtype
 
 
 def test_padded_experts_match_one_gemm_per_expert_in_float64() -> None:
-    from overlap.moe import GroupedSwiGLU
 
     torch.manual_seed(4)
     m = GroupedSwiGLU(3, 16, 24, dtype=torch.float32)
@@ -398,3 +396,36 @@ def test_block_permutation_is_the_stable_sort_by_local_expert() -> None:
         regroup, ungroup = _block_permutation(matrix)
         assert np.array_equal(regroup, want), matrix
         assert np.array_equal(ungroup[want], np.arange(want.size)), matrix
+
+
+def test_grouped_swiglu_says_which_path_ran_and_why_on_cpu() -> None:
+    from overlap._grouped_gemm import gpu_bound
+
+    m = GroupedSwiGLU(2, 16, 24)
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        m(x, [2, 3])
+    assert m.last_path is not None and m.last_path[0] == "torch" and "CUDA" in m.last_path[1], m.last_path
+    m.fused = False
+    m(x, [2, 3])
+    assert m.last_path == ("torch", "fused=False")
+    # the measured cases behind the threshold (overlap/_grouped_gemm.py): a Qwen3-30B-like decode
+    # step was host-bound, a DeepSeek-V3-like one and the prefills were not
+    assert not gpu_bound(1024, 16, 2048, 768, 2)
+    assert gpu_bound(1024, 32, 7168, 2048, 2)
+    assert all(gpu_bound(*c, 2) for c in [(65536, 16, 2048, 768), (32768, 16, 4096, 512), (16384, 8, 4096, 1024)])
+
+
+def test_sm_carveout_holds_torchs_setting_within_and_puts_the_previous_one_back() -> None:
+    from overlap._grouped_gemm import sm_carveout
+
+    get = torch._C._get_sm_carveout_experimental
+    assert get() is None
+    with sm_carveout(5):
+        assert get() == 5
+        with sm_carveout(0):  # 0: leave the setting alone
+            assert get() == 5
+    assert get() is None
+    with pytest.raises(ValueError), sm_carveout(7):
+        raise ValueError("inside")
+    assert get() is None

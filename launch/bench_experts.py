@@ -1,0 +1,63 @@
+"""Benchmark one rank's experts: ``python launch/bench_experts.py`` on one CUDA GPU.
+
+``GroupedSwiGLU`` without autograd: its fused gate/up kernel (``overlap/_grouped_gemm.py``) against
+torch's grouped GEMMs (``fused=False``, the anchor), side by side in rounds, at the rows one rank
+of two receives in the MoE benchmark's configurations (``launch/bench_moe.py``: tokens x top-k),
+expert sizes drawn unevenly around the mean, each checked against float64 (``bench/experts.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.experts import measure_experts, plot_experts  # noqa: E402
+from bench.report import write_csv, write_json  # noqa: E402
+
+# name, rows on one rank of two (tokens x top-k), hidden, expert width, local experts
+CONFIGS = [("qwen3-30b-prefill", 8192 * 8, 2048, 768, 16), ("top2-h4096-f512", 16384 * 2, 4096, 512, 16),
+           ("top1-h4096-f1024", 16384, 4096, 1024, 8), ("qwen3-prefill", 4096 * 8, 4096, 1536, 16),
+           ("dsv3-prefill", 4096 * 8, 7168, 2048, 32), ("dsv3-decode", 128 * 8, 7168, 2048, 32),
+           ("qwen3-30b-decode", 128 * 8, 2048, 768, 16)]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(prog="launch/bench_experts.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("-n", "--iters", type=int, default=10)
+    p.add_argument("-r", "--reps", type=int, default=9)
+    p.add_argument("--json")
+    p.add_argument("--csv")
+    p.add_argument("--plot")
+    args = p.parse_args()
+    dev = torch.device("cuda", 0)
+    records = []
+    for name, rows, hidden, ffn, experts in CONFIGS:
+        rec = measure_experts(name, rows, hidden, ffn, experts, dev, iters=args.iters, reps=args.reps)
+        records.append(rec)
+        print(f"{rec.config:<18} rows {rec.rows:>6} ({rec.counts_min}-{rec.counts_max} per expert) h {rec.hidden:>5} "
+              f"f {rec.ffn_hidden:>5} E {rec.experts:>3} | torch {rec.torch_us:8.1f} us | fused {rec.fused_us:8.1f} us "
+              f"| paired {rec.fused_over_torch_paired:.3f}x ({rec.fused_path}) | #wrong {rec.wrong_fused}/{rec.wrong_torch}",
+              flush=True)
+        torch.cuda.empty_cache()
+    import triton
+
+    meta = {"command": " ".join(["launch/bench_experts.py", *sys.argv[1:]]),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
+            "triton": triton.__version__, "device": torch.cuda.get_device_name(dev), "dtype": "bfloat16"}
+    if args.json:
+        write_json(records, args.json, meta)  # type: ignore[arg-type]
+    if args.csv:
+        write_csv(records, args.csv)  # type: ignore[arg-type]
+    if args.plot:
+        plot_experts(records, args.plot, f"{meta['device']}, bf16, torch {meta['torch']}, Triton {meta['triton']}")
+    return 1 if any(r.wrong_fused or r.wrong_torch for r in records) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,66 @@
+"""The Triton kernel of ``_grouped_gemm.py`` (see its design note); imported only when it runs."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["gmm"]
+
+
+@triton.jit
+def _tile(t, ends, E: tl.constexpr, npn, BM: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Tile ``t`` of the walk over every expert's (m, n) tiles: (expert, its first row, its rows,
+    m tile, n tile)."""
+    start = 0
+    base = 0
+    hit_e = -1
+    hit_start = 0
+    hit_rows = 0
+    hit_base = 0
+    for i in range(E):
+        end = tl.load(ends + i)
+        rows = end - start
+        n_t = tl.cdiv(rows, BM) * npn
+        hit = (t >= base) & (t < base + n_t) & (hit_e < 0)
+        hit_e = tl.where(hit, i, hit_e)
+        hit_start = tl.where(hit, start, hit_start)
+        hit_rows = tl.where(hit, rows, hit_rows)
+        hit_base = tl.where(hit, base, hit_base)
+        base += n_t
+        start = end
+    local = t - hit_base
+    return hit_e, hit_start, hit_rows, local // npn, local % npn
+
+
+@triton.jit
+def gmm(a_desc, b_desc, b3_desc, c_ptr, ends, N, K, stride_c,  # type: ignore[no-untyped-def]
+        E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SMS: tl.constexpr,
+        SWIGLU: tl.constexpr):
+    """``SMS`` programs walk the tiles; each tile accumulates ``A B`` (and ``A B3`` with SWIGLU, then
+    stores ``silu(AB) * AB3``) in float32 and stores its expert's rows only."""
+    pid = tl.program_id(0)
+    npn = tl.cdiv(N, BN)
+    total = 0
+    start = 0
+    for i in range(E):
+        end = tl.load(ends + i)
+        total += tl.cdiv(end - start, BM) * npn
+        start = end
+    for t in tl.range(pid, total, SMS, flatten=True):
+        e, row0, rows, pm, pn = _tile(t, ends, E, npn, BM)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if SWIGLU:
+            acc3 = tl.zeros((BM, BN), dtype=tl.float32)
+        for ki in range(K // BK):
+            a = a_desc.load([row0 + pm * BM, ki * BK])
+            acc = tl.dot(a, b_desc.load([e * K + ki * BK, pn * BN]), acc)
+            if SWIGLU:
+                acc3 = tl.dot(a, b3_desc.load([e * K + ki * BK, pn * BN]), acc3)
+        if SWIGLU:
+            acc = acc * tl.sigmoid(acc) * acc3
+        om = pm * BM + tl.arange(0, BM)
+        on = pn * BN + tl.arange(0, BN)
+        mask = (om < rows)[:, None] & (on < N)[None, :]
+        ptr = c_ptr + (row0 + om).to(tl.int64)[:, None] * stride_c + on[None, :]
+        tl.store(ptr, acc.to(c_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,104 @@
+"""On one CUDA GPU: the Triton grouped GEMM and its SwiGLU-fused form (``overlap/_grouped_gemm.py``)
+against float64 products of each expert's rows, and ``GroupedSwiGLU``'s fused inference path
+against its torch path. Marker ``gpu``.
+
+Expert sizes are uneven and include empty experts (first, middle, last), experts of fewer rows
+than a tile, and widths that are not whole tiles; every row of the result is compared, so a row
+the kernel did not write (left as the allocator's garbage) or wrote from the wrong expert fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from overlap import _grouped_gemm as G
+from overlap._grouped_gemm import sm_carveout
+from overlap.moe import GroupedSwiGLU
+
+pytestmark = pytest.mark.gpu
+
+CASES = [  # (counts per expert, K, N)
+    ([0, 5, 0, 300, 128, 0], 192, 200),
+    ([1], 64, 8),
+    ([129, 127, 0, 1000], 128, 384),
+    ([0, 0, 0, 17], 64, 264),
+]
+
+
+def _ref(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    parts = [xe.double() @ w[e].double() for e, xe in enumerate(x.split(counts))]
+    return torch.cat(parts) if parts else x.new_zeros((0, w.shape[2]), dtype=torch.float64)
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)) if want.numel() else 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("sms", [None, 3])
+def test_grouped_products_match_each_experts_float64_product(dtype: torch.dtype, sms: int | None) -> None:
+    g = torch.Generator(device="cuda").manual_seed(7)
+    for counts, K, N in CASES:
+        E, rows = len(counts), sum(counts)
+        x = torch.randn(rows, K, generator=g, device="cuda").to(dtype)
+        w1 = (torch.randn(E, K, N, generator=g, device="cuda") * K ** -0.5).to(dtype)
+        w3 = (torch.randn(E, K, N, generator=g, device="cuda") * K ** -0.5).to(dtype)
+        ends = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+        assert G.supported(x, w1, w3) == "", G.supported(x, w1, w3)
+        h1, h3 = _ref(x, w1, counts), _ref(x, w3, counts)
+        got = G.grouped_mm(x, w1, ends, sms=sms)
+        assert got.shape == (rows, N) and got.dtype == dtype
+        assert _rel(got, h1) < 1e-2, (counts, K, N)
+        act = G.grouped_swiglu(x, w1, w3, ends, sms=sms)
+        assert _rel(act, F.silu(h1) * h3) < 1e-2, (counts, K, N)
+
+
+def test_the_grid_follows_torchs_sm_carveout() -> None:
+    n = torch.cuda.get_device_properties(0).multi_processor_count
+    assert G._sms(torch.device("cuda"), None) == n
+    with sm_carveout(24):
+        assert G._sms(torch.device("cuda"), None) == n - 24
+        assert G._sms(torch.device("cuda"), 5) == 5
+    assert G._sms(torch.device("cuda"), None) == n
+
+
+def test_operands_the_kernel_was_not_measured_for_are_refused_with_a_reason() -> None:
+    x = torch.randn(8, 100, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2, 100, 16, device="cuda", dtype=torch.bfloat16)
+    assert "multiple of 64" in G.supported(x, w)
+    assert "float32" in G.supported(x.float()[:, :64], w.float()[:, :64])
+    assert "contiguous" in G.supported(torch.randn(8, 128, device="cuda", dtype=torch.bfloat16)[:, :64], w[:, :64])
+    assert "cpu" in G.supported(x.cpu(), w.cpu())
+
+
+def test_grouped_swiglu_inference_path_matches_the_torch_path_and_float64(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(G, "_GPU_BOUND_S", 0.0)  # this small call would otherwise go to torch's path
+    torch.manual_seed(3)
+    counts = [0, 333, 1, 0, 700, 64, 0, 250]
+    m = GroupedSwiGLU(len(counts), 256, 384, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(sum(counts), 256, device="cuda", dtype=torch.bfloat16)
+    h = F.silu(_ref(x, m.w1.detach(), counts)) * _ref(x, m.w3.detach(), counts)
+    want = _ref(h.to(torch.bfloat16), m.w2.detach(), counts)
+    with torch.no_grad():
+        fused = m(x, counts)
+        assert m.last_path is not None and m.last_path[0] == "fused", m.last_path
+        m.fused = False
+        plain = m(x, counts)
+        assert m.last_path == ("torch", "fused=False")
+    assert _rel(fused, want) < 2e-2 and _rel(plain, want) < 2e-2
+    assert _rel(fused, plain.double()) < 2e-2
+    # with autograd the torch path runs (and its backward)
+    m.fused = True
+    y = m(x.requires_grad_(), counts)
+    y.float().sum().backward()
+    assert x.grad is not None and _rel(y.detach(), plain.double()) == 0.0
+    assert m.last_path is not None and m.last_path[0] == "torch" and "autograd" in m.last_path[1]
+
+
+def test_a_call_bound_by_its_host_keeps_torchs_path() -> None:
+    m = GroupedSwiGLU(4, 256, 384, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        m(torch.randn(64, 256, device="cuda", dtype=torch.bfloat16), [16] * 4)
+    assert m.last_path is not None and m.last_path[0] == "torch" and "host" in m.last_path[1], m.last_path
