@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from overlap.moe import GroupedSwiGLU
 
-__all__ = ["ExpertsRecord", "uneven_counts", "measure_experts", "plot_experts"]
+__all__ = ["ExpertsRecord", "PaddedRecord", "uneven_counts", "measure_experts", "measure_padded", "plot_experts"]
 
 
 @dataclass
@@ -95,6 +95,94 @@ def measure_experts(name: str, rows: int, hidden: int, ffn_hidden: int, experts:
     return ExpertsRecord(name, rows, hidden, ffn_hidden, experts, min(counts), max(counts),
                          statistics.median(times[False]), statistics.median(times[True]), paired,
                          wrong[True], wrong[False], ran)
+
+
+@dataclass
+class PaddedRecord:
+    config: str
+    experts: int
+    capacity: int
+    rows: int
+    hidden: int
+    ffn_hidden: int
+    bmm_us: float           # forward_padded(x): batched GEMMs over every row of every block
+    fused_us: float         # forward_padded(x, counts): the counted rows only (Triton)
+    bmm_graph_us: float     # the same, replayed from CUDA graphs
+    fused_graph_us: float
+    fused_over_bmm_graph_paired: float
+    wrong_fused: int
+    wrong_bmm: int
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def _rounds(fns: dict[str, object], reps: int) -> dict[str, list[float]]:
+    """Microseconds per call of each (a callable of one timed loop) in ``reps`` rounds, each round
+    in the other order from the last."""
+    out: dict[str, list[float]] = {k: [] for k in fns}
+    names = list(fns)
+    for rep in range(reps):
+        for k in (names if rep % 2 else names[::-1]):
+            out[k].append(fns[k]())  # type: ignore[operator]
+    return out
+
+
+def measure_padded(name: str, experts: int, capacity: int, rows: int, hidden: int, ffn_hidden: int,
+                   device: torch.device, *, iters: int = 10, reps: int = 9, seed: int = 0) -> PaddedRecord:
+    """``GroupedSwiGLU.forward_padded`` on the low-latency layout (``experts`` blocks of ``capacity``
+    rows, ``rows`` of them counted), every row against the counted rows only, eagerly and
+    replayed from CUDA graphs of ``iters`` calls."""
+    counts_l = uneven_counts(rows, experts, seed)
+    assert max(counts_l) <= capacity, (counts_l, capacity)
+    torch.manual_seed(seed)
+    m = GroupedSwiGLU(experts, hidden, ffn_hidden, dtype=torch.bfloat16, device=device)
+    x = torch.randn(experts, capacity, hidden, device=device, dtype=torch.bfloat16)
+    counts = torch.tensor(counts_l, device=device)
+    calls = {"bmm": lambda: m.forward_padded(x), "fused": lambda: m.forward_padded(x, counts)}
+    with torch.no_grad():
+        w1, w3, w2 = (p.detach().double() for p in (m.w1, m.w3, m.w2))
+        wrong = {}
+        for k, call in calls.items():
+            got = call()
+            bad = 0
+            for e, c in enumerate(counts_l):
+                xe = x[e, :c].double()
+                want = (F.silu(xe @ w1[e]) * (xe @ w3[e])).to(x.dtype).double() @ w2[e]
+                bad += int(((got[e, :c].double() - want).abs() > 2e-2 * want.abs().max().clamp_min(1e-30)).sum())
+            wrong[k] = bad
+        graphs = {}
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for k, call in calls.items():
+                for _ in range(3):
+                    call()
+                graphs[k] = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graphs[k], stream=stream):
+                    for _ in range(iters):
+                        call()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        torch.cuda.synchronize(device)
+
+        def loop(fn: object, n: int) -> object:
+            def timed() -> float:
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                for _ in range(n):
+                    fn()  # type: ignore[operator]
+                e.record()
+                e.synchronize()
+                return s.elapsed_time(e) * 1e3 / iters
+            return timed
+
+        per = _rounds({"bmm": loop(calls["bmm"], iters), "fused": loop(calls["fused"], iters),
+                       "bmm_graph": loop(graphs["bmm"].replay, 1), "fused_graph": loop(graphs["fused"].replay, 1)},
+                      reps)
+    paired = statistics.median(f / b for f, b in zip(per["fused_graph"], per["bmm_graph"], strict=True))
+    med = {k: statistics.median(v) for k, v in per.items()}
+    return PaddedRecord(name, experts, capacity, rows, hidden, ffn_hidden, med["bmm"], med["fused"],
+                        med["bmm_graph"], med["fused_graph"], paired, wrong["fused"], wrong["bmm"])
 
 
 def plot_experts(records: list[ExpertsRecord], path: str, title: str) -> None:

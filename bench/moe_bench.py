@@ -164,7 +164,7 @@ def _low_latency(disp: MoEDispatcher, mlp: GroupedSwiGLU, x: torch.Tensor, idx: 
     number of calls (the transport's buffer halves alternate), beside NCCL's all-to-all of the
     same rows replayed the same way."""
     rv, h = disp.dispatch_low_latency(x, idx)
-    y = mlp.forward_padded(rv)
+    y = mlp.forward_padded(rv, h.tokens_per_expert)
     got = {"ll_dispatch_us": _time(lambda: disp.dispatch_low_latency(x, idx), comm, device, iters, reps),
            "ll_combine_us": _time(lambda: disp.combine_low_latency(y, h, w), comm, device, iters, reps)}
     if device.type == "cuda":

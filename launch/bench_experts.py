@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.experts import measure_experts, plot_experts  # noqa: E402
+from bench.experts import measure_experts, measure_padded, plot_experts  # noqa: E402
 from bench.report import write_csv, write_json  # noqa: E402
 
 # name, rows on one rank of two (tokens x top-k), hidden, expert width, local experts
@@ -31,6 +31,8 @@ def main() -> int:
     p = argparse.ArgumentParser(prog="launch/bench_experts.py", description=__doc__.split("\n\n")[0])
     p.add_argument("-n", "--iters", type=int, default=10)
     p.add_argument("-r", "--reps", type=int, default=9)
+    p.add_argument("--padded", action="store_true",
+                   help="also time forward_padded on the low-latency layout of the decode configurations")
     p.add_argument("--json")
     p.add_argument("--csv")
     p.add_argument("--plot")
@@ -45,18 +47,31 @@ def main() -> int:
               f"| paired {rec.fused_over_torch_paired:.3f}x ({rec.fused_path}) | #wrong {rec.wrong_fused}/{rec.wrong_torch}",
               flush=True)
         torch.cuda.empty_cache()
+    padded = []
+    if args.padded:  # blocks of W x max_tokens rows per local expert, W = 2, 128 tokens per rank
+        for name, rows, hidden, ffn, experts in CONFIGS:
+            if name.endswith("-decode"):
+                rec_p = measure_padded(name, experts, 2 * 128, rows, hidden, ffn, dev, iters=args.iters, reps=args.reps)
+                padded.append(rec_p)
+                print(f"{rec_p.config:<18} padded {rec_p.experts} x {rec_p.capacity} rows, {rec_p.rows} counted | every "
+                      f"row {rec_p.bmm_us:8.1f} us (graph {rec_p.bmm_graph_us:8.1f}) | counted rows {rec_p.fused_us:8.1f} "
+                      f"us (graph {rec_p.fused_graph_us:8.1f}) | graph paired {rec_p.fused_over_bmm_graph_paired:.3f}x "
+                      f"| #wrong {rec_p.wrong_fused}/{rec_p.wrong_bmm}", flush=True)
     import triton
 
     meta = {"command": " ".join(["launch/bench_experts.py", *sys.argv[1:]]),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
             "triton": triton.__version__, "device": torch.cuda.get_device_name(dev), "dtype": "bfloat16"}
     if args.json:
-        write_json(records, args.json, meta)  # type: ignore[arg-type]
+        write_json([*records, *padded], args.json, meta)  # type: ignore[arg-type]
     if args.csv:
         write_csv(records, args.csv)  # type: ignore[arg-type]
+        if padded:
+            write_csv(padded, args.csv.removesuffix(".csv") + "_padded.csv")  # type: ignore[arg-type]
     if args.plot:
         plot_experts(records, args.plot, f"{meta['device']}, bf16, torch {meta['torch']}, Triton {meta['triton']}")
-    return 1 if any(r.wrong_fused or r.wrong_torch for r in records) else 0
+    return 1 if any(r.wrong_fused or r.wrong_torch for r in records) or any(r.wrong_fused or r.wrong_bmm
+                                                                              for r in padded) else 0
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["supported", "gpu_bound", "grouped_mm", "grouped_swiglu", "sm_carveout"]
+__all__ = ["supported", "gpu_bound", "grouped_mm", "grouped_swiglu", "grouped_mm_padded", "grouped_swiglu_padded",
+           "sm_carveout"]
 
 _BK = 64
 # (BM, BN, warps, stages), measured on one H200 (scratch probe, 2026-12-01): 128x256 was the best
@@ -47,9 +48,9 @@ def supported(x: torch.Tensor, *weights: torch.Tensor) -> str:
         return f"the operands are on {x.device.type}"
     if x.dtype not in _DTYPES:
         return f"it runs {[str(d) for d in _DTYPES]}, not {x.dtype}"
-    k = x.shape[1]
-    if k % _BK:
-        return f"K = {k} is not a multiple of {_BK}"
+    for name, k in (("x", x.shape[-1]), *((f"weight {i}", w.shape[-2]) for i, w in enumerate(weights))):
+        if k % _BK:
+            return f"K = {k} ({name}) is not a multiple of {_BK}"
     for t in (x, *weights):
         if t.dtype != x.dtype or not t.is_contiguous() or t.data_ptr() % 16 or t.shape[-1] * t.element_size() % 16:
             return "an operand is not contiguous, 16-byte aligned, of x's dtype, with rows of whole 16 bytes"
@@ -125,7 +126,7 @@ def _sms(device: torch.device, sms: int | None) -> int:
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, w3: torch.Tensor | None, ends: torch.Tensor, out: torch.Tensor,
-            cfg: tuple[int, int, int, int], sms: int | None) -> torch.Tensor:
+            cfg: tuple[int, int, int, int], sms: int | None, cap: int = 0) -> torch.Tensor:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     bm, bn, warps, stages = cfg
@@ -135,7 +136,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, w3: torch.Tensor | None, ends: tor
     b3 = TensorDescriptor.from_tensor(w3.view(e * k, n), [_BK, bn]) if w3 is not None else b
     if x.shape[0]:
         grid = _sms(x.device, sms)
-        _kernel()[(grid,)](a, b, b3, out, ends, n, k, out.stride(0), E=e, BM=bm, BN=bn, BK=_BK, SMS=grid,
+        _kernel()[(grid,)](a, b, b3, out, ends, n, k, out.stride(0), E=e, CAP=cap, BM=bm, BN=bn, BK=_BK, SMS=grid,
                            SWIGLU=w3 is not None, num_warps=warps, num_stages=stages)
     return out
 
@@ -152,3 +153,23 @@ def grouped_swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, ends: to
     """``[rows, ffn]``: ``silu(x w1[e]) * (x w3[e])`` for each expert's rows, the two products
     accumulated in float32 side by side and rounded once. Otherwise as :func:`grouped_mm`."""
     return _launch(x, w1, w3, ends, x.new_empty((x.shape[0], w1.shape[2])), _FUSED, sms)
+
+
+def grouped_mm_padded(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, *, sms: int | None = None
+                      ) -> torch.Tensor:
+    """``[E, cap, N]`` from ``x [E, cap, K]``: block e's first ``counts[e]`` rows times ``w[e]``
+    (``counts`` ``[E]`` int64 on the device, at most ``cap`` each); the rows after them are left
+    as they were allocated (undefined). Nothing depends on the host: a CUDA graph can hold it."""
+    E, cap, k = x.shape
+    out = x.new_empty((E, cap, w.shape[2]))
+    _launch(x.view(E * cap, k), w, None, counts, out.view(E * cap, -1), _PLAIN, sms, cap)
+    return out
+
+
+def grouped_swiglu_padded(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, counts: torch.Tensor, *,
+                          sms: int | None = None) -> torch.Tensor:
+    """:func:`grouped_swiglu` over the padded blocks of :func:`grouped_mm_padded`."""
+    E, cap, k = x.shape
+    out = x.new_empty((E, cap, w1.shape[2]))
+    _launch(x.view(E * cap, k), w1, w3, counts, out.view(E * cap, -1), _FUSED, sms, cap)
+    return out

@@ -9,18 +9,27 @@ __all__ = ["gmm"]
 
 
 @triton.jit
-def _tile(t, ends, E: tl.constexpr, npn, BM: tl.constexpr):  # type: ignore[no-untyped-def]
+def _span(e, ends, CAP: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Expert ``e``'s first row and its rows: compact (``CAP`` 0: its rows end at ``ends[e]``) or
+    padded (its block starts at ``e * CAP``; ``ends`` holds each expert's count, int64)."""
+    if CAP:
+        return e * CAP, tl.minimum(tl.load(ends + e).to(tl.int32), CAP)
+    else:
+        start = tl.load(ends + e - 1, mask=e > 0, other=0)
+        return start, tl.load(ends + e) - start
+
+
+@triton.jit
+def _tile(t, ends, E: tl.constexpr, CAP: tl.constexpr, npn, BM: tl.constexpr):  # type: ignore[no-untyped-def]
     """Tile ``t`` of the walk over every expert's (m, n) tiles: (expert, its first row, its rows,
     m tile, n tile)."""
-    start = 0
     base = 0
     hit_e = -1
     hit_start = 0
     hit_rows = 0
     hit_base = 0
     for i in range(E):
-        end = tl.load(ends + i)
-        rows = end - start
+        start, rows = _span(i, ends, CAP)
         n_t = tl.cdiv(rows, BM) * npn
         hit = (t >= base) & (t < base + n_t) & (hit_e < 0)
         hit_e = tl.where(hit, i, hit_e)
@@ -28,27 +37,24 @@ def _tile(t, ends, E: tl.constexpr, npn, BM: tl.constexpr):  # type: ignore[no-u
         hit_rows = tl.where(hit, rows, hit_rows)
         hit_base = tl.where(hit, base, hit_base)
         base += n_t
-        start = end
     local = t - hit_base
     return hit_e, hit_start, hit_rows, local // npn, local % npn
 
 
 @triton.jit
 def gmm(a_desc, b_desc, b3_desc, c_ptr, ends, N, K, stride_c,  # type: ignore[no-untyped-def]
-        E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SMS: tl.constexpr,
-        SWIGLU: tl.constexpr):
+        E: tl.constexpr, CAP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        SMS: tl.constexpr, SWIGLU: tl.constexpr):
     """``SMS`` programs walk the tiles; each tile accumulates ``A B`` (and ``A B3`` with SWIGLU, then
     stores ``silu(AB) * AB3``) in float32 and stores its expert's rows only."""
     pid = tl.program_id(0)
     npn = tl.cdiv(N, BN)
     total = 0
-    start = 0
     for i in range(E):
-        end = tl.load(ends + i)
-        total += tl.cdiv(end - start, BM) * npn
-        start = end
+        _, rows = _span(i, ends, CAP)
+        total += tl.cdiv(rows, BM) * npn
     for t in tl.range(pid, total, SMS, flatten=True):
-        e, row0, rows, pm, pn = _tile(t, ends, E, npn, BM)
+        e, row0, rows, pm, pn = _tile(t, ends, E, CAP, npn, BM)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         if SWIGLU:
             acc3 = tl.zeros((BM, BN), dtype=tl.float32)

@@ -886,7 +886,8 @@ class MoEDispatcher:
 
         The decode-time dispatch: every local expert gets a block of ``capacity`` rows (``W *
         max_tokens``), its own rows first (``handle.tokens_per_expert``, on the device). Nothing
-        here waits for the GPUs, so a dispatch, the experts (``GroupedSwiGLU.forward_padded``)
+        here waits for the GPUs, so a dispatch, the experts (``GroupedSwiGLU.forward_padded``,
+        given ``handle.tokens_per_expert`` to compute only the counted rows)
         and ``combine_low_latency`` can be captured in one CUDA graph and replayed. Transport
         "peer" only, dropless, without autograd. The ids are not checked before the exchange
         (that would wait): ``check_routing(handle, topk_idx)`` does, waiting.
@@ -1239,9 +1240,9 @@ class GroupedSwiGLU(nn.Module):
         return (x.dtype == self.w1.dtype and x.is_contiguous() and hidden * es % 16 == 0 and ffn * es % 16 == 0
                 and _grouped_mm_works(x.device, x.dtype))
 
-    def _path(self, x: torch.Tensor) -> tuple[str, str]:
-        """Which grouped path runs these rows, and why (a warning, once, where the fused kernel
-        was asked for but cannot take the operands)."""
+    def _path(self, x: torch.Tensor, padded: bool = False) -> tuple[str, str]:
+        """Which path runs these rows (``padded``: ``forward_padded``'s blocks, flattened), and why
+        (a warning, once, where the fused kernel was asked for but cannot take the operands)."""
         if not self.fused:
             return "torch", "fused=False"
         if not x.is_cuda:
@@ -1249,9 +1250,11 @@ class GroupedSwiGLU(nn.Module):
         if torch.is_grad_enabled():
             return "torch", "autograd is on (the fused kernel keeps no h1, h3 for a backward pass)"
         experts, hidden, ffn = self.w1.shape
-        if not _grouped_gemm.gpu_bound(x.shape[0], experts, hidden, ffn, x.element_size()):
+        # the padded blocks are for CUDA graphs, where the host's cost does not count: the same
+        # kernels eagerly and captured (a warm-up then compiles what the capture runs)
+        if not padded and not _grouped_gemm.gpu_bound(x.shape[0], experts, hidden, ffn, x.element_size()):
             return "torch", "a call this small is bound by its host, where the fused kernel's launch costs more"
-        why = _grouped_gemm.supported(x, self.w1, self.w3)
+        why = _grouped_gemm.supported(x, self.w1, self.w3, *((self.w2,) if padded else ()))
         if why:
             if not _FUSED_WARNED:
                 import warnings
@@ -1261,6 +1264,8 @@ class GroupedSwiGLU(nn.Module):
                               "run instead (GroupedSwiGLU(..., fused=False) asks for them)", RuntimeWarning,
                               stacklevel=4)
             return "torch", f"the fused kernel cannot run: {why}"
+        if padded:
+            return "fused", "inference on CUDA, padded blocks with counts: each block's counted rows only"
         return "fused", "inference on CUDA, GPU-bound: gate, up and activation in one kernel"
 
     def forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
@@ -1284,10 +1289,23 @@ class GroupedSwiGLU(nn.Module):
             outs.append((F.silu(rows @ self.w1[e]) * (rows @ self.w3[e])) @ self.w2[e])
         return torch.cat(outs) if outs else x.new_zeros((0, self.w2.shape[-1]))
 
-    def forward_padded(self, x: torch.Tensor) -> torch.Tensor:
-        """``[E/W, capacity, hidden]`` -> the same shape, every row of every block (the layout of
+    def forward_padded(self, x: torch.Tensor, tokens_per_expert: torch.Tensor | None = None) -> torch.Tensor:
+        """``[E/W, capacity, hidden]`` -> the same shape (the layout of
         ``MoEDispatcher.dispatch_low_latency``; rows past an expert's count give rows nobody reads).
-        Batched GEMMs of fixed shape: nothing depends on the counts, so a CUDA graph can hold it."""
+
+        Without ``tokens_per_expert``: batched GEMMs over every row of every block. With it (the
+        low-latency handle's ``[E/W]`` counts, on the device), where the fused kernel runs (as in
+        :meth:`forward`, whatever the size: these blocks are for CUDA graphs, where the host's cost
+        does not count), only each block's first ``tokens_per_expert[e]`` rows are computed, in
+        two Triton kernels (the rest of each block is left undefined). Nothing depends on the
+        host either way, so a CUDA graph can hold it."""
+        if tokens_per_expert is not None:
+            self.last_path = self._path(x.view(-1, x.shape[-1]), padded=True)
+            if self.last_path[0] == "fused":
+                act = _grouped_gemm.grouped_swiglu_padded(x, self.w1, self.w3, tokens_per_expert)
+                return _grouped_gemm.grouped_mm_padded(act, self.w2, tokens_per_expert)
+        else:
+            self.last_path = ("torch", "no counts: every row of every block")
         return torch.bmm(F.silu(torch.bmm(x, self.w1)) * torch.bmm(x, self.w3), self.w2)
 
 

@@ -420,18 +420,19 @@ def main() -> int:
         # the low-latency (padded) dispatch and combine against NCCL's, eagerly and replayed from one
         # CUDA graph holding dispatch -> experts -> combine on static inputs refilled between replays
         El, kl, Tmax = 8 * w, 4, 48
+        Hl = 128  # a multiple of 64: the experts' Triton kernels take these rows
         for dtype, tol in ((torch.float32, TOL), (torch.bfloat16, 2e-2)):
-            plain = MoEDispatcher(El, H, dtype=dtype, device=dev)
-            peer = MoEDispatcher(El, H, dtype=dtype, device=dev, transport="peer", max_tokens=Tmax, top_k=kl)
-            experts = GroupedSwiGLU(El // w, H, 24, dtype=dtype, device=dev)
+            plain = MoEDispatcher(El, Hl, dtype=dtype, device=dev)
+            peer = MoEDispatcher(El, Hl, dtype=dtype, device=dev, transport="peer", max_tokens=Tmax, top_k=kl)
+            experts = GroupedSwiGLU(El // w, Hl, 64, dtype=dtype, device=dev)
             T = 29 + 5 * r  # fixed per rank: the graph's shapes
-            x_st = torch.empty(T, H, device=dev, dtype=dtype)
+            x_st = torch.empty(T, Hl, device=dev, dtype=dtype)
             idx_st = torch.empty(T, kl, device=dev, dtype=torch.int64)
             w_st = torch.empty(T, kl, device=dev, dtype=dtype)
 
             def fill(seed: int) -> None:
                 g.manual_seed(seed)
-                x_st.copy_(torch.randn(T, H, generator=g, device=dev))
+                x_st.copy_(torch.randn(T, Hl, generator=g, device=dev))
                 idx_st.copy_(torch.rand(T, El, generator=g, device=dev).topk(kl, dim=-1).indices)
                 w_st.copy_(torch.rand(T, kl, generator=g, device=dev))
 
@@ -448,13 +449,16 @@ def main() -> int:
                     checks += 1
                     if hl.tokens_per_expert.tolist() != ref_h.tokens_per_expert or not torch.equal(got, ref_rv):
                         fails.append(f"rank {r} low-latency dispatch {dtype} call {call}: rows differ")
-                    out = peer.combine_low_latency(experts.forward_padded(rv), hl, w_st)
+                    # bf16: only the counted rows of each block (the Triton kernels), on the handle's counts
+                    counted = hl.tokens_per_expert if dtype == torch.bfloat16 else None
+                    out = peer.combine_low_latency(experts.forward_padded(rv, counted), hl, w_st)
                     close(f"low-latency forward {dtype} call {call}", out, want(), tol=tol)
                     peer.check_routing(hl, idx_st)
                 try:
                     def ll_forward() -> torch.Tensor:
                         rv, hl = peer.dispatch_low_latency(x_st, idx_st)
-                        return peer.combine_low_latency(experts.forward_padded(rv), hl, w_st)
+                        counted = hl.tokens_per_expert if dtype == torch.bfloat16 else None
+                        return peer.combine_low_latency(experts.forward_padded(rv, counted), hl, w_st)
 
                     graph, out_st = captured(ll_forward)
                     for rep in range(4):

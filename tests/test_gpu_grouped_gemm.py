@@ -68,6 +68,9 @@ def test_operands_the_kernel_was_not_measured_for_are_refused_with_a_reason() ->
     x = torch.randn(8, 100, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(2, 100, 16, device="cuda", dtype=torch.bfloat16)
     assert "multiple of 64" in G.supported(x, w)
+    x64 = torch.randn(8, 128, device="cuda", dtype=torch.bfloat16)
+    assert "K = 24 (weight 1)" in G.supported(x64, torch.randn(2, 128, 24, device="cuda", dtype=torch.bfloat16),
+                                              torch.randn(2, 24, 128, device="cuda", dtype=torch.bfloat16))
     assert "float32" in G.supported(x.float()[:, :64], w.float()[:, :64])
     assert "contiguous" in G.supported(torch.randn(8, 128, device="cuda", dtype=torch.bfloat16)[:, :64], w[:, :64])
     assert "cpu" in G.supported(x.cpu(), w.cpu())
@@ -102,3 +105,49 @@ def test_a_call_bound_by_its_host_keeps_torchs_path() -> None:
     with torch.no_grad():
         m(torch.randn(64, 256, device="cuda", dtype=torch.bfloat16), [16] * 4)
     assert m.last_path is not None and m.last_path[0] == "torch" and "host" in m.last_path[1], m.last_path
+
+
+def test_padded_blocks_compute_each_experts_counted_rows_only() -> None:
+    g = torch.Generator(device="cuda").manual_seed(11)
+    E, cap, K, N = 5, 96, 128, 200
+    counts = torch.tensor([0, 96, 1, 40, 95], device="cuda")
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.randn(E, cap, K, generator=g, device="cuda").to(dtype)
+        for e, c in enumerate(counts.tolist()):
+            x[e, c:] = float("nan")  # rows past a count: nothing may read them into a counted row
+        w1 = (torch.randn(E, K, N, generator=g, device="cuda") * K ** -0.5).to(dtype)
+        w3 = (torch.randn(E, K, N, generator=g, device="cuda") * K ** -0.5).to(dtype)
+        plain = G.grouped_mm_padded(x, w1, counts)
+        act = G.grouped_swiglu_padded(x, w1, w3, counts)
+        for e, c in enumerate(counts.tolist()):
+            h1, h3 = x[e, :c].double() @ w1[e].double(), x[e, :c].double() @ w3[e].double()
+            assert _rel(plain[e, :c], h1) < 1e-2, (dtype, e)
+            assert _rel(act[e, :c], F.silu(h1) * h3) < 1e-2, (dtype, e)
+
+
+def test_forward_padded_with_counts_matches_the_batched_path_and_replays_from_a_graph() -> None:
+    torch.manual_seed(5)
+    E, cap, H, FF = 6, 128, 256, 320
+    m = GroupedSwiGLU(E, H, FF, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(E, cap, H, device="cuda", dtype=torch.bfloat16)
+    counts = torch.tensor([3, 0, 128, 77, 1, 64], device="cuda")
+    with torch.no_grad():
+        want = m.forward_padded(x)  # every row, batched GEMMs
+        assert m.last_path is not None and m.last_path[0] == "torch"
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            m.forward_padded(x, counts)  # warm-up (compiles) outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                got = m.forward_padded(x, counts)
+        torch.cuda.current_stream().wait_stream(stream)
+        assert m.last_path is not None and m.last_path[0] == "fused" and "counted rows" in m.last_path[1], m.last_path
+        for trial in range(3):  # new rows and counts in place, replayed
+            x.copy_(torch.randn_like(x))
+            counts.copy_(torch.randint(0, cap + 1, (E,), device="cuda"))
+            graph.replay()
+            torch.cuda.synchronize()
+            want = m.forward_padded(x)
+            for e, c in enumerate(counts.tolist()):
+                assert _rel(got[e, :c], want[e, :c].double()) < 3e-2, (trial, e, c)
