@@ -42,6 +42,7 @@ _PLAIN = (128, 256, 8, 3)
 _FUSED = (128, 128, 8, 3)
 _DTYPES = (torch.bfloat16, torch.float16)
 
+
 def supported(x: torch.Tensor, *weights: torch.Tensor) -> str:
     """Why these operands cannot take the Triton kernels, or ``""``."""
     if not x.is_cuda:

@@ -1241,7 +1241,7 @@ class GroupedSwiGLU(nn.Module):
                 and _grouped_mm_works(x.device, x.dtype))
 
     def _path(self, x: torch.Tensor, padded: bool = False) -> tuple[str, str]:
-        """Which path runs these rows (``padded``: ``forward_padded``'s blocks, flattened), and why
+        """Which path runs these rows (``padded``: ``forward_padded``'s blocks), and why
         (a warning, once, where the fused kernel was asked for but cannot take the operands)."""
         if not self.fused:
             return "torch", "fused=False"
@@ -1300,7 +1300,7 @@ class GroupedSwiGLU(nn.Module):
         two Triton kernels (the rest of each block is left undefined). Nothing depends on the
         host either way, so a CUDA graph can hold it."""
         if tokens_per_expert is not None:
-            self.last_path = self._path(x.view(-1, x.shape[-1]), padded=True)
+            self.last_path = self._path(x, padded=True)
             if self.last_path[0] == "fused":
                 act = _grouped_gemm.grouped_swiglu_padded(x, self.w1, self.w3, tokens_per_expert)
                 return _grouped_gemm.grouped_mm_padded(act, self.w2, tokens_per_expert)
