@@ -151,3 +151,15 @@ def test_forward_padded_with_counts_matches_the_batched_path_and_replays_from_a_
             want = m.forward_padded(x)
             for e, c in enumerate(counts.tolist()):
                 assert _rel(got[e, :c], want[e, :c].double()) < 3e-2, (trial, e, c)
+
+
+def test_blocks_the_kernels_cannot_take_go_to_the_batched_path_with_the_reason() -> None:
+    m = GroupedSwiGLU(2, 128, 64, dtype=torch.bfloat16, device="cuda")
+    wide = torch.randn(2, 8, 256, device="cuda", dtype=torch.bfloat16)
+    x = wide[:, :, :128]  # rows of the right width, not contiguous
+    counts = torch.tensor([3, 8], device="cuda")
+    with torch.no_grad():
+        got = m.forward_padded(x, counts)
+        assert m.last_path is not None and m.last_path[0] == "torch" and "contiguous" in m.last_path[1], m.last_path
+        want = m.forward_padded(x.contiguous())
+    assert _rel(got, want.double()) < 1e-2
