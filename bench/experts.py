@@ -24,6 +24,7 @@ __all__ = ["ExpertsRecord", "PaddedRecord", "uneven_counts", "measure_experts", 
 @dataclass
 class ExpertsRecord:
     config: str
+    dtype: str
     rows: int
     hidden: int
     ffn_hidden: int
@@ -61,11 +62,13 @@ def _float64(m: GroupedSwiGLU, x: torch.Tensor, counts: list[int]) -> torch.Tens
 
 
 def measure_experts(name: str, rows: int, hidden: int, ffn_hidden: int, experts: int, device: torch.device, *,
-                    iters: int = 10, reps: int = 9, seed: int = 0) -> ExpertsRecord:
+                    iters: int = 10, reps: int = 9, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> ExpertsRecord:
+    """``fused=True`` against ``fused=False`` (torch's grouped GEMMs; for fp16, which they do not
+    take, one GEMM per expert)."""
     counts = uneven_counts(rows, experts, seed)
     torch.manual_seed(seed)
-    m = GroupedSwiGLU(experts, hidden, ffn_hidden, dtype=torch.bfloat16, device=device)
-    x = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16)
+    m = GroupedSwiGLU(experts, hidden, ffn_hidden, dtype=dtype, device=device)
+    x = torch.randn(rows, hidden, device=device, dtype=dtype)
     times: dict[bool, list[float]] = {True: [], False: []}
     wrong: dict[bool, int] = {}
     ran = ""
@@ -92,7 +95,8 @@ def measure_experts(name: str, rows: int, hidden: int, ffn_hidden: int, experts:
                 e.synchronize()
                 times[fused].append(s.elapsed_time(e) * 1e3 / iters)
     paired = statistics.median(f / t for f, t in zip(times[True], times[False], strict=True))
-    return ExpertsRecord(name, rows, hidden, ffn_hidden, experts, min(counts), max(counts),
+    return ExpertsRecord(name, str(dtype).removeprefix("torch."), rows, hidden, ffn_hidden, experts, min(counts),
+                         max(counts),
                          statistics.median(times[False]), statistics.median(times[True]), paired,
                          wrong[True], wrong[False], ran)
 
@@ -193,15 +197,15 @@ def plot_experts(records: list[ExpertsRecord], path: str, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 4))
     xs = range(len(records))
-    ax.bar([i - 0.2 for i in xs], [r.torch_us for r in records], 0.4, label="torch's grouped GEMMs (fused=False)")
-    ax.bar([i + 0.2 for i in xs], [r.fused_us for r in records], 0.4, label="fused gate/up kernel (Triton)")
+    ax.bar([i - 0.2 for i in xs], [r.torch_us for r in records], 0.4, label="fused=False: torch's grouped GEMMs (fp16: a GEMM per expert)")
+    ax.bar([i + 0.2 for i in xs], [r.fused_us for r in records], 0.4, label="fused=True: the Triton kernels")
     for i, r in enumerate(records):
         note = "" if r.fused_path == "fused" else f"\n({r.fused_path})"
         ax.text(i + 0.2, r.fused_us, f"{r.fused_over_torch_paired:.2f}x{note}", ha="center", va="bottom", fontsize=7)
-    ax.set_xticks(list(xs), [r.config for r in records], rotation=20, ha="right", fontsize=8)
+    ax.set_xticks(list(xs), [f"{r.config} {r.dtype}" for r in records], rotation=25, ha="right", fontsize=7)
     ax.set_ylabel("GroupedSwiGLU forward, no grad (us)")
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper center")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

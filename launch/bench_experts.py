@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import sys
 from pathlib import Path
 
@@ -31,6 +32,8 @@ def main() -> int:
     p = argparse.ArgumentParser(prog="launch/bench_experts.py", description=__doc__.split("\n\n")[0])
     p.add_argument("-n", "--iters", type=int, default=10)
     p.add_argument("-r", "--reps", type=int, default=9)
+    p.add_argument("-d", "--dtype", default="bf16", help="comma-separated: bf16, fp16 (fp16's anchor is one GEMM per "
+                   "expert: torch's grouped GEMM does not take it)")
     p.add_argument("--padded", action="store_true",
                    help="also time forward_padded on the low-latency layout of the decode configurations")
     p.add_argument("--json")
@@ -39,10 +42,11 @@ def main() -> int:
     args = p.parse_args()
     dev = torch.device("cuda", 0)
     records = []
-    for name, rows, hidden, ffn, experts in CONFIGS:
-        rec = measure_experts(name, rows, hidden, ffn, experts, dev, iters=args.iters, reps=args.reps)
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    for dt, (name, rows, hidden, ffn, experts) in itertools.product(args.dtype.split(","), CONFIGS):
+        rec = measure_experts(name, rows, hidden, ffn, experts, dev, iters=args.iters, reps=args.reps, dtype=dtypes[dt])
         records.append(rec)
-        print(f"{rec.config:<18} rows {rec.rows:>6} ({rec.counts_min}-{rec.counts_max} per expert) h {rec.hidden:>5} "
+        print(f"{rec.config:<18} {rec.dtype:<8} rows {rec.rows:>6} ({rec.counts_min}-{rec.counts_max} per expert) h {rec.hidden:>5} "
               f"f {rec.ffn_hidden:>5} E {rec.experts:>3} | torch {rec.torch_us:8.1f} us | fused {rec.fused_us:8.1f} us "
               f"| paired {rec.fused_over_torch_paired:.3f}x ({rec.fused_path}) | #wrong {rec.wrong_fused}/{rec.wrong_torch}",
               flush=True)
@@ -61,7 +65,7 @@ def main() -> int:
 
     meta = {"command": " ".join(["launch/bench_experts.py", *sys.argv[1:]]),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
-            "triton": triton.__version__, "device": torch.cuda.get_device_name(dev), "dtype": "bfloat16"}
+            "triton": triton.__version__, "device": torch.cuda.get_device_name(dev)}
     if args.json:
         write_json([*records, *padded], args.json, meta)  # type: ignore[arg-type]
     if args.csv:
@@ -69,7 +73,7 @@ def main() -> int:
         if padded:
             write_csv(padded, args.csv.removesuffix(".csv") + "_padded.csv")  # type: ignore[arg-type]
     if args.plot:
-        plot_experts(records, args.plot, f"{meta['device']}, bf16, torch {meta['torch']}, Triton {meta['triton']}")
+        plot_experts(records, args.plot, f"{meta['device']}, torch {meta['torch']}, Triton {meta['triton']}")
     return 1 if any(r.wrong_fused or r.wrong_torch for r in records) or any(r.wrong_fused or r.wrong_bmm
                                                                               for r in padded) else 0
 

@@ -1218,7 +1218,9 @@ class GroupedSwiGLU(nn.Module):
     stored, so the result is rounded once where torch's path rounds ``h1``, ``h3`` and their
     product. Where that kernel cannot run (no Triton, widths it was not measured for), a warning
     says why, once, and torch's grouped GEMMs run; ``fused=False`` keeps them without a word.
-    With autograd torch's run. ``last_path`` records (which, why) for the last call.
+    Where torch has no grouped GEMM for the rows (fp16 on CUDA), both grouped products run in
+    Triton instead of one GEMM per expert. With autograd torch's run. ``last_path`` records
+    (which, why) for the last call.
     """
 
     def __init__(self, num_local_experts: int, hidden: int, ffn_hidden: int, *, dtype: torch.dtype | None = None,
@@ -1284,6 +1286,14 @@ class GroupedSwiGLU(nn.Module):
                 return torch._grouped_mm(F.silu(h1) * h3, self.w2, offs=ends)
             act = _ContiguousGrad.apply(F.silu(h1) * h3)
             return _ContiguousGrad.apply(torch._grouped_mm(act, self.w2, offs=ends))
+        if (x.shape[0] and self.fused and x.is_cuda and not torch.is_grad_enabled()
+                and not _grouped_gemm.supported(x, self.w1, self.w3, self.w2)):
+            # torch has no grouped GEMM for these rows (fp16 on CUDA): both grouped products in
+            # Triton, two launches instead of three per expert
+            self.last_path = ("fused", "inference on CUDA, no grouped GEMM of torch's for these rows: both in Triton")
+            ends = self._offsets.send(np.cumsum(tokens_per_expert, dtype=np.int32), x.device)
+            return _grouped_gemm.grouped_mm(_grouped_gemm.grouped_swiglu(x, self.w1, self.w3, ends), self.w2, ends)
+        self.last_path = ("torch", "one GEMM per expert (torch's grouped GEMM does not take these rows)")
         outs = []
         for e, rows in enumerate(x.split(list(tokens_per_expert))):
             outs.append((F.silu(rows @ self.w1[e]) * (rows @ self.w3[e])) @ self.w2[e])

@@ -163,3 +163,19 @@ def test_blocks_the_kernels_cannot_take_go_to_the_batched_path_with_the_reason()
         assert m.last_path is not None and m.last_path[0] == "torch" and "contiguous" in m.last_path[1], m.last_path
         want = m.forward_padded(x.contiguous())
     assert _rel(got, want.double()) < 1e-2
+
+
+def test_fp16_experts_run_both_grouped_products_in_triton_instead_of_a_gemm_per_expert() -> None:
+    torch.manual_seed(9)
+    counts = [0, 200, 1, 130, 0, 77]
+    m = GroupedSwiGLU(len(counts), 128, 192, dtype=torch.float16, device="cuda")
+    x = torch.randn(sum(counts), 128, device="cuda", dtype=torch.float16)
+    h = F.silu(_ref(x, m.w1.detach(), counts)) * _ref(x, m.w3.detach(), counts)
+    want = _ref(h.to(torch.float16), m.w2.detach(), counts)
+    with torch.no_grad():
+        got = m(x, counts)
+        assert m.last_path is not None and m.last_path[0] == "fused" and "both in Triton" in m.last_path[1]
+        m.fused = False
+        loop = m(x, counts)
+        assert m.last_path is not None and m.last_path[0] == "torch" and "per expert" in m.last_path[1]
+    assert _rel(got, want) < 2e-2 and _rel(loop, want) < 2e-2
