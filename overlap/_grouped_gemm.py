@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["supported", "gpu_bound", "grouped_mm", "grouped_swiglu", "grouped_mm_padded", "grouped_swiglu_padded",
+__all__ = ["supported", "gpu_bound", "few_rows", "grouped_mm", "grouped_swiglu", "grouped_mm_padded", "grouped_swiglu_padded",
            "sm_carveout"]
 
 _BK = 64
@@ -79,6 +79,20 @@ def gpu_bound(rows: int, experts: int, hidden: int, ffn: int, element_size: int)
     reading = 2 * experts * hidden * ffn * element_size / _HBM_BYTES_PER_S
     computing = 4 * rows * hidden * ffn / _TENSOR_FLOPS
     return max(reading, computing) >= _GPU_BOUND_S
+
+
+# Torch's grouped GEMM takes a small-tile kernel at up to 128 rows per group. There, at a
+# DeepSeek-V3-like decode's down product (32 experts of 2048 x 7168, 32 rows each on average),
+# this module's plain kernel took 0.75-0.79x its time, reading the weights near the memory's
+# speed; at 1024-4096 rows per expert it took 1.04-1.21x (one H200, scratch probe, 2026-12-01,
+# not kept). So the down product is ours only at few rows per expert.
+_FEW_ROWS = 128
+
+
+def few_rows(rows: int, experts: int) -> bool:
+    """Whether ``rows`` spread over ``experts`` are few enough per expert that this module's plain
+    grouped GEMM should beat torch's (``_FEW_ROWS`` on average)."""
+    return rows <= _FEW_ROWS * experts
 
 
 def _kernel() -> Any:

@@ -1216,8 +1216,10 @@ class GroupedSwiGLU(nn.Module):
     call keeps the GPU busier than its host (``_grouped_gemm.gpu_bound``; a decode step of small
     experts does not): ``x w1`` and ``x w3`` are accumulated in float32 side by side and never
     stored, so the result is rounded once where torch's path rounds ``h1``, ``h3`` and their
-    product. Where that kernel cannot run (no Triton, widths it was not measured for), a warning
-    says why, once, and torch's grouped GEMMs run; ``fused=False`` keeps them without a word.
+    product; at few rows per expert (``_grouped_gemm.few_rows``: a decode step) the down product
+    runs in Triton too. Where that kernel cannot run (no Triton, widths it was not measured
+    for), a warning says why, once, and torch's grouped GEMMs run; ``fused=False`` keeps them
+    without a word.
     Where torch has no grouped GEMM for the rows (fp16 on CUDA), both grouped products run in
     Triton instead of one GEMM per expert. With autograd torch's run. ``last_path`` records
     (which, why) for the last call.
@@ -1279,7 +1281,11 @@ class GroupedSwiGLU(nn.Module):
             ends = self._offsets.send(rows, x.device) if x.is_cuda else torch.from_numpy(rows)
             self.last_path = self._path(x)
             if self.last_path[0] == "fused":
-                return torch._grouped_mm(_grouped_gemm.grouped_swiglu(x, self.w1, self.w3, ends), self.w2, offs=ends)
+                act = _grouped_gemm.grouped_swiglu(x, self.w1, self.w3, ends)
+                if _grouped_gemm.few_rows(x.shape[0], self.w1.shape[0]) and not _grouped_gemm.supported(act, self.w2):
+                    self.last_path = ("fused", self.last_path[1] + "; few rows per expert: the down product too")
+                    return _grouped_gemm.grouped_mm(act, self.w2, ends)
+                return torch._grouped_mm(act, self.w2, offs=ends)
             h1 = torch._grouped_mm(x, self.w1, offs=ends)
             h3 = torch._grouped_mm(x, self.w3, offs=ends)
             if not torch.is_grad_enabled():  # no backward to shape: skip two autograd.Function calls

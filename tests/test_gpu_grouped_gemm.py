@@ -92,8 +92,16 @@ def test_grouped_swiglu_inference_path_matches_the_torch_path_and_float64(monkey
         assert m.last_path == ("torch", "fused=False")
     assert _rel(fused, want) < 2e-2 and _rel(plain, want) < 2e-2
     assert _rel(fused, plain.double()) < 2e-2
+    # few rows per expert (a decode step): the down product runs in Triton as well
+    few = [0, 3, 1, 0, 40, 9, 0, 25]
+    xf = torch.randn(sum(few), 256, device="cuda", dtype=torch.bfloat16)
+    hf = F.silu(_ref(xf, m.w1.detach(), few)) * _ref(xf, m.w3.detach(), few)
+    with torch.no_grad():
+        m.fused = True
+        got = m(xf, few)
+    assert m.last_path is not None and "down product too" in m.last_path[1], m.last_path
+    assert _rel(got, _ref(hf.to(torch.bfloat16), m.w2.detach(), few)) < 2e-2
     # with autograd the torch path runs (and its backward)
-    m.fused = True
     y = m(x.requires_grad_(), counts)
     y.float().sum().backward()
     assert x.grad is not None and _rel(y.detach(), plain.double()) == 0.0
