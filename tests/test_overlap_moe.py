@@ -399,7 +399,7 @@ def test_block_permutation_is_the_stable_sort_by_local_expert() -> None:
 
 
 def test_grouped_swiglu_says_which_path_ran_and_why_on_cpu() -> None:
-    from overlap._grouped_gemm import gpu_bound
+    from overlap._grouped_gemm import few_rows, gpu_bound
 
     m = GroupedSwiGLU(2, 16, 24)
     x = torch.randn(5, 16)
@@ -414,6 +414,8 @@ def test_grouped_swiglu_says_which_path_ran_and_why_on_cpu() -> None:
     assert not gpu_bound(1024, 16, 2048, 768, 2)
     assert gpu_bound(1024, 32, 7168, 2048, 2)
     assert all(gpu_bound(*c, 2) for c in [(65536, 16, 2048, 768), (32768, 16, 4096, 512), (16384, 8, 4096, 1024)])
+    # the down product is Triton's at a decode step's 32 rows per expert, torch's at prefill's thousands
+    assert few_rows(1024, 32) and not few_rows(32768, 32) and not few_rows(16384, 8)
 
 
 def test_sm_carveout_holds_torchs_setting_within_and_puts_the_previous_one_back() -> None:
