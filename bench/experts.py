@@ -1,16 +1,18 @@
-"""Timing one rank's experts (``GroupedSwiGLU`` without autograd): the fused gate/up kernel against
-torch's grouped GEMMs, as functions that return records.
+"""Timing one rank's experts (``GroupedSwiGLU`` without autograd): the Triton kernels against
+torch's GEMMs, as functions that return records.
 
-Both variants of a configuration are timed in the same rounds, alternating which goes first;
+The variants of a configuration are timed in the same rounds, alternating which goes first;
 ``fused_over_torch_paired`` is the median over rounds of the fused time over torch's in that
 round; ``fused_path`` says what ``fused=True`` ran (torch's path where the call is bound by its
-host: ``overlap._grouped_gemm.gpu_bound``). ``wrong_*`` counts output elements more than 2% of the largest away from float64 products
-per expert (the activation rounded to bf16 once, as the fused kernel does).
+host: ``overlap._grouped_gemm.gpu_bound``). ``wrong_*`` counts output elements more than 2% of
+the largest away from float64 products per expert (the activation rounded once to the run's
+dtype, as the fused kernel does).
 """
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -62,7 +64,8 @@ def _float64(m: GroupedSwiGLU, x: torch.Tensor, counts: list[int]) -> torch.Tens
 
 
 def measure_experts(name: str, rows: int, hidden: int, ffn_hidden: int, experts: int, device: torch.device, *,
-                    iters: int = 10, reps: int = 9, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> ExpertsRecord:
+                    iters: int = 10, reps: int = 9, seed: int = 0,
+                    dtype: torch.dtype = torch.bfloat16) -> ExpertsRecord:
     """``fused=True`` against ``fused=False`` (torch's grouped GEMMs; for fp16, which they do not
     take, one GEMM per expert)."""
     counts = uneven_counts(rows, experts, seed)
@@ -96,8 +99,7 @@ def measure_experts(name: str, rows: int, hidden: int, ffn_hidden: int, experts:
                 times[fused].append(s.elapsed_time(e) * 1e3 / iters)
     paired = statistics.median(f / t for f, t in zip(times[True], times[False], strict=True))
     return ExpertsRecord(name, str(dtype).removeprefix("torch."), rows, hidden, ffn_hidden, experts, min(counts),
-                         max(counts),
-                         statistics.median(times[False]), statistics.median(times[True]), paired,
+                         max(counts), statistics.median(times[False]), statistics.median(times[True]), paired,
                          wrong[True], wrong[False], ran)
 
 
@@ -121,14 +123,14 @@ class PaddedRecord:
         return asdict(self)
 
 
-def _rounds(fns: dict[str, object], reps: int) -> dict[str, list[float]]:
-    """Microseconds per call of each (a callable of one timed loop) in ``reps`` rounds, each round
-    in the other order from the last."""
+def _rounds(fns: dict[str, Callable[[], float]], reps: int) -> dict[str, list[float]]:
+    """Each of ``fns`` (one timed loop, returning microseconds per call) in ``reps`` rounds, each
+    round in the other order from the last."""
     out: dict[str, list[float]] = {k: [] for k in fns}
     names = list(fns)
     for rep in range(reps):
         for k in (names if rep % 2 else names[::-1]):
-            out[k].append(fns[k]())  # type: ignore[operator]
+            out[k].append(fns[k]())
     return out
 
 
@@ -169,12 +171,12 @@ def measure_padded(name: str, experts: int, capacity: int, rows: int, hidden: in
         torch.cuda.current_stream(device).wait_stream(stream)
         torch.cuda.synchronize(device)
 
-        def loop(fn: object, n: int) -> object:
-            def timed() -> float:
+        def loop(fn: Callable[[], object], n: int) -> Callable[[], float]:
+            def timed() -> float:  # n calls of fn: iters experts calls in all
                 s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 s.record()
                 for _ in range(n):
-                    fn()  # type: ignore[operator]
+                    fn()
                 e.record()
                 e.synchronize()
                 return s.elapsed_time(e) * 1e3 / iters
@@ -197,7 +199,8 @@ def plot_experts(records: list[ExpertsRecord], path: str, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 4))
     xs = range(len(records))
-    ax.bar([i - 0.2 for i in xs], [r.torch_us for r in records], 0.4, label="fused=False: torch's grouped GEMMs (fp16: a GEMM per expert)")
+    ax.bar([i - 0.2 for i in xs], [r.torch_us for r in records], 0.4,
+           label="fused=False: torch's grouped GEMMs (fp16: a GEMM per expert)")
     ax.bar([i + 0.2 for i in xs], [r.fused_us for r in records], 0.4, label="fused=True: the Triton kernels")
     for i, r in enumerate(records):
         note = "" if r.fused_path == "fused" else f"\n({r.fused_path})"

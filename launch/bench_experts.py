@@ -1,9 +1,10 @@
 """Benchmark one rank's experts: ``python launch/bench_experts.py`` on one CUDA GPU.
 
-``GroupedSwiGLU`` without autograd: its fused gate/up kernel (``overlap/_grouped_gemm.py``) against
-torch's grouped GEMMs (``fused=False``, the anchor), side by side in rounds, at the rows one rank
-of two receives in the MoE benchmark's configurations (``launch/bench_moe.py``: tokens x top-k),
-expert sizes drawn unevenly around the mean, each checked against float64 (``bench/experts.py``).
+``GroupedSwiGLU`` without autograd: its Triton kernels (``overlap/_grouped_gemm.py``) against
+torch's GEMMs (``fused=False``, the anchor), side by side in rounds, at the rows one rank of two
+receives in the MoE benchmark's configurations (``launch/bench_moe.py``: tokens x top-k), expert
+sizes drawn unevenly around the mean, each checked against float64 (``bench/experts.py``); with
+``--padded`` also ``forward_padded`` on the low-latency layout, eagerly and under CUDA graphs.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ def main() -> int:
     p = argparse.ArgumentParser(prog="launch/bench_experts.py", description=__doc__.split("\n\n")[0])
     p.add_argument("-n", "--iters", type=int, default=10)
     p.add_argument("-r", "--reps", type=int, default=9)
-    p.add_argument("-d", "--dtype", default="bf16", help="comma-separated: bf16, fp16 (fp16's anchor is one GEMM per "
-                   "expert: torch's grouped GEMM does not take it)")
+    p.add_argument("-d", "--dtype", default="bf16",
+                   help="comma-separated: bf16, fp16 (fp16's anchor is one GEMM per expert: torch's grouped GEMM "
+                        "does not take it)")
     p.add_argument("--padded", action="store_true",
                    help="also time forward_padded on the low-latency layout of the decode configurations")
     p.add_argument("--json")
@@ -44,28 +46,31 @@ def main() -> int:
     records = []
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
     for dt, (name, rows, hidden, ffn, experts) in itertools.product(args.dtype.split(","), CONFIGS):
-        rec = measure_experts(name, rows, hidden, ffn, experts, dev, iters=args.iters, reps=args.reps, dtype=dtypes[dt])
+        rec = measure_experts(name, rows, hidden, ffn, experts, dev, iters=args.iters, reps=args.reps,
+                              dtype=dtypes[dt])
         records.append(rec)
-        print(f"{rec.config:<18} {rec.dtype:<8} rows {rec.rows:>6} ({rec.counts_min}-{rec.counts_max} per expert) h {rec.hidden:>5} "
-              f"f {rec.ffn_hidden:>5} E {rec.experts:>3} | torch {rec.torch_us:8.1f} us | fused {rec.fused_us:8.1f} us "
-              f"| paired {rec.fused_over_torch_paired:.3f}x ({rec.fused_path}) | #wrong {rec.wrong_fused}/{rec.wrong_torch}",
-              flush=True)
+        print(f"{rec.config:<18} {rec.dtype:<8} rows {rec.rows:>6} ({rec.counts_min}-{rec.counts_max} per expert) "
+              f"h {rec.hidden:>5} f {rec.ffn_hidden:>5} E {rec.experts:>3} | torch {rec.torch_us:8.1f} us | fused "
+              f"{rec.fused_us:8.1f} us | paired {rec.fused_over_torch_paired:.3f}x ({rec.fused_path}) | #wrong "
+              f"{rec.wrong_fused}/{rec.wrong_torch}", flush=True)
         torch.cuda.empty_cache()
     padded = []
     if args.padded:  # blocks of W x max_tokens rows per local expert, W = 2, 128 tokens per rank
         for name, rows, hidden, ffn, experts in CONFIGS:
             if name.endswith("-decode"):
-                rec_p = measure_padded(name, experts, 2 * 128, rows, hidden, ffn, dev, iters=args.iters, reps=args.reps)
+                rec_p = measure_padded(name, experts, 2 * 128, rows, hidden, ffn, dev, iters=args.iters,
+                                       reps=args.reps)
                 padded.append(rec_p)
-                print(f"{rec_p.config:<18} padded {rec_p.experts} x {rec_p.capacity} rows, {rec_p.rows} counted | every "
-                      f"row {rec_p.bmm_us:8.1f} us (graph {rec_p.bmm_graph_us:8.1f}) | counted rows {rec_p.fused_us:8.1f} "
-                      f"us (graph {rec_p.fused_graph_us:8.1f}) | graph paired {rec_p.fused_over_bmm_graph_paired:.3f}x "
-                      f"| #wrong {rec_p.wrong_fused}/{rec_p.wrong_bmm}", flush=True)
+                print(f"{rec_p.config:<18} padded {rec_p.experts} x {rec_p.capacity} rows, {rec_p.rows} counted | "
+                      f"every row {rec_p.bmm_us:8.1f} us (graph {rec_p.bmm_graph_us:8.1f}) | counted rows "
+                      f"{rec_p.fused_us:8.1f} us (graph {rec_p.fused_graph_us:8.1f}) | graph paired "
+                      f"{rec_p.fused_over_bmm_graph_paired:.3f}x | #wrong {rec_p.wrong_fused}/{rec_p.wrong_bmm}",
+                      flush=True)
     import triton
 
     meta = {"command": " ".join(["launch/bench_experts.py", *sys.argv[1:]]),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
-            "triton": triton.__version__, "device": torch.cuda.get_device_name(dev)}
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name(dev)}
     if args.json:
         write_json([*records, *padded], args.json, meta)  # type: ignore[arg-type]
     if args.csv:
@@ -74,8 +79,8 @@ def main() -> int:
             write_csv(padded, args.csv.removesuffix(".csv") + "_padded.csv")  # type: ignore[arg-type]
     if args.plot:
         plot_experts(records, args.plot, f"{meta['device']}, torch {meta['torch']}, Triton {meta['triton']}")
-    return 1 if any(r.wrong_fused or r.wrong_torch for r in records) or any(r.wrong_fused or r.wrong_bmm
-                                                                              for r in padded) else 0
+    bad = any(r.wrong_fused or r.wrong_torch for r in records) or any(r.wrong_fused or r.wrong_bmm for r in padded)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ On one H200 (torch 2.11, Triton 3.6, bf16, uneven expert sizes; a scratch probe,
 kept) the gate/up/activation part took 0.70-0.97x the time of torch's two grouped GEMMs and the
 elementwise pass (qwen3-30b-like 614 against 778 us, top-1 h4096 f1024 385 against 549, top-2
 h4096 f512 412 against 521, DeepSeek-V3-like 3276 against 3371). The whole experts forward, down
-GEMM included: 0.82-0.96x (``bench/results/gpu_h200_experts.json``).
+GEMM included: 0.75-0.96x in bf16 (``bench/results/gpu_h200_experts.json``).
 
 The kernel is persistent: ``sms`` programs walk the tiles of every expert in turn, so the grid
 is whatever the caller leaves free (torch's SM carveout, ``sm_carveout`` below, is honoured the
@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["supported", "gpu_bound", "few_rows", "grouped_mm", "grouped_swiglu", "grouped_mm_padded", "grouped_swiglu_padded",
-           "sm_carveout"]
+__all__ = ["supported", "gpu_bound", "few_rows", "grouped_mm", "grouped_swiglu", "grouped_mm_padded",
+           "grouped_swiglu_padded", "sm_carveout"]
 
 _BK = 64
 # (BM, BN, warps, stages), measured on one H200 (scratch probe, 2026-12-01): 128x256 was the best
