@@ -39,7 +39,11 @@ chunk i); with autograd the chunks run one after another through the differentia
 ``chunks="auto"`` runs one chunk and says why: on 2xH200 the pipeline took 0.78-1.05x the
 sequential time over NCCL (a transfer's CTAs hold back the experts' persistent GEMM, whose
 tail then waits for it) and lost over the peer transport (its exchanges are 17-40% of the
-layer, and token chunks shrink every expert's GEMM).
+layer, and token chunks shrink every expert's GEMM). Keeping SMs for the exchanges did not
+change that: with torch's SM carveout at 24 for the experts and the row kernels capped at 48
+blocks beside them, the peer pipeline ran at 0.73-0.89x the sequential forward's speed against
+0.79-0.96x without, at 2 chunks (Qwen3-30B-like, top-2 and top-1 prefill; a scratch probe on
+2xH200, 2026-12-01, not kept): the experts lost more to the SMs kept than the exchanges gained.
 """
 
 from __future__ import annotations
