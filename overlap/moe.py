@@ -1223,10 +1223,9 @@ class GroupedSwiGLU(nn.Module):
     product; at few rows per expert (``_grouped_gemm.few_rows``: a decode step) the down product
     runs in Triton too. Where that kernel cannot run (no Triton, widths it was not measured
     for), a warning says why, once, and torch's grouped GEMMs run; ``fused=False`` keeps them
-    without a word.
-    Where torch has no grouped GEMM for the rows (fp16 on CUDA), both grouped products run in
-    Triton instead of one GEMM per expert. With autograd torch's run. ``last_path`` records
-    (which, why) for the last call.
+    without a word. Where torch has no grouped GEMM for the rows (fp16 on CUDA), both grouped
+    products run in Triton instead of one GEMM per expert. With autograd, torch's path runs.
+    ``last_path`` records (which, why) for the last call.
     """
 
     def __init__(self, num_local_experts: int, hidden: int, ffn_hidden: int, *, dtype: torch.dtype | None = None,
