@@ -151,8 +151,9 @@ def _launch(x: torch.Tensor, w: torch.Tensor, w3: torch.Tensor | None, ends: tor
     b3 = TensorDescriptor.from_tensor(w3.view(e * k, n), [_BK, bn]) if w3 is not None else b
     if x.shape[0]:
         grid = _sms(x.device, sms)
-        _kernel()[(grid,)](a, b, b3, out, ends, n, k, out.stride(0), E=e, CAP=cap, BM=bm, BN=bn, BK=_BK, SMS=grid,
-                           SWIGLU=w3 is not None, num_warps=warps, num_stages=stages)
+        with torch.cuda.device(x.device):  # Triton launches on the current device and its stream
+            _kernel()[(grid,)](a, b, b3, out, ends, n, k, out.stride(0), E=e, CAP=cap, BM=bm, BN=bn, BK=_BK,
+                               SMS=grid, SWIGLU=w3 is not None, num_warps=warps, num_stages=stages)
     return out
 
 
