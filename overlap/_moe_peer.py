@@ -161,11 +161,12 @@ def plan(rank: int, world: int, e_loc: int, k: int, max_tokens: int,
 def buffer_bytes(world: int, max_tokens: int, top_k: int, row_bytes: int, copy_engine: bool = False) -> int:
     """The peer buffer ``PeerRows`` needs: two halves, which also hold the 2n regions of a
     pipelined forward of up to ``MAX_CHUNKS`` chunks (each region rounds its parts up to pages);
-    with ``copy_engine``, also the copy-engine pipeline's section (about 1.5x as much at 2 ranks)."""
+    with ``copy_engine``, also the copy-engine pipelines' sections, by token chunks or by source
+    (one chunk of ``max_tokens``): about 1.5x as much at 2 ranks."""
     n_all = range(2, MAX_CHUNKS + 1)
     size = max([2 * layout_bytes(world, max_tokens, top_k, row_bytes)[2]]
                + [2 * n * layout_bytes(world, -(-max_tokens // n), top_k, row_bytes)[2] for n in n_all]
-               + [ce_section_bytes(world, max_tokens, top_k, row_bytes, n) for n in n_all if copy_engine])
+               + [ce_section_bytes(world, max_tokens, top_k, row_bytes, n) for n in (1, *n_all) if copy_engine])
     return max(1 << 20, size)
 
 
@@ -448,9 +449,10 @@ class PeerRows:
             raise _bad_routing("topk_idx" if s == self.rank else f"topk_idx of rank {s}", topk_idx,
                               self.world * self.e_loc, repeated=not bad[_BAD_RANGE])
 
-    def _geo(self, cap: int = 0) -> int:
-        """The kernels' layout word (kernels.cu): k, the local experts, and ``cap`` (0: compact)."""
-        return self.top_k | (self.e_loc << 8) | (cap << 32)
+    def _geo(self, cap: int = 0, only: int | None = None) -> int:
+        """The kernels' layout word (kernels.cu): k, the local experts, a source filter (``only``:
+        source rank ``only``'s tokens alone, for the kernels that take one) and ``cap`` (0: compact)."""
+        return self.top_k | (self.e_loc << 8) | ((0 if only is None else only + 1) << 24) | (cap << 32)
 
     def _gather(self, g: _Region, layout: DeviceLayout, x: torch.Tensor, bases: tuple[int, ...] | None = None
                 ) -> torch.Tensor:
@@ -481,15 +483,16 @@ class PeerRows:
         self._sum(g.x, g.t_max, layout, out)
 
     def _partial(self, p_off: int, w_off: int, t_max: int, layout: DeviceLayout, rows: torch.Tensor,
-                 bases: tuple[int, ...] | None = None) -> None:
-        """P rows (this rank's buffer at ``p_off``) from the expert rows; the weights read at ``w_off``."""
+                 bases: tuple[int, ...] | None = None, only: int | None = None) -> None:
+        """P rows (this rank's buffer at ``p_off``) from the expert rows; the weights read at ``w_off``
+        (``only``: source rank ``only``'s tokens alone)."""
         from collectives.peer import _launch
 
         if rows.shape[0]:
             kern = self.pm._kernel("rows_partial_dense", rows.dtype, self._vec(rows.data_ptr()), 9, bases)
             kern(self._grid(self.world * t_max * _ROW_SLICES), _launch.current_stream(self.pm._index), p_off, w_off,
                  layout.ranks.data_ptr(), layout.info.data_ptr(), layout.ids_all.data_ptr(), rows.data_ptr(), t_max,
-                 rows.shape[1], self._geo(layout.cap))
+                 rows.shape[1], self._geo(layout.cap, only))
 
     def _sum(self, p_off: int, t_max: int, layout: DeviceLayout, out: torch.Tensor,
              bases: tuple[int, ...] | None = None) -> None:
@@ -747,6 +750,116 @@ class PeerRows:
                 summed(c - 1)
         summed(n - 1)
         st.join(out)  # every copy and signal of this rank issued before the closing barrier
+        pm.barrier(clear=True)  # every rank has what it waited for; this rank's flags back to zero
+        self.calls += 2
+        return out
+
+    def pipelined_sources(self, x: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor,
+                          experts: Any) -> torch.Tensor:
+        """dispatch -> experts -> combine pipelined by source rank, ``experts`` a ``GroupedSwiGLU``
+        (its weights go to ``overlap/_grouped_gemm.py``'s kernels).
+
+        A token chunk shrinks every expert's GEMM, and its gather, partial sums and sums run
+        beside the link time they hide (bench/results/README.md, gpu_2xh200_moe_pipeline). Here
+        the unit is a source rank: this rank's own tokens need no transfer, so their gate and up
+        products run while the copy engines carry every rank's tokens (and fp32 weights) to
+        every peer, at the sender's place in one block (``ce_block``, one chunk of ``max_tokens``).
+        The gate/up kernel reads each pair's token from that table by index
+        (``rows_index_dense``), so no ``recv_x`` is gathered. Then each peer's segments (its
+        pairs of every local expert) run the gate/up and down products, its partial rows
+        (``rows_partial_dense`` for that source alone) go back by copy engine, and the next
+        source computes while they travel; this rank's own down products and partial rows come
+        last, beside the last return.
+
+            copy stream 0:  X, WT -> peers
+            caller's:       post | fence | layout, index | gate/up (own) | wait X | gate/up (s), down (s),
+                            partial (s) | ... | down (own), partial (own) | wait P | sum
+            copy stream 1:                                                       P (s) -> s | ...
+
+        Every peer's tokens are waited for together (one flag per peer, one wait)."""
+        from collectives.peer import _launch
+
+        from . import _grouped_gemm
+
+        pm, W, r, k, row, e_loc = self.pm, self.world, self.rank, self.top_k, self.row_bytes, self.e_loc
+        self._check_rows(x)
+        t_cap = self.max_tokens
+        X, WT, OUT, IN, size = ce_block(W, t_cap, k, row)
+        if size > pm.slot_bytes:
+            raise InvalidArgumentError("pipeline_transfers", self.pipeline_transfers, f"leaves a peer buffer of "
+                                       f"{pm.slot_bytes} B; the pipeline by source needs {size} B",
+                                       "build the dispatcher with pipeline_transfers='copy_engine'")
+        self.last_pipeline = ("copy_engine", "by source rank: the experts read the tokens the copy engines carry")
+        rb, wb = t_cap * row, t_cap * k * 4
+        own = pm.slot_pointers[r]
+        peers = [(r + d) % W for d in range(1, W)]
+        partial_at = tuple(s * wb for s in range(W))
+        sum_at = tuple((OUT - IN) if q == r else (q - r) * rb for q in range(W))
+        st = _Streams(self, x.device)
+        main = _launch.current_stream(pm._index)
+        n = x.shape[0]
+        self._fence()  # every peer is done with what it read before this section
+        info = self._new_info(1, x.device)
+        mine = _Region(WT + r * wb, 0, X + r * rb, t_cap)
+        self._post(mine, x, topk_idx, info[0])
+        self._post_weights(mine, weights)
+        ps = st.copy_stream(0)
+        for q in peers:
+            if n:
+                pm.ce_push(ps, q, X + r * rb, own + X + r * rb, n * row)
+                pm.ce_push(ps, q, WT + r * wb, own + WT + r * wb, n * k * 4)
+            pm.ce_signal(ps, q, 0, CE_PUSHED, 1)
+        self._fence()  # the ids are posted
+        ids_all, ranks = self._layout(_Region(0, 0, 0, t_cap), info[0])
+        counts = info.cpu().numpy()  # the one wait
+        if counts[0][_errors_at(W, e_loc):][:2].any():  # the same on every rank
+            st.join()
+            pm.barrier(clear=True)
+            self.calls += 2
+            self._refuse_bad(counts[0], topk_idx)
+        self.check()
+        lay = DeviceLayout(ids_all, ranks, info[0], counts[0], n)
+        cnt = counts[0][:W * e_loc].reshape(W, e_loc).astype(np.int64)  # [source, local expert]
+        flat = cnt.T.reshape(-1)  # recv_x's order: by local expert, then source
+        starts = (np.cumsum(flat) - flat).reshape(e_loc, W).T
+        seg = torch.from_numpy(np.stack([starts, cnt]).astype(np.int32)).to(x.device)  # [2, W, e_loc]
+        total = int(flat.sum())
+        index = torch.empty(total, dtype=torch.int32, device=x.device)
+        if total:
+            self.pm._kernel("rows_index_dense", None, False, 6)(self._grid(W * t_cap), main, ranks.data_ptr(),
+                                                                 info[0].data_ptr(), ids_all.data_ptr(),
+                                                                 index.data_ptr(), t_cap, self._geo())
+        table = pm.slot_view(X, (W * t_cap, x.shape[1]), x.dtype)
+        act = x.new_empty((total, experts.w1.shape[2]))
+        y = x.new_empty((total, x.shape[1]))
+        out = x.new_empty((n, x.shape[1]))
+
+        def gate_up(s: int) -> None:
+            if cnt[s].any():
+                _grouped_gemm.grouped_swiglu_segments(table, experts.w1, experts.w3, seg[0, s], seg[1, s], act,
+                                                      index=index)
+
+        def down(s: int) -> None:
+            if cnt[s].any():
+                _grouped_gemm.grouped_mm_segments(act, experts.w2, seg[0, s], seg[1, s], y)
+            self._partial(OUT - r * wb, WT, t_cap, lay, y, partial_at, only=s)
+
+        gate_up(r)
+        if peers:
+            pm.ce_wait(main, 0, CE_PUSHED, 1, kernel=True)
+        for s in peers:
+            gate_up(s)
+            down(s)
+            ls = st.copy_stream(1)
+            t_s = int(counts[0][W * e_loc + s])
+            if t_s:
+                pm.ce_push(ls, s, IN + r * rb, own + OUT + s * rb, t_s * row)
+            pm.ce_signal(ls, s, 0, CE_REDUCED, 1)
+        down(r)
+        if peers:
+            pm.ce_wait(main, 0, CE_REDUCED, 1, kernel=True)
+        self._sum(IN, t_cap, lay, out, sum_at)
+        st.join(out, act, y, index, seg)  # every copy and signal of this rank issued before the closing barrier
         pm.barrier(clear=True)  # every rank has what it waited for; this rank's flags back to zero
         self.calls += 2
         return out

@@ -969,10 +969,21 @@ class MoEDispatcher:
         Without autograd (``torch.no_grad()``, inference) the exchanges are asynchronous: chunk
         i+1's rows travel while the experts compute chunk i, and chunk i's combine returns while
         chunk i+1 is computed (NCCL runs them on its own stream, Gloo on its threads, the peer
-        transport's kernels on a side stream). With
-        autograd the chunks run one after another through the differentiable dispatch and
-        combine (same results; overlapping the backward is not built yet).
+        transport's kernels on a side stream). With autograd the chunks run one after another
+        through the differentiable dispatch and combine (same results; overlapping the backward
+        is not built yet).
+
+        ``chunks="sources"`` pipelines by source rank instead of token ranges
+        (``PeerRows.pipelined_sources``): this rank's own tokens' pairs first, which need no
+        transfer, while the copy engines carry every rank's tokens; then each peer's, whose
+        results return while the next computes. The experts' kernels read the tokens where the
+        copy engines left them, so it asks for transport "peer" built with
+        ``pipeline_transfers="copy_engine"``, no autograd, the dropless device layout, and
+        ``experts`` a ``GroupedSwiGLU`` of this rank's experts whose Triton kernels take the rows
+        (``overlap/_grouped_gemm.py``); a typed error names what is missing.
         """
+        if chunks == "sources":
+            return self._pipelined_sources(x, topk_idx, topk_weights, experts)
         if chunks == "auto":
             # 2xH200 (bench/results/README.md, gpu_2xh200_moe): 0.78-1.05x the sequential time
             # over NCCL across the day's runs, and a loss over the peer transport everywhere
@@ -980,7 +991,8 @@ class MoEDispatcher:
         elif isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1:
             n, why = chunks, "requested by the caller"
         else:
-            raise InvalidArgumentError("chunks", chunks, "is not 'auto' or a positive int", "pass 'auto' or e.g. 4")
+            raise InvalidArgumentError("chunks", chunks, "is not 'auto', 'sources' or a positive int",
+                                       "pass 'auto' or e.g. 4")
         self.last_chunks = (n, why)
         if n == 1:
             return self.forward(x, topk_idx, topk_weights, experts)
@@ -1016,6 +1028,43 @@ class MoEDispatcher:
             rows = experts(recv[i], handles[i].tokens_per_expert)
             outs.append(_Combine.apply(rows, topk_weights[lo:hi], handles[i], self.group))
         return torch.cat(outs)
+
+    def _pipelined_sources(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                           experts: Any) -> torch.Tensor:
+        """``forward_pipelined(..., chunks="sources")``: what it needs checked, then the peer
+        transport's pipeline by source rank."""
+        from . import _grouped_gemm
+
+        self._check(x, topk_idx, topk_weights)
+        self._check_transport(x)
+        missing = ""
+        if self.transport != "peer" or self.pipeline_transfers != "copy_engine":
+            missing = (f"transport='peer' with pipeline_transfers='copy_engine' (this dispatcher: transport="
+                       f"{self.transport!r}, pipeline_transfers={self.pipeline_transfers!r})")
+        elif torch.is_grad_enabled():
+            missing = "no autograd (it runs the experts' inference kernels): call it under torch.no_grad()"
+        elif not self._device_layout(topk_idx):
+            missing = "the dropless device layout (CUDA ids, no capacity_factor)"
+        elif not isinstance(experts, GroupedSwiGLU) or experts.w1.shape[0] != self.local_experts:
+            missing = f"experts a GroupedSwiGLU of this rank's {self.local_experts} experts, not {type(experts).__name__}"
+        else:
+            why = _grouped_gemm.supported(x, experts.w1, experts.w3, experts.w2)
+            if why:
+                missing = f"rows the experts' Triton kernels take: {why}"
+        if missing:
+            raise UnsupportedError("chunks", "sources", f"needs {missing}", "use chunks='auto' or an int")
+        if topk_idx.shape[1] != self.top_k or tuple(topk_weights.shape) != tuple(topk_idx.shape):
+            raise InvalidArgumentError("topk_idx", topk_idx, f"is not [tokens, {self.top_k}] with weights of its "
+                                       "shape", f"pass [tokens, {self.top_k}] ids and weights")
+        from collectives.dispatch import recorded
+
+        rows = self._peer_rows()
+        meta = torch.empty((x.shape[0], self.hidden), dtype=x.dtype, device="meta")
+        with recorded(self.comm, "moe_forward", "peer", meta, x):
+            out = rows.pipelined_sources(x.contiguous(), topk_idx, topk_weights, experts)
+        self.last_pipeline = rows.last_pipeline
+        self.last_chunks = (self.comm.size, "by source rank (chunks='sources')")
+        return out
 
     def _planner(self, topk_idx: torch.Tensor, bounds: list[tuple[int, int]]) -> Callable[[int], DispatchHandle]:
         """Every range's counts exchanged now (one all-to-all, the host's one wait); each range's

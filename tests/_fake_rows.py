@@ -157,7 +157,7 @@ class FakeMemory:
 
     # -- the kernels (kernels.cu, "rows, laid out on the device") ----------------------------------
     def _geometry(self, ke: int) -> tuple[int, int]:
-        return ke & 0xFF, (ke >> 8) & 0xFFFFFF
+        return ke & 0xFF, (ke >> 8) & 0xFFFF
 
     def _k_rows_post(self, _: Any, x_off: int, i_off: int, x_p: int, x_bytes: int, ids_p: int, n_ids: int, T: int,
                      info_p: int, n_info: int) -> None:
@@ -255,12 +255,23 @@ class FakeMemory:
         total = e_loc * cap if cap else int(info[:self.world * e_loc].sum())
         rows = _at(rows_p, total * row, dtype).view(total, row)
         es = rows.element_size()
+        only = ((ke >> 24) & 0xFF) - 1  # a source filter: source `only`'s tokens alone
         for s, t, here in self._pairs_here(info, ids_all, R, e_loc, cap):
+            if only >= 0 and s != only:
+                continue
             w = self._slot(s, w_off + t * k * 4, k, torch.float32)
             acc = torch.zeros(row, dtype=torch.float32)
             for j, d in here:
                 acc += w[j] * rows[d].float()
             self._slot(self.rank, p_off + (s * t_max + t) * row * es, row, dtype).copy_(acc.to(dtype))
+
+    def _k_rows_index_dense(self, _: Any, r_p: int, info_p: int, ids_p: int, index_p: int, t_max: int,
+                            ke: int) -> None:
+        k, e_loc, info, ids_all, R = self._tables(r_p, info_p, ids_p, t_max, ke)
+        index = _at(index_p, int(info[:self.world * e_loc].sum()), torch.int32)
+        for s, t, here in self._pairs_here(info, ids_all, R, e_loc):
+            for _, d in here:
+                index[d] = s * t_max + t
 
     def _k_rows_sum_dense(self, dtype: torch.dtype, p_off: int, ids_p: int, out_p: int, t_max: int, row: int, ke: int,
                           n: int) -> None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from collectives.errors import InvalidArgumentError
 from overlap import _grouped_gemm as G
 from overlap._grouped_gemm import sm_carveout
 from overlap.moe import GroupedSwiGLU
@@ -59,6 +60,59 @@ def test_grouped_products_match_each_experts_float64_product(dtype: torch.dtype,
         assert _rel(got, h1) < 1e-2, (counts, K, N)
         act = G.grouped_swiglu(x, w1, w3, ends, sms=sms)
         assert _rel(act, F.silu(h1) * h3) < 1e-2, (counts, K, N)
+
+
+@pytest.mark.parametrize("gather", [False, True])
+def test_segments_fill_their_rows_only_and_gathered_rows_read_the_table(gather: bool) -> None:
+    """Two calls over the interleaved segments of two sources (each expert's rows: source 0's,
+    then source 1's), the second source's rows read through an index into a table; rows of no
+    segment keep their poison."""
+    g = torch.Generator(device="cuda").manual_seed(13)
+    K, N, T = 128, 200, 700
+    per = [[0, 130, 7, 0, 64], [5, 0, 129, 1, 0]]  # [source][expert]
+    E = len(per[0])
+    starts, run = [[0] * E, [0] * E], 0
+    for e in range(E):
+        for s in range(2):
+            starts[s][e] = run
+            run += per[s][e]
+        run += 3  # a gap after each expert: rows no call may write
+    rows = run
+    table = torch.randn(T, K, generator=g, device="cuda").bfloat16()
+    index = torch.randint(0, T, (rows,), generator=g, device="cuda").to(torch.int32)
+    x = table[index.long()] if not gather else table
+    w1 = (torch.randn(E, K, N, generator=g, device="cuda") * K ** -0.5).bfloat16()
+    w3 = (torch.randn(E, K, N, generator=g, device="cuda") * K ** -0.5).bfloat16()
+    plain = torch.full((rows, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+    act = torch.full((rows, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+    for s in range(2):
+        st = torch.tensor(starts[s], device="cuda", dtype=torch.int32)
+        ct = torch.tensor(per[s], device="cuda", dtype=torch.int32)
+        G.grouped_mm_segments(x, w1, st, ct, plain, index=index if gather else None)
+        G.grouped_swiglu_segments(x, w1, w3, st, ct, act, index=index if gather else None)
+    written = torch.zeros(rows, dtype=torch.bool)
+    for s in range(2):
+        for e in range(E):
+            lo, hi = starts[s][e], starts[s][e] + per[s][e]
+            written[lo:hi] = True
+            a = table[index[lo:hi].long()].double()
+            h1, h3 = a @ w1[e].double(), a @ w3[e].double()
+            assert _rel(plain[lo:hi], h1) < 1e-2, (s, e)
+            assert _rel(act[lo:hi], F.silu(h1) * h3) < 1e-2, (s, e)
+    assert plain[~written.cuda()].isnan().all() and act[~written.cuda()].isnan().all()
+
+
+def test_segment_arguments_are_checked_before_the_launch() -> None:
+    x = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2, 64, 16, device="cuda", dtype=torch.bfloat16)
+    st = torch.tensor([0, 4], device="cuda", dtype=torch.int32)
+    out = torch.empty(8, 16, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(InvalidArgumentError, match="starts"):
+        G.grouped_mm_segments(x, w, st.long(), st, out)
+    with pytest.raises(InvalidArgumentError, match="out"):
+        G.grouped_mm_segments(x, w, st, st, out[:, :8])
+    with pytest.raises(InvalidArgumentError, match="index"):
+        G.grouped_mm_segments(x, w, st, st, out, index=st)
 
 
 def test_the_grid_follows_torchs_sm_carveout() -> None:

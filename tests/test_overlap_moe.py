@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import collectives as C
-from collectives.errors import InvalidArgumentError
+from collectives.errors import InvalidArgumentError, UnsupportedError
 from overlap.moe import GroupedSwiGLU, MoEDispatcher, reference_moe
 from tests.mp import messages
 
@@ -433,3 +433,18 @@ def test_sm_carveout_holds_torchs_setting_within_and_puts_the_previous_one_back(
     with pytest.raises(ValueError), sm_carveout(7):
         raise ValueError("inside")
     assert get() is None
+
+
+def _sources_refused(rank: int, world: int) -> str:
+    disp = MoEDispatcher(2 * world, H, dtype=torch.float64)
+    x, idx, w = _routing(rank, 5, 2 * world, 2, "random", 7)
+    with torch.no_grad(), pytest.raises(UnsupportedError) as info:
+        disp.forward_pipelined(x, idx, w, lambda rows, per: rows, chunks="sources")
+    with pytest.raises(InvalidArgumentError, match="'sources'"):
+        disp.forward_pipelined(x, idx, w, lambda rows, per: rows, chunks="by-rank")
+    return str(info.value)
+
+
+def test_the_pipeline_by_source_names_what_it_needs(worlds) -> None:  # noqa: ANN001
+    for msg in worlds(2).run(_sources_refused):
+        assert "chunks" in msg and "transport='peer'" in msg and "pipeline_transfers='copy_engine'" in msg, msg

@@ -362,3 +362,85 @@ def test_host_planned_dispatch_and_combine(cf: float | None) -> None:
             assert torch.allclose(out.double(), expect, rtol=1e-5, atol=1e-5), (r, c)
 
     run_ranks(world, P.buffer_bytes(world, max_tokens, k, row_bytes), rank_fn)
+
+
+def _segments_mm(x: torch.Tensor, w: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, out: torch.Tensor,
+                 *, index: torch.Tensor | None = None, w3: torch.Tensor | None = None) -> torch.Tensor:
+    """The contract of ``_grouped_gemm.grouped_mm_segments`` (and, with ``w3``, of the SwiGLU
+    form) in plain torch: the Triton kernels themselves are checked on a GPU."""
+    for e, (lo, n) in enumerate(zip(starts.tolist(), counts.tolist())):
+        a = x[index[lo:lo + n].long()] if index is not None else x[lo:lo + n]
+        h = a @ w[e]
+        out[lo:lo + n] = torch.nn.functional.silu(h) * (a @ w3[e]) if w3 is not None else h
+    return out
+
+
+def _expert_weights(g: int, ffn: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(1000 + g)
+    return tuple(torch.randn(*shape, generator=gen, dtype=torch.float64) * 0.5
+                 for shape in ((HIDDEN, ffn), (HIDDEN, ffn), (ffn, HIDDEN)))
+
+
+@pytest.mark.parametrize("world,e_loc,k,tokens", [
+    (2, 2, 2, [9, 6]),
+    (2, 3, 3, [10, 0]),                  # a rank without tokens
+    (3, 1, 2, [4, 0, 7]),
+    (4, 2, 3, [5, 3, 0, 6]),
+    (2, 4, 1, [7, 7]),                   # top-1: experts that get nothing
+])
+def test_pipeline_by_source_rank_matches_the_float64_moe(monkeypatch: pytest.MonkeyPatch, world: int, e_loc: int,
+                                                         k: int, tokens: list[int]) -> None:
+    from overlap import _grouped_gemm as G
+
+    monkeypatch.setattr(P, "_Streams", _SameStream)
+    monkeypatch.setattr(G, "grouped_mm_segments", lambda x, w, st, ct, out, *, index=None, sms=None:
+                        _segments_mm(x, w, st, ct, out, index=index))
+    monkeypatch.setattr(G, "grouped_swiglu_segments", lambda x, w1, w3, st, ct, out, *, index=None, sms=None:
+                        _segments_mm(x, w1, st, ct, out, index=index, w3=w3))
+    E, ffn = world * e_loc, 4
+    max_tokens = max(tokens) + 1
+    row_bytes = HIDDEN * 4
+    weights = [_expert_weights(g, ffn) for g in range(E)]
+
+    def ref(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(x.shape[0], HIDDEN, dtype=torch.float64)
+        for t in range(x.shape[0]):
+            for j, g in enumerate(idx[t].tolist()):
+                w1, w3, w2 = weights[g]
+                a = x[t].double()
+                out[t] += w[t, j].double() * ((torch.nn.functional.silu(a @ w1) * (a @ w3)) @ w2)
+        return out
+
+    def rank_fn(mem: Any, r: int) -> None:
+        rows = P.PeerRows(SimpleNamespace(size=world, rank=r), max_tokens, k, row_bytes, E, memory=mem,
+                          pipeline_transfers="copy_engine")
+        mine = weights[r * e_loc:(r + 1) * e_loc]
+        experts = SimpleNamespace(**{name: torch.stack([m[i] for m in mine]).float()
+                                     for i, name in enumerate(("w1", "w3", "w2"))})
+        for c in range(2):  # twice, with fresh inputs: the section's block reused after its closing barrier
+            idx, x, w, _ = _inputs(world, E, k, tokens, 90 + c, torch.float32)[r]
+            out = rows.pipelined_sources(x.contiguous(), idx, w, experts)
+            assert out.shape == x.shape
+            assert torch.allclose(out.double(), ref(x, idx, w), rtol=1e-4, atol=1e-4), (r, c)
+            assert rows.last_pipeline is not None and "by source" in rows.last_pipeline[1]
+        recv, _ = rows.dispatch_dense(x.contiguous(), idx)  # and a plain dispatch after the section
+        assert torch.equal(recv.double(), _expected_recv(_inputs(world, E, k, tokens, 91, torch.float32), r, e_loc)[0])
+
+    run_ranks(world, P.buffer_bytes(world, max_tokens, k, row_bytes, copy_engine=True), rank_fn)
+
+
+def test_pipeline_by_source_rank_needs_a_buffer_sized_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(P, "_Streams", _SameStream)
+    world, e_loc, k, T, row_bytes = 2, 2, 2, 20000, HIDDEN * 4
+    plain = P.buffer_bytes(world, T, k, row_bytes)
+    assert P.ce_section_bytes(world, T, k, row_bytes, 1) > plain
+
+    def rank_fn(mem: Any, r: int) -> str:
+        rows = P.PeerRows(SimpleNamespace(size=world, rank=r), T, k, row_bytes, world * e_loc, memory=mem)
+        idx, x, w, _ = _inputs(world, world * e_loc, k, [5, 5], 3, torch.float32)[r]
+        with pytest.raises(InvalidArgumentError) as info:
+            rows.pipelined_sources(x.contiguous(), idx, w, SimpleNamespace())
+        return str(info.value)
+
+    for msg in run_ranks(world, plain, rank_fn):
+        assert "pipeline_transfers" in msg and "copy_engine" in msg, msg

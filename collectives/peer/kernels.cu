@@ -844,14 +844,16 @@ INSTANTIATE_ROWS(__nv_bfloat16, bf16, false, scalar)
 //   and info; a warp handles one (source, token) at a time, and tokens without a pair here are
 //   skipped at once.
 //
-// `ke` packs the layout: k (bits 0-7), the local expert count (bits 8-31) and `cap` (bits
-// 32-63). cap = 0: recv_x is compact (the row of (s, t, e) is base[e][s] + R[s][t][e], base the
+// `ke` packs the layout: k (bits 0-7), the local expert count (bits 8-23), a source filter
+// (bits 24-31: s + 1 where a kernel that takes one is to handle source s's tokens only; 0: all
+// sources) and `cap` (bits 32-63). cap = 0: recv_x is compact (the row of (s, t, e) is base[e][s] + R[s][t][e], base the
 // exclusive prefix sum of cnt in (local expert, source) order); cap > 0: recv_x is padded,
 // [e_loc][cap] rows, the row of (s, t, e) being e * cap + (the rows of e from sources before s)
 // + R[s][t][e], and nothing on the host needs the counts.
 
 __device__ __forceinline__ int geo_k(long ke) { return (int)(ke & 0xff); }
-__device__ __forceinline__ int geo_eloc(long ke) { return (int)((ke >> 8) & 0xffffff); }
+__device__ __forceinline__ int geo_eloc(long ke) { return (int)((ke >> 8) & 0xffff); }
+__device__ __forceinline__ int geo_src(long ke) { return (int)((ke >> 24) & 0xff) - 1; }
 __device__ __forceinline__ long geo_cap(long ke) { return ke >> 32; }
 
 #define IDS_HEADER 16
@@ -1113,7 +1115,8 @@ __device__ void rows_gather_dense(const Ctx& c, long x_off, const int* R, const 
 }
 
 // Expert side: P (this rank's slot buffer at p_off) row s * t_max + t = sum over (s, t)'s pairs
-// here of weight x rows[its recv_x row], the weight read from rank s's slot buffer at w_off.
+// here of weight x rows[its recv_x row], the weight read from rank s's slot buffer at w_off (with
+// a source filter in `ke`, for that source's tokens only).
 template <typename T, bool VEC>
 __device__ void rows_partial_dense(const Ctx& c, long p_off, long w_off, const int* R, const int* info,
                                    const int* ids_all, const T* rows, long t_max, long row, long ke) {
@@ -1125,10 +1128,12 @@ __device__ void rows_partial_dense(const Ctx& c, long p_off, long w_off, const i
   __shared__ float wt[16][WARP];
   load_base(info, W, e_loc, geo_cap(ke), base);
   const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
-  const long units = VEC ? row / N : row, items = W * t_max;
+  const int only = geo_src(ke);  // >= 0: source `only`'s tokens alone
+  const long first = only >= 0 ? only * t_max : 0;
+  const long units = VEC ? row / N : row, items = only >= 0 ? t_max : W * t_max;
   const int S = row_slices(items, units);
   for (long it = warp_id(); it < items * S; it += n_warps()) {
-    const long g = it / S;
+    const long g = first + it / S;
     const int s = (int)(g / t_max);
     const long t = g % t_max;
     if (t >= info[W * e_loc + s]) continue;
@@ -1280,6 +1285,26 @@ __device__ void rows_grad_dense(const Ctx& c, long x_off, long w_off, long d_off
       }
     }
     __syncwarp();
+  }
+}
+
+// The source of every recv_x row: index[d] = s * t_max + t for each pair (s, t, e) here, d its
+// recv_x row; one warp per (s, t). A kernel that reads every rank's tokens from one table (rank
+// s's at row s * t_max) reads recv_x's rows through it.
+extern "C" __global__ void __launch_bounds__(512) rows_index_dense(const Ctx c, const int* R, const int* info,
+                                                                   const int* ids_all, int* index, long t_max, long ke) {
+  if (*(volatile int*)c.err_dev) return;
+  const int k = geo_k(ke), e_loc = geo_eloc(ke), W = c.world;
+  __shared__ int base[MAX_BASE];
+  load_base(info, W, e_loc, geo_cap(ke), base);
+  const int lane = threadIdx.x % WARP;
+  for (long g = warp_id(); g < W * t_max; g += n_warps()) {
+    const int s = (int)(g / t_max);
+    const long t = g % t_max;
+    if (t >= info[W * e_loc + s]) continue;
+    int d;
+    my_rows(c, ids_all, R, base, s, t, t_max, k, e_loc, &d);
+    if (d >= 0) index[d] = (int)g;
   }
 }
 
