@@ -22,6 +22,7 @@ import torch.distributed as dist
 import collectives as C
 from overlap.moe import GroupedSwiGLU, MoEDispatcher
 
+from .harness import paired_ratio, time_interleaved
 from .harness import time_fn as _time
 
 __all__ = ["MoERecord", "measure_config", "format_moe_table", "plot_moe"]
@@ -51,7 +52,7 @@ class MoERecord:
     experts_us: float
     sequential_us: float
     pipelined_us: float
-    chunks: int
+    chunks: int | str       # token chunks, or "sources" (forward_pipelined(chunks="sources"))
     hidden_pct: float
     wrong: int              # output elements of the pipelined and the pieced forward off the plain one (float32)
     pieces: int = 1         # the dispatcher's exchange_pieces
@@ -66,18 +67,25 @@ class MoERecord:
     a2a_graph_us: float = 0.0
     routing: str = ""       # where the dispatcher's routing was worked out: "host" (numpy) or "device"
     pipeline: str = ""      # how the pipelined forward moved rows: "copy_engine" or "sm" (peer), "nccl"
+    # the median over rounds of the sequential forward's time over the pipelined one's in the same
+    # round (both timed in the same rounds: bench.harness.time_interleaved)
+    speedup_paired: float = 0.0
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
 def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ffn_hidden: int, experts: int,
-                   top_k: int, dtype: torch.dtype, device: torch.device, *, chunk_counts: tuple[int, ...] = (2, 4),
+                   top_k: int, dtype: torch.dtype, device: torch.device, *,
+                   chunk_counts: tuple[int | str, ...] = (2, 4),
                    iters: int = 5, reps: int = 3, seed: int = 0, pieces: int = 1,
                    transport: str = "nccl", routing: str = "auto", transfers: tuple[str, ...] = ("auto",)
                    ) -> list[MoERecord]:
     """One record per chunk count, and over the peer transport per ``transfers`` setting of its
     pipeline (``MoEDispatcher(pipeline_transfers=...)``); the sequential figures repeat in each.
+    A chunk count "sources" is the pipeline by source rank (peer transport, its buffers sized for
+    copy engines; one record, whatever ``transfers``), checked in the run's dtype against the
+    float32 reference at that dtype's tolerance (it runs the experts' bf16/fp16 kernels only).
     The dispatcher moves its rows in ``pieces`` (``MoEDispatcher(exchange_pieces=...)``) over
     ``transport`` (over NCCL with its ``routing``), checked against one piece over NCCL (or Gloo)
     planned on the host."""
@@ -87,7 +95,7 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
     idx = torch.rand(tokens, experts, generator=g, device=device).topk(top_k, dim=-1).indices
     w = torch.rand(tokens, top_k, generator=g, device=device).to(dtype)
     bounds: dict[str, Any] = {"max_tokens": tokens, "top_k": top_k} if transport == "peer" else {"routing": routing}
-    if transport == "peer" and "copy_engine" in transfers:  # its buffers sized for that pipeline too
+    if transport == "peer" and ("copy_engine" in transfers or "sources" in chunk_counts):  # buffers sized for it
         bounds["pipeline_transfers"] = "copy_engine"
     disp = MoEDispatcher(experts, hidden, comm.group, dtype=dtype, device=device, exchange_pieces=pieces,
                          transport=transport, **bounds)
@@ -139,11 +147,21 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
             rv, hl = disp32.dispatch_low_latency(x.float(), idx)
             wrong_seq += off(disp32.combine_low_latency(mlp32.forward_padded(rv), hl, w.float()))
         records = []
-        for k, tr in itertools.product(chunk_counts, transfers if transport == "peer" else ("auto",)):
+        runs = [(k, tr) for k, tr in itertools.product(chunk_counts, transfers if transport == "peer" else ("auto",))
+                if k != "sources"] + [("sources", "copy_engine") for k in chunk_counts
+                                      if k == "sources" and transport == "peer"]
+        for k, tr in runs:
             disp.pipeline_transfers = disp32.pipeline_transfers = tr
-            got = disp32.forward_pipelined(x.float(), idx, w.float(), mlp32, chunks=k)
-            wrong = off(got) + wrong_seq
-            t_pipe = _time(functools.partial(disp.forward_pipelined, x, idx, w, mlp, chunks=k), comm, device, iters, reps)
+            if k == "sources":  # the run's dtype: 2^-5 of each element's size (and the mean's)
+                got = disp.forward_pipelined(x, idx, w, mlp, chunks=k).float()
+                wrong = int(((got - ref).abs() > 2 ** -5 * (ref.abs() + ref.abs().mean() + 1e-12)).sum()) + wrong_seq
+            else:
+                wrong = off(disp32.forward_pipelined(x.float(), idx, w.float(), mlp32, chunks=k)) + wrong_seq
+            rounds: dict[str, list[float]] = {}
+            both = time_interleaved({"sequential": lambda: disp.forward(x, idx, w, mlp),
+                                     "pipelined": functools.partial(disp.forward_pipelined, x, idx, w, mlp, chunks=k)},
+                                    comm, device, iters, reps, rounds=rounds)
+            t_pipe = both["pipelined"]
             comm_us = t_dispatch + t_combine
             how = disp.last_pipeline[0] if transport == "peer" and disp.last_pipeline else transport
             records.append(MoERecord(
@@ -151,7 +169,8 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
                 str(device), sent_bytes, t_dispatch, sent_bytes / t_dispatch / 1e3, t_combine,
                 sent_bytes / t_combine / 1e3, t_a2a, sent_bytes / t_a2a / 1e3, t_experts, t_seq, t_pipe, k,
                 100 * (t_seq - t_pipe) / comm_us if comm_us else 0.0, wrong, pieces, transport, t_train, **low,
-                routing="device" if where else "host", pipeline=how))
+                routing="device" if where else "host", pipeline=how,
+                speedup_paired=1 / paired_ratio(rounds, "pipelined", "sequential")))
     disp.close()
     disp32.close()
     return records
@@ -184,7 +203,7 @@ def format_moe_table(records: list[MoERecord]) -> str:
                      f"{r.dispatch_us:9.1f} us {r.dispatch_GBps:7.2f} GB/s | combine {r.combine_us:9.1f} us "
                      f"{r.combine_GBps:7.2f} GB/s | all_to_all {r.a2a_us:9.1f} us {r.a2a_GBps:7.2f} GB/s | experts "
                      f"{r.experts_us:9.1f} us | sequential {r.sequential_us:9.1f} us | pipelined/{r.chunks} {r.pipeline} "
-                     f"{r.pipelined_us:9.1f} us ({r.hidden_pct:6.1f}% hidden) | train step {r.train_us:9.1f} us "
+                     f"{r.pipelined_us:9.1f} us ({r.hidden_pct:6.1f}% hidden, {r.speedup_paired:.3f}x paired) | train step {r.train_us:9.1f} us "
                      f"#wrong {r.wrong}")
         if r.ll_dispatch_us:
             lines.append(f"{'':<14} low latency: dispatch {r.ll_dispatch_us:9.1f} us (graph {r.ll_dispatch_graph_us:9.1f}) "
@@ -221,7 +240,7 @@ def plot_moe(records: list[MoERecord], path: str, title: str = "") -> None:
     def kind(r: MoERecord) -> str:  # how the pipeline moved rows, where there is a choice
         return "" if r.pipeline in ("", "nccl") else r.pipeline
 
-    def pipelined(k: int, how: str, c: str) -> float:
+    def pipelined(k: int | str, how: str, c: str) -> float:
         return next((r.pipelined_us for r in records if label(r) == c and r.chunks == k and kind(r) == how), 0.0)
 
     bars: list[tuple[str, Callable[[str], float]]] = [("sequential", sequential)]

@@ -39,7 +39,9 @@ def main() -> int:
     p.add_argument("--config", action="append", default=None, metavar="NAME:TOKENS:HIDDEN:FFN:EXPERTS:K",
                    help="a configuration (repeatable); default: the built-in ones")
     p.add_argument("-d", "--dtype", default=None, choices=sorted(DTYPES))
-    p.add_argument("--chunks", default="2,4")
+    p.add_argument("--chunks", default="2,4",
+                   help="comma-separated token chunk counts of the pipelined forward, and 'sources' for the "
+                        "pipeline by source rank (transport peer, GPUs: forward_pipelined(chunks='sources'))")
     p.add_argument("--pieces", default="1,4", help="exchange_pieces of the dispatcher, comma-separated (transport nccl)")
     p.add_argument("--transport", default=None,
                    help="comma-separated: nccl, peer (default: both on the GPUs of one node, else nccl)")
@@ -66,7 +68,7 @@ def main() -> int:
         for c in args.config:
             name, *nums = c.split(":")
             configs.append((name, *map(int, nums)))  # type: ignore[arg-type]
-    chunks = tuple(int(x) for x in args.chunks.split(","))
+    chunks = tuple(x if x == "sources" else int(x) for x in args.chunks.split(","))
     records = []
     transports = args.transport.split(",") if args.transport else ["nccl"]
     if not args.transport and cuda:
