@@ -772,11 +772,12 @@ class PeerRows:
         last, beside the last return.
 
             copy stream 0:  X, WT -> peers
-            caller's:       post | fence | layout, index | gate/up (own) | wait X | gate/up (s), down (s),
+            caller's:       post | fence | layout, index | gate/up (own) | wait X (s) | gate/up (s), down (s),
                             partial (s) | ... | down (own), partial (own) | wait P | sum
-            copy stream 1:                                                       P (s) -> s | ...
+            copy stream 1:                                                         P (s) -> s | ...
 
-        Every peer's tokens are waited for together (one flag per peer, one wait)."""
+        Each rank pushes to r + 1 first, then r + 2, ...; so rank r computes rank r - 1's pairs
+        first, then r - 2's, ..., the order in which their tokens should land."""
         from collectives.peer import _launch
 
         from . import _grouped_gemm
@@ -845,9 +846,8 @@ class PeerRows:
             self._partial(OUT - r * wb, WT, t_cap, lay, y, partial_at, only=s)
 
         gate_up(r)
-        if peers:
-            pm.ce_wait(main, 0, CE_PUSHED, 1, kernel=True)
-        for s in peers:
+        for s in reversed(peers):  # rank r - 1 pushes to this rank first, r - 2 second, ...
+            pm.ce_wait(main, 0, CE_PUSHED, 1, kernel=True, source=s)
             gate_up(s)
             down(s)
             ls = st.copy_stream(1)

@@ -94,8 +94,9 @@ class FakeRank:
     def _ce_all_reduce(self, t: torch.Tensor, vec: bool) -> None:
         M.PeerMemory._ce_all_reduce(cast(Any, self), t, vec)
 
-    def ce_wait(self, stream: int, slot: int, stage: int, value: int, *, kernel: bool | None = None) -> None:
-        M.PeerMemory.ce_wait(cast(Any, self), stream, slot, stage, value, kernel=kernel)
+    def ce_wait(self, stream: int, slot: int, stage: int, value: int, *, kernel: bool | None = None,
+                source: int | None = None) -> None:
+        M.PeerMemory.ce_wait(cast(Any, self), stream, slot, stage, value, kernel=kernel, source=source)
 
     def _watch(self) -> None:
         pass  # the section watchdog bounds stream waits on GPUs; here a wait that never holds is a deadlock
@@ -218,6 +219,9 @@ class Machine:
 
     def _k_ce_wait(self, me: FakeRank, slot: int, stage: int, value: int) -> _Op:
         return (lambda: self._peers_at_least(me, slot, stage, value)), (lambda: None)
+
+    def _k_ce_wait_from(self, me: FakeRank, slot: int, stage: int, value: int, q: int) -> _Op:
+        return (lambda: me.my_flag(slot, stage, q) >= value), (lambda: None)
 
     def _k_ce_reduce_rs(self, me: FakeRank, src: int, dst: int, slot_off: int, C: int, nj: int, j: int,
                         R: int) -> _Op:

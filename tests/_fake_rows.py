@@ -89,9 +89,10 @@ class FakeMemory:
             self.hub.flags[peer][(slot, stage, self.rank)] = value
             self.hub.flagged.notify_all()
 
-    def ce_wait(self, stream: Any, slot: int, stage: int, value: int, *, kernel: bool | None = None) -> None:
+    def ce_wait(self, stream: Any, slot: int, stage: int, value: int, *, kernel: bool | None = None,
+                source: int | None = None) -> None:
         mine = self.hub.flags[self.rank]
-        peers = [q for q in range(self.world) if q != self.rank]
+        peers = [q for q in range(self.world) if q != self.rank and source in (None, q)]
         with self.hub.flagged:
             if not self.hub.flagged.wait_for(lambda: all(mine.get((slot, stage, q), 0) >= value for q in peers), 30):
                 raise TimeoutError(f"rank {self.rank}: copy-engine flag ({slot}, {stage}) never reached {value}")

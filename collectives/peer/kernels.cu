@@ -508,10 +508,10 @@ __device__ __forceinline__ u32* ce_flag(char* base, int slot, int stage, int src
 }
 
 // Threads t < world, t != rank, wait until my copy-engine flag (slot, stage, t) >= v.
-__device__ bool ce_wait_all(const Ctx& c, int slot, int stage, u32 v) {
+__device__ bool ce_wait_all(const Ctx& c, int slot, int stage, u32 v, int only = -1) {
   int failed = 0;
   const int t = threadIdx.x;
-  if (t < c.world && t != c.rank) {
+  if (t < c.world && t != c.rank && (only < 0 || t == only)) {
     const u32* f = ce_flag(c.flags.p[c.rank], slot, stage, t);
     const u64 start = global_ns();
     while ((int)(ld_acquire_sys(f) - v) < 0) {
@@ -553,6 +553,12 @@ extern "C" __global__ void ce_fence(const Ctx c, long mode) {
 extern "C" __global__ void ce_wait(const Ctx c, long slot, long stage, long v) {
   if (*(volatile int*)c.err_dev) return;
   ce_wait_all(c, (int)slot, (int)stage, (u32)v);
+}
+
+// The same for one peer's flag: source rank q's.
+extern "C" __global__ void ce_wait_from(const Ctx c, long slot, long stage, long v, long q) {
+  if (*(volatile int*)c.err_dev) return;
+  ce_wait_all(c, (int)slot, (int)stage, (u32)v, (int)q);
 }
 
 // The last block of a copy-engine reduction to finish tells every peer that ring slot s's use u

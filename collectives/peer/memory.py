@@ -496,8 +496,10 @@ class PeerMemory:
         their own. With ``clear``, this rank's copy-engine flags are zeroed afterwards."""
         self._kernel("ce_fence", None, False, 1)(1, _launch.current_stream(self._index), _FENCE_CLEAR if clear else 0)
 
-    def ce_wait(self, stream: int, slot: int, stage: int, value: int, *, kernel: bool | None = None) -> None:
-        """On ``stream``: wait until every peer's flag (slot, stage) to this rank is >= value.
+    def ce_wait(self, stream: int, slot: int, stage: int, value: int, *, kernel: bool | None = None,
+                source: int | None = None) -> None:
+        """On ``stream``: wait until every peer's flag (slot, stage) to this rank is >= value
+        (``source``: peer ``source``'s alone).
 
         Inside ``ce_open`` ... ``ce_close`` the default is stream memory waits: no kernel, bounded
         by the section's watchdog. A copy stream waits this way, because a spinning block slows a
@@ -512,12 +514,18 @@ class PeerMemory:
         elif not kernel and self._sections == 0:
             raise UnsupportedError("kernel", kernel, "asks for a stream wait outside a copy-engine section, where "
                                    "no watchdog bounds it", "open a section with ce_open() first, or pass kernel=True")
+        if source is not None and not (0 <= source < self.world and source != self.rank):
+            raise UnsupportedError("source", source, f"is not a peer of rank {self.rank} of {self.world}",
+                                   "pass another rank of the group, or None for every peer")
         if kernel:
-            self._kernel("ce_wait", None, False, 3)(1, stream, slot, stage, value)
+            if source is None:
+                self._kernel("ce_wait", None, False, 3)(1, stream, slot, stage, value)
+            else:
+                self._kernel("ce_wait_from", None, False, 4)(1, stream, slot, stage, value, source)
             return
         base = self._flag_pointers[self.rank] + (_BLOCK_FLAG_WORDS + (slot * CE_STAGES + stage) * MAX_RANKS) * 4
         for q in range(self.world):
-            if q != self.rank:
+            if q != self.rank and source in (None, q):
                 _launch.wait_value(stream, base + 4 * q, value)
 
     def _release_waits(self, stuck: bool) -> None:
