@@ -449,10 +449,12 @@ class PeerRows:
             raise _bad_routing("topk_idx" if s == self.rank else f"topk_idx of rank {s}", topk_idx,
                               self.world * self.e_loc, repeated=not bad[_BAD_RANGE])
 
-    def _geo(self, cap: int = 0, only: int | None = None) -> int:
+    def _geo(self, cap: int = 0, only: int | None = None, by_source: bool = False) -> int:
         """The kernels' layout word (kernels.cu): k, the local experts, a source filter (``only``:
-        source rank ``only``'s tokens alone, for the kernels that take one) and ``cap`` (0: compact)."""
-        return self.top_k | (self.e_loc << 8) | ((0 if only is None else only + 1) << 24) | (cap << 32)
+        source rank ``only``'s tokens alone, for the kernels that take one), the compact layout's
+        order (``by_source``: each source's rows together, grouped by expert) and ``cap`` (0: compact)."""
+        return (self.top_k | (self.e_loc << 8) | ((0 if only is None else only + 1) << 24) | (int(by_source) << 31)
+                | (cap << 32))
 
     def _gather(self, g: _Region, layout: DeviceLayout, x: torch.Tensor, bases: tuple[int, ...] | None = None
                 ) -> torch.Tensor:
@@ -483,16 +485,19 @@ class PeerRows:
         self._sum(g.x, g.t_max, layout, out)
 
     def _partial(self, p_off: int, w_off: int, t_max: int, layout: DeviceLayout, rows: torch.Tensor,
-                 bases: tuple[int, ...] | None = None, only: int | None = None) -> None:
+                 bases: tuple[int, ...] | None = None, only: int | None = None, by_source: bool = False,
+                 first_row: int = 0) -> None:
         """P rows (this rank's buffer at ``p_off``) from the expert rows; the weights read at ``w_off``
-        (``only``: source rank ``only``'s tokens alone)."""
+        (``only``: source rank ``only``'s tokens alone; ``by_source``: the rows in that layout;
+        ``first_row``: ``rows`` holds the layout's rows from that one on)."""
         from collectives.peer import _launch
 
         if rows.shape[0]:
-            kern = self.pm._kernel("rows_partial_dense", rows.dtype, self._vec(rows.data_ptr()), 9, bases)
+            ptr = rows.data_ptr() - first_row * rows.shape[1] * rows.element_size()
+            kern = self.pm._kernel("rows_partial_dense", rows.dtype, self._vec(ptr), 9, bases)
             kern(self._grid(self.world * t_max * _ROW_SLICES), _launch.current_stream(self.pm._index), p_off, w_off,
-                 layout.ranks.data_ptr(), layout.info.data_ptr(), layout.ids_all.data_ptr(), rows.data_ptr(), t_max,
-                 rows.shape[1], self._geo(layout.cap, only))
+                 layout.ranks.data_ptr(), layout.info.data_ptr(), layout.ids_all.data_ptr(), ptr, t_max,
+                 rows.shape[1], self._geo(layout.cap, only, by_source))
 
     def _sum(self, p_off: int, t_max: int, layout: DeviceLayout, out: torch.Tensor,
              bases: tuple[int, ...] | None = None) -> None:
@@ -764,12 +769,17 @@ class PeerRows:
         the unit is a source rank: this rank's own tokens need no transfer, so their gate and up
         products run while the copy engines carry every rank's tokens (and fp32 weights) to
         every peer, at the sender's place in one block (``ce_block``, one chunk of ``max_tokens``).
-        The gate/up kernel reads each pair's token from that table by index
-        (``rows_index_dense``), so no ``recv_x`` is gathered. Then each peer's segments (its
-        pairs of every local expert) run the gate/up and down products, its partial rows
-        (``rows_partial_dense`` for that source alone) go back by copy engine, and the next
+        The pairs are laid out by source (each source's rows together, grouped by local expert:
+        ``_geo(by_source=True)``), and the gate/up kernel reads each pair's token from that table
+        by index (``rows_index_dense``), so no ``recv_x`` is gathered. Then each peer's rows run
+        the gate/up and down products (the down product by torch's grouped GEMM on the source's
+        contiguous rows, or Triton's at few rows per expert or where torch has none), its partial
+        rows (``rows_partial_dense`` for that source alone) go back by copy engine, and the next
         source computes while they travel; this rank's own down products and partial rows come
-        last, beside the last return.
+        last, beside the last return. On one H200 (a scratch probe, 2026-12-01, not kept) the
+        experts' part of this (gathered gate/up and a Triton down product per source, two sources)
+        took 1.01-1.08x the time of a gather and ``GroupedSwiGLU.forward`` at four prefill shapes,
+        1.21x at top-1 h4096 f1024, where Triton's down product is the slower one.
 
             copy stream 0:  X, WT -> peers
             caller's:       post | fence | layout, index | gate/up (own) | wait X (s) | gate/up (s), down (s),
@@ -821,19 +831,23 @@ class PeerRows:
         self.check()
         lay = DeviceLayout(ids_all, ranks, info[0], counts[0], n)
         cnt = counts[0][:W * e_loc].reshape(W, e_loc).astype(np.int64)  # [source, local expert]
-        flat = cnt.T.reshape(-1)  # recv_x's order: by local expert, then source
-        starts = (np.cumsum(flat) - flat).reshape(e_loc, W).T
-        seg = torch.from_numpy(np.stack([starts, cnt]).astype(np.int32)).to(x.device)  # [2, W, e_loc]
-        total = int(flat.sum())
+        # the rows laid out by source (each source's rows together, grouped by local expert), so
+        # that torch's grouped GEMM can take a source's down product
+        first = np.concatenate([[0], np.cumsum(cnt.sum(1))])  # each source's first row
+        starts = first[:-1, None] + np.cumsum(cnt, axis=1) - cnt
+        seg = torch.from_numpy(np.stack([starts, cnt, np.cumsum(cnt, axis=1)]).astype(np.int32)).to(x.device)
+        total = int(first[-1])
         index = torch.empty(total, dtype=torch.int32, device=x.device)
         if total:
             self.pm._kernel("rows_index_dense", None, False, 6)(self._grid(W * t_cap), main, ranks.data_ptr(),
                                                                  info[0].data_ptr(), ids_all.data_ptr(),
-                                                                 index.data_ptr(), t_cap, self._geo())
+                                                                 index.data_ptr(), t_cap, self._geo(by_source=True))
         table = pm.slot_view(X, (W * t_cap, x.shape[1]), x.dtype)
         act = x.new_empty((total, experts.w1.shape[2]))
-        y = x.new_empty((total, x.shape[1]))
         out = x.new_empty((n, x.shape[1]))
+        from .moe import _grouped_mm_works
+
+        torch_down = _grouped_mm_works(x.device, x.dtype)
 
         def gate_up(s: int) -> None:
             if cnt[s].any():
@@ -841,9 +855,14 @@ class PeerRows:
                                                       index=index)
 
         def down(s: int) -> None:
-            if cnt[s].any():
-                _grouped_gemm.grouped_mm_segments(act, experts.w2, seg[0, s], seg[1, s], y)
-            self._partial(OUT - r * wb, WT, t_cap, lay, y, partial_at, only=s)
+            lo, hi = int(first[s]), int(first[s + 1])
+            if hi == lo:
+                return
+            if torch_down and not _grouped_gemm.few_rows(hi - lo, e_loc):
+                y = torch._grouped_mm(act[lo:hi], experts.w2, offs=seg[2, s])
+            else:  # few rows per expert (a decode step), or no grouped GEMM of torch's here
+                y = _grouped_gemm.grouped_mm(act[lo:hi], experts.w2, seg[2, s])
+            self._partial(OUT - r * wb, WT, t_cap, lay, y, partial_at, only=s, by_source=True, first_row=lo)
 
         gate_up(r)
         for s in reversed(peers):  # rank r - 1 pushes to this rank first, r - 2 second, ...
@@ -859,7 +878,7 @@ class PeerRows:
         if peers:
             pm.ce_wait(main, 0, CE_REDUCED, 1, kernel=True)
         self._sum(IN, t_cap, lay, out, sum_at)
-        st.join(out, act, y, index, seg)  # every copy and signal of this rank issued before the closing barrier
+        st.join(out, act, index, seg)  # every copy and signal of this rank issued before the closing barrier
         pm.barrier(clear=True)  # every rank has what it waited for; this rank's flags back to zero
         self.calls += 2
         return out

@@ -209,18 +209,20 @@ class FakeMemory:
                 totals = _at(info_p + 4 * at, e_loc, torch.int64)
                 totals[e] += run
 
-    def _pairs_here(self, info: torch.Tensor, ids_all: torch.Tensor, R: torch.Tensor, e_loc: int, cap: int = 0) -> Any:
+    def _pairs_here(self, info: torch.Tensor, ids_all: torch.Tensor, R: torch.Tensor, e_loc: int, cap: int = 0,
+                    by_source: bool = False) -> Any:
         """(s, t, [(j, recv_x row)]) for every (source, token) with pairs on this rank (``cap``:
-        the padded layout)."""
+        the padded layout; ``by_source``: the compact layout by source, then expert)."""
         W = self.world
         cnt = info[:W * e_loc].view(W, e_loc)
         base, run = {}, 0
-        for e in range(e_loc):
-            if cap:
+        order = [(e, s) for s in range(W) for e in range(e_loc)] if by_source and not cap else \
+            [(e, s) for e in range(e_loc) for s in range(W)]
+        for e, s in order:
+            if cap and s == 0:
                 run = e * cap
-            for s in range(W):
-                base[(e, s)] = run
-                run += int(cnt[s, e])
+            base[(e, s)] = run
+            run += int(cnt[s, e])
         for s in range(W):
             for t in range(int(info[W * e_loc + s])):
                 here = []
@@ -256,8 +258,8 @@ class FakeMemory:
         total = e_loc * cap if cap else int(info[:self.world * e_loc].sum())
         rows = _at(rows_p, total * row, dtype).view(total, row)
         es = rows.element_size()
-        only = ((ke >> 24) & 0xFF) - 1  # a source filter: source `only`'s tokens alone
-        for s, t, here in self._pairs_here(info, ids_all, R, e_loc, cap):
+        only = ((ke >> 24) & 0x7F) - 1  # a source filter: source `only`'s tokens alone
+        for s, t, here in self._pairs_here(info, ids_all, R, e_loc, cap, bool(ke >> 31 & 1)):
             if only >= 0 and s != only:
                 continue
             w = self._slot(s, w_off + t * k * 4, k, torch.float32)
@@ -270,7 +272,7 @@ class FakeMemory:
                             ke: int) -> None:
         k, e_loc, info, ids_all, R = self._tables(r_p, info_p, ids_p, t_max, ke)
         index = _at(index_p, int(info[:self.world * e_loc].sum()), torch.int32)
-        for s, t, here in self._pairs_here(info, ids_all, R, e_loc):
+        for s, t, here in self._pairs_here(info, ids_all, R, e_loc, 0, bool(ke >> 31 & 1)):
             for _, d in here:
                 index[d] = s * t_max + t
 

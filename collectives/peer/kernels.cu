@@ -851,15 +851,18 @@ INSTANTIATE_ROWS(__nv_bfloat16, bf16, false, scalar)
 //   skipped at once.
 //
 // `ke` packs the layout: k (bits 0-7), the local expert count (bits 8-23), a source filter
-// (bits 24-31: s + 1 where a kernel that takes one is to handle source s's tokens only; 0: all
-// sources) and `cap` (bits 32-63). cap = 0: recv_x is compact (the row of (s, t, e) is base[e][s] + R[s][t][e], base the
-// exclusive prefix sum of cnt in (local expert, source) order); cap > 0: recv_x is padded,
+// (bits 24-30: s + 1 where a kernel that takes one is to handle source s's tokens only; 0: all
+// sources), the order of a compact layout (bit 31, below) and `cap` (bits 32-63). cap = 0:
+// recv_x is compact (the row of (s, t, e) is base[e][s] + R[s][t][e], base the exclusive prefix
+// sum of cnt in (local expert, source) order; with bit 31, in (source, local expert) order
+// instead: each source's rows together, grouped by expert); cap > 0: recv_x is padded,
 // [e_loc][cap] rows, the row of (s, t, e) being e * cap + (the rows of e from sources before s)
 // + R[s][t][e], and nothing on the host needs the counts.
 
 __device__ __forceinline__ int geo_k(long ke) { return (int)(ke & 0xff); }
 __device__ __forceinline__ int geo_eloc(long ke) { return (int)((ke >> 8) & 0xffff); }
-__device__ __forceinline__ int geo_src(long ke) { return (int)((ke >> 24) & 0xff) - 1; }
+__device__ __forceinline__ int geo_src(long ke) { return (int)((ke >> 24) & 0x7f) - 1; }
+__device__ __forceinline__ bool geo_by_source(long ke) { return ((ke >> 31) & 1) && !(ke >> 32); }  // compact only
 __device__ __forceinline__ long geo_cap(long ke) { return ke >> 32; }
 
 #define IDS_HEADER 16
@@ -993,14 +996,16 @@ extern "C" __global__ void __launch_bounds__(512) rows_layout(const Ctx c, long 
   }
 }
 
-// base[e * W + s]: the first recv_x row of (local expert e, source s), in shared memory (`cap`:
-// see the layout above). Every thread loads some of the counts, then the block scans them (one
-// thread walking W * e_loc counts in global memory costs ~10 us of load latency per block,
-// most of a decode-sized gather).
-__device__ __forceinline__ void load_base(const int* info, int W, int e_loc, long cap, int* base) {
+// base[e * W + s] (`by_source`: base[s * e_loc + e]): the first recv_x row of (local expert e,
+// source s), in shared memory (`cap`, `by_source`: see the layout above). Every thread loads some
+// of the counts, then the block scans them (one thread walking W * e_loc counts in global memory
+// costs ~10 us of load latency per block, most of a decode-sized gather).
+__device__ __forceinline__ void load_base(const int* info, int W, int e_loc, long cap, int* base,
+                                          bool by_source = false) {
   __shared__ int warp_sums[32];
   const int n = W * e_loc, lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) base[i] = __ldcg(info + (i % W) * e_loc + i / W);
+  for (int i = threadIdx.x; i < n; i += blockDim.x)
+    base[i] = __ldcg(info + (by_source && !cap ? i : (i % W) * e_loc + i / W));
   __syncthreads();
   if (cap) {  // padded: expert e's rows start at e * cap, its sources' in rank order
     for (int e = threadIdx.x; e < e_loc; e += blockDim.x) {
@@ -1061,12 +1066,14 @@ __device__ __forceinline__ void slice_range(long units, int S, int p, long* lo, 
 // The recv_x rows of (s, t) on this rank: lane j < k holds its pair's row, or -1; returns the
 // ballot of lanes that hold one.
 __device__ __forceinline__ unsigned my_rows(const Ctx& c, const int* ids_all, const int* R, const int* base, int s,
-                                            long t, long t_max, int k, int e_loc, int* row_of_lane) {
+                                            long t, long t_max, int k, int e_loc, int* row_of_lane,
+                                            bool by_source = false) {
   const int lane = threadIdx.x % WARP;
   int d = -1;
   if (lane < k) {
     const int e = ids_all[((long)s * t_max + t) * k + lane] - c.rank * e_loc;
-    if (e >= 0 && e < e_loc) d = base[e * c.world + s] + R[((long)s * t_max + t) * e_loc + e];
+    if (e >= 0 && e < e_loc)
+      d = base[by_source ? s * e_loc + e : e * c.world + s] + R[((long)s * t_max + t) * e_loc + e];
   }
   *row_of_lane = d;
   return __ballot_sync(0xffffffffu, d >= 0);
@@ -1079,7 +1086,7 @@ __device__ void rows_gather_dense(const Ctx& c, long x_off, const int* R, const 
   const int k = geo_k(ke), e_loc = geo_eloc(ke), W = c.world;
   __shared__ int base[MAX_BASE];
   __shared__ int dst[16][WARP];  // each warp's destination rows (512 threads: 16 warps)
-  load_base(info, W, e_loc, geo_cap(ke), base);
+  load_base(info, W, e_loc, geo_cap(ke), base, geo_by_source(ke));
   const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
   const long units = VEC ? row / Pack<T>::N : row, items = W * t_max;
   const int S = row_slices(items, units);
@@ -1089,7 +1096,7 @@ __device__ void rows_gather_dense(const Ctx& c, long x_off, const int* R, const 
     const long t = g % t_max;
     if (t >= info[W * e_loc + s]) continue;
     int d;
-    const unsigned mask = my_rows(c, ids_all, R, base, s, t, t_max, k, e_loc, &d);
+    const unsigned mask = my_rows(c, ids_all, R, base, s, t, t_max, k, e_loc, &d, geo_by_source(ke));
     if (!mask) continue;
     long lo, hi;
     slice_range(units, S, (int)(it % S), &lo, &hi);
@@ -1132,7 +1139,7 @@ __device__ void rows_partial_dense(const Ctx& c, long p_off, long w_off, const i
   __shared__ int base[MAX_BASE];
   __shared__ int dst[16][WARP];
   __shared__ float wt[16][WARP];
-  load_base(info, W, e_loc, geo_cap(ke), base);
+  load_base(info, W, e_loc, geo_cap(ke), base, geo_by_source(ke));
   const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
   const int only = geo_src(ke);  // >= 0: source `only`'s tokens alone
   const long first = only >= 0 ? only * t_max : 0;
@@ -1144,7 +1151,7 @@ __device__ void rows_partial_dense(const Ctx& c, long p_off, long w_off, const i
     const long t = g % t_max;
     if (t >= info[W * e_loc + s]) continue;
     int d;
-    const unsigned mask = my_rows(c, ids_all, R, base, s, t, t_max, k, e_loc, &d);
+    const unsigned mask = my_rows(c, ids_all, R, base, s, t, t_max, k, e_loc, &d, geo_by_source(ke));
     if (!mask) continue;
     long lo, hi;
     slice_range(units, S, (int)(it % S), &lo, &hi);
@@ -1230,7 +1237,7 @@ __device__ void rows_grad_dense(const Ctx& c, long x_off, long w_off, long d_off
   __shared__ int base[MAX_BASE];
   __shared__ int dst[16][WARP];
   __shared__ float wt[16][WARP];
-  load_base(info, W, e_loc, geo_cap(ke), base);
+  load_base(info, W, e_loc, geo_cap(ke), base, geo_by_source(ke));
   const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
   float* D = reinterpret_cast<float*>(c.slots.p[c.rank] + d_off);
   for (long g = warp_id(); g < W * t_max; g += n_warps()) {
@@ -1238,7 +1245,7 @@ __device__ void rows_grad_dense(const Ctx& c, long x_off, long w_off, long d_off
     const long t = g % t_max;
     if (t >= info[W * e_loc + s]) continue;
     int d;
-    const unsigned mask = my_rows(c, ids_all, R, base, s, t, t_max, k, e_loc, &d);
+    const unsigned mask = my_rows(c, ids_all, R, base, s, t, t_max, k, e_loc, &d, geo_by_source(ke));
     if (!mask) continue;
     dst[wid][lane] = d;
     wt[wid][lane] = d >= 0 ? __ldcg(reinterpret_cast<const float*>(c.slots.p[s] + w_off) + t * k + lane) : 0.f;
@@ -1302,14 +1309,14 @@ extern "C" __global__ void __launch_bounds__(512) rows_index_dense(const Ctx c, 
   if (*(volatile int*)c.err_dev) return;
   const int k = geo_k(ke), e_loc = geo_eloc(ke), W = c.world;
   __shared__ int base[MAX_BASE];
-  load_base(info, W, e_loc, geo_cap(ke), base);
+  load_base(info, W, e_loc, geo_cap(ke), base, geo_by_source(ke));
   const int lane = threadIdx.x % WARP;
   for (long g = warp_id(); g < W * t_max; g += n_warps()) {
     const int s = (int)(g / t_max);
     const long t = g % t_max;
     if (t >= info[W * e_loc + s]) continue;
     int d;
-    my_rows(c, ids_all, R, base, s, t, t_max, k, e_loc, &d);
+    my_rows(c, ids_all, R, base, s, t, t_max, k, e_loc, &d, geo_by_source(ke));
     if (d >= 0) index[d] = (int)g;
   }
 }
