@@ -777,9 +777,10 @@ class PeerRows:
         rows (``rows_partial_dense`` for that source alone) go back by copy engine, and the next
         source computes while they travel; this rank's own down products and partial rows come
         last, beside the last return. On one H200 (a scratch probe, 2026-12-01, not kept) the
-        experts' part of this (gathered gate/up and a Triton down product per source, two sources)
-        took 1.01-1.08x the time of a gather and ``GroupedSwiGLU.forward`` at four prefill shapes,
-        1.21x at top-1 h4096 f1024, where Triton's down product is the slower one.
+        experts' part of this for two sources (gathered gate/up and torch's down product, per
+        source) took 1.01-1.06x the time of a gather and ``GroupedSwiGLU.forward`` at four prefill
+        shapes and 1.20x at top-1 h4096 f1024 (827 against 688 us): halving each expert's rows
+        costs the gate/up kernel waves.
 
             copy stream 0:  X, WT -> peers
             caller's:       post | fence | layout, index | gate/up (own) | wait X (s) | gate/up (s), down (s),
