@@ -262,7 +262,9 @@ class MoELayer(nn.Module):
         top_k: experts per token.
         group: the expert-parallel group (default: world).
         capacity_factor: ``None`` (dropless) or each expert's capacity factor.
-        chunks: the pipeline's chunks (``MoEDispatcher.forward_pipelined``).
+        chunks: the pipeline's chunks (``MoEDispatcher.forward_pipelined``): "auto", a count, or
+            "sources" (inference over transport "peer" with pipeline_transfers="copy_engine": the
+            pipeline by source rank).
         exchange_pieces, transport, routing, pipeline_transfers: how the rows travel and where
             their routing is worked out (``MoEDispatcher``).
         max_tokens: the most tokens one forward takes on any rank (transport "peer" only, which
