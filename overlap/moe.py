@@ -44,6 +44,12 @@ change that: with torch's SM carveout at 24 for the experts and the row kernels 
 blocks beside them, the peer pipeline ran at 0.73-0.89x the sequential forward's speed against
 0.79-0.96x without, at 2 chunks (Qwen3-30B-like, top-2 and top-1 prefill; a scratch probe on
 2xH200, 2026-12-01, not kept): the experts lost more to the SMs kept than the exchanges gained.
+
+``forward_pipelined(..., chunks="sources")`` pipelines by source rank instead
+(``PeerRows.pipelined_sources``): this rank's own tokens need no transfer, so their experts run
+while copy engines (which take no SMs) carry every rank's tokens to its peers; the experts'
+Triton gate/up kernel reads each pair's token where it landed, so nothing is gathered into
+``recv_x``; each peer's results return by copy engine while the next source computes.
 """
 
 from __future__ import annotations
