@@ -1054,7 +1054,8 @@ class MoEDispatcher:
         elif not isinstance(experts, GroupedSwiGLU) or experts.w1.shape[0] != self.local_experts:
             missing = f"experts a GroupedSwiGLU of this rank's {self.local_experts} experts, not {type(experts).__name__}"
         else:
-            why = _grouped_gemm.supported(x, experts.w1, experts.w3, experts.w2)
+            # the kernels read the tokens from the peer buffer (aligned), not from x: x's dtype and width
+            why = _grouped_gemm.supported(x.new_empty((1, x.shape[1])), experts.w1, experts.w3, experts.w2)
             if why:
                 missing = f"rows the experts' Triton kernels take: {why}"
         if missing:
