@@ -6,7 +6,9 @@
 # Steps (default: all, in this order): peer_check overlap_check faults overlap_tune
 # overlap_tune_graph overlap overlap_graph tp_mlp moe peer_bench peer_big tune_peer (host cost per
 # call, with a profile); and, only when named: sanitize (the peer-memory checks and
-# tests/gpu_sanitize_cases.py under compute-sanitizer's memcheck and racecheck), topology (python -m topology), a2a_bench (NCCL's
+# tests/gpu_sanitize_cases.py under compute-sanitizer's memcheck and racecheck), moe_pipeline (the MoE
+# pipelines, by token chunks and by source rank, where the exchange is closest to the experts),
+# topology (python -m topology), a2a_bench (NCCL's
 # and our all-to-all algorithms, 8 B - 1 GB, eager and graphs), peer_epilogue (GEMMs writing
 # into a peer's memory against GEMMs beside a copy engine) and model (a calibration of this
 # machine, then the cost model's predictions against peer_bench's and a2a_bench's measurements,
@@ -65,7 +67,13 @@ for step in $STEPS; do
         --json "$OUT/overlap_graph.json" --plot "$OUT/overlap_graph.png" ;;
     tp_mlp) COMMOPS_PEER_BYTES=$BIG COMMOPS_OVERLAP_TUNED=$TUNED run tp_mlp 240 $R launch/bench_tp_mlp.py \
         --variants sequential,chunked/2,copy_engine/2,copy_engine/4,auto --json "$OUT/tp_mlp.json" --plot "$OUT/tp_mlp.png" ;;
-    moe) run moe 150 $R launch/bench_moe.py -n 10 -r 5 --json "$OUT/moe.json" --plot "$OUT/moe.png" ;;
+    moe) run moe 300 $R launch/bench_moe.py --pieces 1 --chunks 2,sources -n 10 -r 5 --json "$OUT/moe.json" \
+      --csv "$OUT/moe.csv" --plot "$OUT/moe.png" ;;
+    moe_pipeline)  # the pipelines on the peer transport, where the exchange is closest to the experts
+      run moe_pipeline 300 $R launch/bench_moe.py --transport peer --chunks 2,sources --pipeline-transfers auto \
+        -n 10 -r 5 --config qwen3-30b-prefill:8192:2048:768:$((16 * N)):8 \
+        --config top2-h4096-f512:16384:4096:512:$((16 * N)):2 --config top1-h4096-f1024:16384:4096:1024:$((8 * N)):1 \
+        --json "$OUT/moe_pipeline.json" --csv "$OUT/moe_pipeline.csv" --plot "$OUT/moe_pipeline.png" ;;
     peer_bench) run peer_bench 300 $R launch/bench_collectives.py --op all_reduce,reduce_scatter,all_gather -d bf16 \
         -b 8 -e 1G -f 4 -a native,one_shot,two_shot,copy_engine,auto,symm_mem_two_shot -G both -n 20 -r 5 -w 5 \
         --json "$OUT/peer.json" --plot-vs-native "$OUT/peer.png" ;;
