@@ -106,3 +106,29 @@ def test_copy_engine_chunks_cover_the_message_once_within_the_chunk_size(m: int,
         assert chunk in sizes
     else:
         assert pieces == [(lo, min(chunk, m - lo)) for lo in range(0, m, chunk)]
+
+
+def test_a_wait_for_one_source_holds_only_for_that_peers_flag() -> None:
+    """``ce_wait(source=q)`` (kernel and stream forms) waits for rank q's flag alone; a source
+    that is not a peer is refused before anything is queued."""
+    from collectives.errors import UnsupportedError
+    from collectives.peer.memory import CE_PUSHED
+    from tests._fake_ce import _at
+
+    for kernel in (True, False):
+        machine = Machine(3, 2048, 64)
+        me = machine.ranks[0]
+        me._sections = 0 if kernel else 1  # a stream wait is allowed inside a section only
+        with machine.patched():
+            stream = me.main.cuda_stream
+            for bad in (0, 3, -1):
+                with pytest.raises(UnsupportedError, match="source"):
+                    me.ce_wait(stream, 0, CE_PUSHED, 1, kernel=kernel, source=bad)
+            assert not me.main.ops
+            me.ce_wait(stream, 0, CE_PUSHED, 1, kernel=kernel, source=2)
+        assert len(me.main.ops) == 1
+        ready = me.main.ops[0][0]
+        assert not ready()
+        for src, holds in ((1, False), (2, True)):  # another peer's flag leaves it waiting
+            _at(me._flag_pointers[0] + FakeRank.flag_offset(0, CE_PUSHED, src), 1, torch.int32).fill_(1)
+            assert ready() is holds, (kernel, src)
