@@ -1,0 +1,90 @@
+"""The MoE pipeline by source rank (``forward_pipelined(chunks="sources")``) on GPUs, against a
+float64 MoE: ``torchrun --nproc-per-node N tests/gpu_moe_sources_check.py`` (run by
+``tests/test_gpu_moe_sources.py``).
+
+Ranks may share GPUs (``local_rank % device_count``), so that one GPU checks 2-4 ranks: the
+peer transport maps a GPU's own memory from another process as it maps a peer's, and nothing
+here uses NCCL (the group's NCCL communicator is never created; NCCL refuses two ranks on one
+GPU). Every kernel, copy and flag of the pipeline is real; shared GPUs time nothing meaningful.
+
+bf16 and fp16; top-1 and top-3; fresh random tokens, routing and weights in every call; a rank
+without tokens in one call; an expert that no token chooses; the sequential forward of the same
+dispatcher checked beside it. Prints one line per failure and a summary; exits non-zero on any.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import collectives as C  # noqa: E402
+from overlap.moe import GroupedSwiGLU, MoEDispatcher, reference_moe  # noqa: E402
+
+TOL = 3e-2  # of the largest output element: one rounding of the activation and of the output in bf16
+
+
+def _swiglu64(m: GroupedSwiGLU, e: int, rows: torch.Tensor) -> torch.Tensor:
+    a = rows.double()
+    h = F.silu(a @ m.w1[e].double()) * (a @ m.w3[e].double())
+    return h.to(m.w1.dtype).double() @ m.w2[e].double()  # the activation rounded once, as the kernels do
+
+
+def main() -> int:
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local % torch.cuda.device_count())
+    dist.init_process_group("cpu:gloo,cuda:nccl")
+    comm = C.get_communicator(None)
+    w, r = comm.size, comm.rank
+    dev = torch.device("cuda", torch.cuda.current_device())
+    fails: list[str] = []
+    checks = 0
+    H, FF, E = 256, 192, 4 * w
+    for dtype in (torch.bfloat16, torch.float16):
+        for k in (1, 3):
+            disp = MoEDispatcher(E, H, dtype=dtype, device=dev, transport="peer", max_tokens=720, top_k=k,
+                                 pipeline_transfers="copy_engine")
+            torch.manual_seed(77)  # the same experts on every rank
+            whole = GroupedSwiGLU(E, H, FF, dtype=dtype, device=dev)
+            mine = GroupedSwiGLU(E // w, H, FF, dtype=dtype, device=dev)
+            with torch.no_grad():
+                for name in ("w1", "w2", "w3"):
+                    getattr(mine, name).copy_(getattr(whole, name)[r * (E // w):(r + 1) * (E // w)])
+            g = torch.Generator(device=dev)
+            for call in range(3):
+                g.manual_seed(1100 + 10 * call + r)
+                T = 0 if (call == 1 and r == 0) else 600 + call + 7 * r
+                x = torch.randn(T, H, generator=g, device=dev).to(dtype)
+                scores = torch.rand(T, E, generator=g, device=dev)
+                scores[:, E - 1] = -1.0  # the last expert gets nothing
+                idx = scores.topk(k, dim=-1).indices
+                wt = torch.rand(T, k, generator=g, device=dev).to(dtype)
+                with torch.no_grad():
+                    got = disp.forward_pipelined(x, idx, wt, mine, chunks="sources")
+                    seq = disp.forward(x, idx, wt, mine)
+                want = reference_moe(x.double(), idx, wt.double(), lambda e, rows: _swiglu64(whole, e, rows))
+                scale = want.abs().max().item() if T else 1.0
+                for what, out in (("pipeline by source", got), ("sequential", seq)):
+                    checks += 1
+                    err = (out.double() - want).abs().max().item() if T else 0.0
+                    if out.shape != x.shape or not err <= TOL * max(scale, 1e-6):
+                        fails.append(f"rank {r} {what} {dtype} k={k} call {call}: max error {err:.3g} (scale {scale:.3g})")
+                checks += 1
+                if disp.last_chunks != (w, "by source rank (chunks='sources')"):
+                    fails.append(f"rank {r} pipeline by source ran {disp.last_chunks}")
+            disp.close()
+    for f in fails:
+        print(f, flush=True)
+    print(f"rank {r}: {checks} checks, {len(fails)} failed", flush=True)
+    C.destroy()
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
