@@ -281,6 +281,17 @@ class _Streams:
         s.wait_stream(self.main)
         return s.cuda_stream
 
+    def to_host_beside(self, t: torch.Tensor, pinned: torch.Tensor) -> Any:
+        """Copy ``t`` (its work so far on the caller's stream) to ``pinned`` from the side stream,
+        so that what the caller's stream runs next does not delay it; returns a wait for it."""
+        self.side.wait_stream(self.main)
+        with torch.cuda.stream(self.side):
+            pinned.copy_(t, non_blocking=True)
+            t.record_stream(self.side)
+        ev = torch.cuda.Event()
+        ev.record(self.side)
+        return ev.synchronize
+
     def join(self, *used: torch.Tensor) -> None:
         self.main.wait_stream(self.side)
         for s in self.copies:
@@ -339,6 +350,7 @@ class PeerRows:
         self.pipeline_transfers = pipeline_transfers
         self.last_pipeline: tuple[str, str] | None = None
         self._side: torch.cuda.Stream | None = None  # the pipelined section's stream
+        self._pinned: torch.Tensor | None = None  # the pipeline by source's counts, on the host
 
     def _next_half(self) -> int:
         off = (self.calls % 2) * self.half
@@ -823,7 +835,34 @@ class PeerRows:
             pm.ce_signal(ps, q, 0, CE_PUSHED, 1)
         self._fence()  # the ids are posted
         ids_all, ranks = self._layout(_Region(0, 0, 0, t_cap), info[0])
-        counts = info.cpu().numpy()  # the one wait
+        # The rows laid out by source (each source's rows together, grouped by local expert), so
+        # that torch's grouped GEMM can take a source's down product. The segments are worked out
+        # on the device, and this rank's own gate/up product is issued before the host waits for
+        # the counts: the GPU goes from the layout to the experts without waiting for the host.
+        cnt_dev = info[0][:W * e_loc].view(W, e_loc)
+        flat = cnt_dev.reshape(-1).long()
+        seg = torch.stack([(flat.cumsum(0) - flat).view(W, e_loc), cnt_dev.long(),
+                           cnt_dev.long().cumsum(1)]).int()  # [starts, counts, ends within the source]
+        most = W * t_cap * min(k, e_loc)  # rows at most: the counts are not on the host yet
+        index = torch.zeros(most, dtype=torch.int32, device=x.device)  # rows of no pair read row 0
+        self.pm._kernel("rows_index_dense", None, False, 6)(self._grid(W * t_cap), main, ranks.data_ptr(),
+                                                             info[0].data_ptr(), ids_all.data_ptr(), index.data_ptr(),
+                                                             t_cap, self._geo(by_source=True))
+        table = pm.slot_view(X, (W * t_cap, x.shape[1]), x.dtype)
+        act = x.new_empty((most, experts.w1.shape[2]))
+        out = x.new_empty((n, x.shape[1]))
+
+        def gate_up(s: int) -> None:
+            _grouped_gemm.grouped_swiglu_segments(table, experts.w1, experts.w3, seg[0, s], seg[1, s], act,
+                                                  index=index)
+
+        if self._pinned is None or self._pinned.shape != info.shape:
+            self._pinned = torch.empty(info.shape, dtype=info.dtype, pin_memory=x.is_cuda)
+        arrived = st.to_host_beside(info, self._pinned)
+        if n:
+            gate_up(r)
+        arrived()  # the one wait: for the counts, not for the gate/up product issued after them
+        counts = self._pinned.numpy().copy()
         if counts[0][_errors_at(W, e_loc):][:2].any():  # the same on every rank
             st.join()
             pm.barrier(clear=True)
@@ -832,28 +871,10 @@ class PeerRows:
         self.check()
         lay = DeviceLayout(ids_all, ranks, info[0], counts[0], n)
         cnt = counts[0][:W * e_loc].reshape(W, e_loc).astype(np.int64)  # [source, local expert]
-        # the rows laid out by source (each source's rows together, grouped by local expert), so
-        # that torch's grouped GEMM can take a source's down product
         first = np.concatenate([[0], np.cumsum(cnt.sum(1))])  # each source's first row
-        starts = first[:-1, None] + np.cumsum(cnt, axis=1) - cnt
-        seg = torch.from_numpy(np.stack([starts, cnt, np.cumsum(cnt, axis=1)]).astype(np.int32)).to(x.device)
-        total = int(first[-1])
-        index = torch.empty(total, dtype=torch.int32, device=x.device)
-        if total:
-            self.pm._kernel("rows_index_dense", None, False, 6)(self._grid(W * t_cap), main, ranks.data_ptr(),
-                                                                 info[0].data_ptr(), ids_all.data_ptr(),
-                                                                 index.data_ptr(), t_cap, self._geo(by_source=True))
-        table = pm.slot_view(X, (W * t_cap, x.shape[1]), x.dtype)
-        act = x.new_empty((total, experts.w1.shape[2]))
-        out = x.new_empty((n, x.shape[1]))
         from .moe import _grouped_mm_works
 
         torch_down = _grouped_mm_works(x.device, x.dtype)
-
-        def gate_up(s: int) -> None:
-            if cnt[s].any():
-                _grouped_gemm.grouped_swiglu_segments(table, experts.w1, experts.w3, seg[0, s], seg[1, s], act,
-                                                      index=index)
 
         def down(s: int) -> None:
             lo, hi = int(first[s]), int(first[s + 1])
@@ -865,10 +886,10 @@ class PeerRows:
                 y = _grouped_gemm.grouped_mm(act[lo:hi], experts.w2, seg[2, s])
             self._partial(OUT - r * wb, WT, t_cap, lay, y, partial_at, only=s, by_source=True, first_row=lo)
 
-        gate_up(r)
         for s in reversed(peers):  # rank r - 1 pushes to this rank first, r - 2 second, ...
             pm.ce_wait(main, 0, CE_PUSHED, 1, kernel=True, source=s)
-            gate_up(s)
+            if cnt[s].any():
+                gate_up(s)
             down(s)
             ls = st.copy_stream(1)
             t_s = int(counts[0][W * e_loc + s])

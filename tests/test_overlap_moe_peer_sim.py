@@ -214,6 +214,10 @@ class _SameStream:
     def join(self, *used: Any) -> None:
         pass
 
+    def to_host_beside(self, t: Any, pinned: Any) -> Any:
+        pinned.copy_(t)
+        return lambda: None
+
 
 @pytest.mark.parametrize("transfers", ["copy_engine", "sm"])
 @pytest.mark.parametrize("world,e_loc,k,tokens,chunks", [
