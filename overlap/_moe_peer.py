@@ -797,6 +797,7 @@ class PeerRows:
             copy stream 0:  X, WT -> peers
             caller's:       post | fence | layout, index | gate/up (own) | wait X (s) | gate/up (s), down (s),
                             partial (s) | ... | down (own), partial (own) | wait P | sum
+            side stream:                          counts -> host (the host's one wait)
             copy stream 1:                                                         P (s) -> s | ...
 
         Each rank pushes to r + 1 first, then r + 2, ...; so rank r computes rank r - 1's pairs
