@@ -351,6 +351,9 @@ class PeerRows:
         self.last_pipeline: tuple[str, str] | None = None
         self._side: torch.cuda.Stream | None = None  # the pipelined section's stream
         self._pinned: torch.Tensor | None = None  # the pipeline by source's counts, on the host
+        # a list: pipelined_sources appends (step, CUDA event on the caller's stream) after each of
+        # its steps, for a timeline of one call (events cost the stream nothing measurable)
+        self.trace: list[tuple[str, Any]] | None = None
 
     def _next_half(self) -> int:
         off = (self.calls % 2) * self.half
@@ -771,6 +774,12 @@ class PeerRows:
         self.calls += 2
         return out
 
+    def _mark(self, step: str) -> None:
+        if self.trace is not None:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.trace.append((step, ev))
+
     def pipelined_sources(self, x: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor,
                           experts: Any) -> torch.Tensor:
         """dispatch -> experts -> combine pipelined by source rank, ``experts`` a ``GroupedSwiGLU``
@@ -823,6 +832,7 @@ class PeerRows:
         st = _Streams(self, x.device)
         main = _launch.current_stream(pm._index)
         n = x.shape[0]
+        self._mark("start")
         self._fence()  # every peer is done with what it read before this section
         info = self._new_info(1, x.device)
         mine = _Region(WT + r * wb, 0, X + r * rb, t_cap)
@@ -834,6 +844,7 @@ class PeerRows:
                 pm.ce_push(ps, q, X + r * rb, own + X + r * rb, n * row)
                 pm.ce_push(ps, q, WT + r * wb, own + WT + r * wb, n * k * 4)
             pm.ce_signal(ps, q, 0, CE_PUSHED, 1)
+        self._mark("post")
         self._fence()  # the ids are posted
         ids_all, ranks = self._layout(_Region(0, 0, 0, t_cap), info[0])
         # The rows laid out by source (each source's rows together, grouped by local expert), so
@@ -860,8 +871,10 @@ class PeerRows:
         if self._pinned is None or self._pinned.shape != info.shape:
             self._pinned = torch.empty(info.shape, dtype=info.dtype, pin_memory=x.is_cuda)
         arrived = st.to_host_beside(info, self._pinned)
+        self._mark("layout")
         if n:
             gate_up(r)
+        self._mark(f"gate/up {r}")
         arrived()  # the one wait: for the counts, not for the gate/up product issued after them
         counts = self._pinned.numpy().copy()
         if counts[0][_errors_at(W, e_loc):][:2].any():  # the same on every rank
@@ -885,12 +898,16 @@ class PeerRows:
                 y = torch._grouped_mm(act[lo:hi], experts.w2, offs=seg[2, s])
             else:  # few rows per expert (a decode step), or no grouped GEMM of torch's here
                 y = _grouped_gemm.grouped_mm(act[lo:hi], experts.w2, seg[2, s])
+            self._mark(f"down {s}")
             self._partial(OUT - r * wb, WT, t_cap, lay, y, partial_at, only=s, by_source=True, first_row=lo)
+            self._mark(f"partial {s}")
 
         for s in reversed(peers):  # rank r - 1 pushes to this rank first, r - 2 second, ...
             pm.ce_wait(main, 0, CE_PUSHED, 1, kernel=True, source=s)
+            self._mark(f"tokens of {s}")
             if cnt[s].any():
                 gate_up(s)
+            self._mark(f"gate/up {s}")
             down(s)
             ls = st.copy_stream(1)
             t_s = int(counts[0][W * e_loc + s])
@@ -900,7 +917,9 @@ class PeerRows:
         down(r)
         if peers:
             pm.ce_wait(main, 0, CE_REDUCED, 1, kernel=True)
+        self._mark("partial rows back")
         self._sum(IN, t_cap, lay, out, sum_at)
+        self._mark("sum")
         st.join(out, act, index, seg)  # every copy and signal of this rank issued before the closing barrier
         pm.barrier(clear=True)  # every rank has what it waited for; this rank's flags back to zero
         self.calls += 2
