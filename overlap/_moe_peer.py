@@ -847,33 +847,31 @@ class PeerRows:
         self._mark("post")
         self._fence()  # the ids are posted
         ids_all, ranks = self._layout(_Region(0, 0, 0, t_cap), info[0])
-        # The rows laid out by source (each source's rows together, grouped by local expert), so
-        # that torch's grouped GEMM can take a source's down product. The segments are worked out
-        # on the device, and this rank's own gate/up product is issued before the host waits for
-        # the counts: the GPU goes from the layout to the experts without waiting for the host.
-        cnt_dev = info[0][:W * e_loc].view(W, e_loc)
-        flat = cnt_dev.reshape(-1).long()
-        seg = torch.stack([(flat.cumsum(0) - flat).view(W, e_loc), cnt_dev.long(),
-                           cnt_dev.long().cumsum(1)]).int()  # [starts, counts, ends within the source]
-        most = W * t_cap * min(k, e_loc)  # rows at most: the counts are not on the host yet
+        # The rows laid out by source (each source's rows together, grouped by local expert), this
+        # rank's own first (``_geo(by_source=True)``), so that torch's grouped GEMM can take a
+        # source's down product. The segments are worked out on the device, and this rank's own
+        # gate/up product is issued before the host waits for the counts: the GPU goes from the
+        # layout to the experts without waiting for the host. Its rows are at most n * min(k, E/W).
+        ring = [(r + i) % W for i in range(W)]  # the layout's order of sources
+        cnt_dev = info[0][:W * e_loc].view(W, e_loc).long()
+        flat = cnt_dev.roll(-r, 0).reshape(-1)  # in the layout's order (device operations only: no
+        starts = (flat.cumsum(0) - flat).view(W, e_loc).roll(r, 0)  # copy from the host to wait for)
+        seg = torch.stack([starts, cnt_dev, cnt_dev.cumsum(1)]).int()  # [starts, counts, ends within the source]
+        most = W * t_cap * min(k, e_loc)  # pairs at most: the counts are not on the host yet
         index = torch.zeros(most, dtype=torch.int32, device=x.device)  # rows of no pair read row 0
         self.pm._kernel("rows_index_dense", None, False, 6)(self._grid(W * t_cap), main, ranks.data_ptr(),
                                                              info[0].data_ptr(), ids_all.data_ptr(), index.data_ptr(),
                                                              t_cap, self._geo(by_source=True))
         table = pm.slot_view(X, (W * t_cap, x.shape[1]), x.dtype)
-        act = x.new_empty((most, experts.w1.shape[2]))
+        own_act = x.new_empty((n * min(k, e_loc), experts.w1.shape[2]))
         out = x.new_empty((n, x.shape[1]))
-
-        def gate_up(s: int) -> None:
-            _grouped_gemm.grouped_swiglu_segments(table, experts.w1, experts.w3, seg[0, s], seg[1, s], act,
-                                                  index=index)
-
         if self._pinned is None or self._pinned.shape != info.shape:
             self._pinned = torch.empty(info.shape, dtype=info.dtype, pin_memory=x.is_cuda)
         arrived = st.to_host_beside(info, self._pinned)
         self._mark("layout")
         if n:
-            gate_up(r)
+            _grouped_gemm.grouped_swiglu_segments(table, experts.w1, experts.w3, seg[0, r], seg[1, r],
+                                                  own_act, index=index[:own_act.shape[0]])
         self._mark(f"gate/up {r}")
         arrived()  # the one wait: for the counts, not for the gate/up product issued after them
         counts = self._pinned.numpy().copy()
@@ -885,19 +883,26 @@ class PeerRows:
         self.check()
         lay = DeviceLayout(ids_all, ranks, info[0], counts[0], n)
         cnt = counts[0][:W * e_loc].reshape(W, e_loc).astype(np.int64)  # [source, local expert]
-        first = np.concatenate([[0], np.cumsum(cnt.sum(1))])  # each source's first row
+        first = np.zeros(W + 1, dtype=np.int64)  # first[s]: source s's first row; first[W]: the rows
+        for i, s_ in enumerate(ring[1:], 1):
+            first[s_] = first[ring[i - 1]] + cnt[ring[i - 1]].sum()
+        first[W] = cnt.sum()
+        mine = int(cnt[r].sum())  # this rank's own rows (the first); the peers' follow, in act
+        act = x.new_empty((int(first[W]) - mine, experts.w1.shape[2]))
+        seg_rest = seg[0] - mine  # the peers' starts within act
         from .moe import _grouped_mm_works
 
         torch_down = _grouped_mm_works(x.device, x.dtype)
 
         def down(s: int) -> None:
-            lo, hi = int(first[s]), int(first[s + 1])
-            if hi == lo:
+            lo, rows = int(first[s]), int(cnt[s].sum())
+            if not rows:
                 return
-            if torch_down and not _grouped_gemm.few_rows(hi - lo, e_loc):
-                y = torch._grouped_mm(act[lo:hi], experts.w2, offs=seg[2, s])
+            a = own_act[:rows] if s == r else act[lo - mine:lo - mine + rows]
+            if torch_down and not _grouped_gemm.few_rows(rows, e_loc):
+                y = torch._grouped_mm(a, experts.w2, offs=seg[2, s])
             else:  # few rows per expert (a decode step), or no grouped GEMM of torch's here
-                y = _grouped_gemm.grouped_mm(act[lo:hi], experts.w2, seg[2, s])
+                y = _grouped_gemm.grouped_mm(a, experts.w2, seg[2, s])
             self._mark(f"down {s}")
             self._partial(OUT - r * wb, WT, t_cap, lay, y, partial_at, only=s, by_source=True, first_row=lo)
             self._mark(f"partial {s}")
@@ -906,7 +911,8 @@ class PeerRows:
             pm.ce_wait(main, 0, CE_PUSHED, 1, kernel=True, source=s)
             self._mark(f"tokens of {s}")
             if cnt[s].any():
-                gate_up(s)
+                _grouped_gemm.grouped_swiglu_segments(table, experts.w1, experts.w3, seg_rest[s], seg[1, s], act,
+                                                      index=index[mine:int(first[W])])
             self._mark(f"gate/up {s}")
             down(s)
             ls = st.copy_stream(1)
@@ -920,7 +926,7 @@ class PeerRows:
         self._mark("partial rows back")
         self._sum(IN, t_cap, lay, out, sum_at)
         self._mark("sum")
-        st.join(out, act, index, seg)  # every copy and signal of this rank issued before the closing barrier
+        st.join(out, own_act, act, index, seg, seg_rest)  # every copy and signal issued before the closing barrier
         pm.barrier(clear=True)  # every rank has what it waited for; this rank's flags back to zero
         self.calls += 2
         return out

@@ -212,11 +212,11 @@ class FakeMemory:
     def _pairs_here(self, info: torch.Tensor, ids_all: torch.Tensor, R: torch.Tensor, e_loc: int, cap: int = 0,
                     by_source: bool = False) -> Any:
         """(s, t, [(j, recv_x row)]) for every (source, token) with pairs on this rank (``cap``:
-        the padded layout; ``by_source``: the compact layout by source, then expert)."""
+        the padded layout; ``by_source``: the compact layout by source, this rank's first, then expert)."""
         W = self.world
         cnt = info[:W * e_loc].view(W, e_loc)
         base, run = {}, 0
-        order = [(e, s) for s in range(W) for e in range(e_loc)] if by_source and not cap else \
+        order = [(e, (self.rank + i) % W) for i in range(W) for e in range(e_loc)] if by_source and not cap else \
             [(e, s) for e in range(e_loc) for s in range(W)]
         for e, s in order:
             if cap and s == 0:

@@ -855,7 +855,8 @@ INSTANTIATE_ROWS(__nv_bfloat16, bf16, false, scalar)
 // sources), the order of a compact layout (bit 31, below) and `cap` (bits 32-63). cap = 0:
 // recv_x is compact (the row of (s, t, e) is base[e][s] + R[s][t][e], base the exclusive prefix
 // sum of cnt in (local expert, source) order; with bit 31, in (source, local expert) order
-// instead: each source's rows together, grouped by expert); cap > 0: recv_x is padded,
+// instead, this rank's own source first, then rank + 1, ...: each source's rows together,
+// grouped by expert); cap > 0: recv_x is padded,
 // [e_loc][cap] rows, the row of (s, t, e) being e * cap + (the rows of e from sources before s)
 // + R[s][t][e], and nothing on the host needs the counts.
 
@@ -996,16 +997,17 @@ extern "C" __global__ void __launch_bounds__(512) rows_layout(const Ctx c, long 
   }
 }
 
-// base[e * W + s] (`by_source`: base[s * e_loc + e]): the first recv_x row of (local expert e,
-// source s), in shared memory (`cap`, `by_source`: see the layout above). Every thread loads some
+// base[e * W + s] (`by_source`: base[((s - rank) mod W) * e_loc + e]): the first recv_x row of
+// (local expert e, source s), in shared memory (`cap`, `by_source`: see the layout above). Every thread loads some
 // of the counts, then the block scans them (one thread walking W * e_loc counts in global memory
 // costs ~10 us of load latency per block, most of a decode-sized gather).
 __device__ __forceinline__ void load_base(const int* info, int W, int e_loc, long cap, int* base,
-                                          bool by_source = false) {
+                                          bool by_source = false, int rank = 0) {
   __shared__ int warp_sums[32];
   const int n = W * e_loc, lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
   for (int i = threadIdx.x; i < n; i += blockDim.x)
-    base[i] = __ldcg(info + (by_source && !cap ? i : (i % W) * e_loc + i / W));
+    base[i] = __ldcg(info + (by_source && !cap ? ((rank + i / e_loc) % W) * e_loc + i % e_loc
+                                               : (i % W) * e_loc + i / W));
   __syncthreads();
   if (cap) {  // padded: expert e's rows start at e * cap, its sources' in rank order
     for (int e = threadIdx.x; e < e_loc; e += blockDim.x) {
@@ -1073,7 +1075,8 @@ __device__ __forceinline__ unsigned my_rows(const Ctx& c, const int* ids_all, co
   if (lane < k) {
     const int e = ids_all[((long)s * t_max + t) * k + lane] - c.rank * e_loc;
     if (e >= 0 && e < e_loc)
-      d = base[by_source ? s * e_loc + e : e * c.world + s] + R[((long)s * t_max + t) * e_loc + e];
+      d = base[by_source ? ((s - c.rank + c.world) % c.world) * e_loc + e : e * c.world + s] +
+          R[((long)s * t_max + t) * e_loc + e];
   }
   *row_of_lane = d;
   return __ballot_sync(0xffffffffu, d >= 0);
@@ -1086,7 +1089,7 @@ __device__ void rows_gather_dense(const Ctx& c, long x_off, const int* R, const 
   const int k = geo_k(ke), e_loc = geo_eloc(ke), W = c.world;
   __shared__ int base[MAX_BASE];
   __shared__ int dst[16][WARP];  // each warp's destination rows (512 threads: 16 warps)
-  load_base(info, W, e_loc, geo_cap(ke), base, geo_by_source(ke));
+  load_base(info, W, e_loc, geo_cap(ke), base, geo_by_source(ke), c.rank);
   const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
   const long units = VEC ? row / Pack<T>::N : row, items = W * t_max;
   const int S = row_slices(items, units);
@@ -1139,7 +1142,7 @@ __device__ void rows_partial_dense(const Ctx& c, long p_off, long w_off, const i
   __shared__ int base[MAX_BASE];
   __shared__ int dst[16][WARP];
   __shared__ float wt[16][WARP];
-  load_base(info, W, e_loc, geo_cap(ke), base, geo_by_source(ke));
+  load_base(info, W, e_loc, geo_cap(ke), base, geo_by_source(ke), c.rank);
   const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
   const int only = geo_src(ke);  // >= 0: source `only`'s tokens alone
   const long first = only >= 0 ? only * t_max : 0;
@@ -1237,7 +1240,7 @@ __device__ void rows_grad_dense(const Ctx& c, long x_off, long w_off, long d_off
   __shared__ int base[MAX_BASE];
   __shared__ int dst[16][WARP];
   __shared__ float wt[16][WARP];
-  load_base(info, W, e_loc, geo_cap(ke), base, geo_by_source(ke));
+  load_base(info, W, e_loc, geo_cap(ke), base, geo_by_source(ke), c.rank);
   const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
   float* D = reinterpret_cast<float*>(c.slots.p[c.rank] + d_off);
   for (long g = warp_id(); g < W * t_max; g += n_warps()) {
@@ -1309,7 +1312,7 @@ extern "C" __global__ void __launch_bounds__(512) rows_index_dense(const Ctx c, 
   if (*(volatile int*)c.err_dev) return;
   const int k = geo_k(ke), e_loc = geo_eloc(ke), W = c.world;
   __shared__ int base[MAX_BASE];
-  load_base(info, W, e_loc, geo_cap(ke), base, geo_by_source(ke));
+  load_base(info, W, e_loc, geo_cap(ke), base, geo_by_source(ke), c.rank);
   const int lane = threadIdx.x % WARP;
   for (long g = warp_id(); g < W * t_max; g += n_warps()) {
     const int s = (int)(g / t_max);
