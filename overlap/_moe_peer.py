@@ -887,9 +887,9 @@ class PeerRows:
         for i, s_ in enumerate(ring[1:], 1):
             first[s_] = first[ring[i - 1]] + cnt[ring[i - 1]].sum()
         first[W] = cnt.sum()
-        mine = int(cnt[r].sum())  # this rank's own rows (the first); the peers' follow, in act
-        act = x.new_empty((int(first[W]) - mine, experts.w1.shape[2]))
-        seg_rest = seg[0] - mine  # the peers' starts within act
+        own_rows = int(cnt[r].sum())  # this rank's own rows (the first); the peers' follow, in act
+        act = x.new_empty((int(first[W]) - own_rows, experts.w1.shape[2]))
+        seg_rest = seg[0] - own_rows  # the peers' starts within act
         from .moe import _grouped_mm_works
 
         torch_down = _grouped_mm_works(x.device, x.dtype)
@@ -898,7 +898,7 @@ class PeerRows:
             lo, rows = int(first[s]), int(cnt[s].sum())
             if not rows:
                 return
-            a = own_act[:rows] if s == r else act[lo - mine:lo - mine + rows]
+            a = own_act[:rows] if s == r else act[lo - own_rows:lo - own_rows + rows]
             if torch_down and not _grouped_gemm.few_rows(rows, e_loc):
                 y = torch._grouped_mm(a, experts.w2, offs=seg[2, s])
             else:  # few rows per expert (a decode step), or no grouped GEMM of torch's here
@@ -912,7 +912,7 @@ class PeerRows:
             self._mark(f"tokens of {s}")
             if cnt[s].any():
                 _grouped_gemm.grouped_swiglu_segments(table, experts.w1, experts.w3, seg_rest[s], seg[1, s], act,
-                                                      index=index[mine:int(first[W])])
+                                                      index=index[own_rows:int(first[W])])
             self._mark(f"gate/up {s}")
             down(s)
             ls = st.copy_stream(1)
