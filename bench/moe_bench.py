@@ -54,7 +54,8 @@ class MoERecord:
     pipelined_us: float
     chunks: int | str       # token chunks, or "sources" (forward_pipelined(chunks="sources"))
     hidden_pct: float
-    wrong: int              # output elements of the pipelined and the pieced forward off the plain one (float32)
+    wrong: int              # output elements of the pipelined and the pieced forward off the plain one (float32;
+    #                         chunks "sources" in the run's dtype, at 2^-5)
     pieces: int = 1         # the dispatcher's exchange_pieces
     transport: str = "nccl"  # the dispatcher's transport
     train_us: float = 0.0   # dispatch -> experts -> combine, forward and backward (x, weights, experts)
