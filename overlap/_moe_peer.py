@@ -687,6 +687,30 @@ class PeerRows:
         # sums, sums) cost about as much as the link time the copies hide
         return "sm", "the copy-engine pipeline measured no gain over SM kernels on 2xH200"
 
+    def _push_posted(self, stream: int, slot: int, b: int, t_cap: int, n: int) -> None:
+        """On copy stream ``stream``: this rank's ``n`` posted tokens and weights (at its place in
+        the copy-engine block at ``b``, ``ce_block``) to the same place in every peer's buffer,
+        then flag ``slot`` PUSHED at each peer."""
+        pm, W, r, k, row = self.pm, self.world, self.rank, self.top_k, self.row_bytes
+        X, WT = ce_block(W, t_cap, k, row)[:2]
+        own, x_at, w_at = pm.slot_pointers[r], b + X + r * t_cap * row, b + WT + r * t_cap * k * 4
+        for q in ((r + d) % W for d in range(1, W)):
+            if n:
+                pm.ce_push(stream, q, x_at, own + x_at, n * row)
+                pm.ce_push(stream, q, w_at, own + w_at, n * k * 4)
+            pm.ce_signal(stream, q, slot, CE_PUSHED, 1)
+
+    def _refuse_bad_in_section(self, st: _Streams, counts: np.ndarray, topk_idx: torch.Tensor) -> None:
+        """After a copy-engine section's counts: if any chunk's routing is bad (the same on every
+        rank), a barrier that zeroes this rank's flags, then the error; else the device's own check."""
+        bad = [c for c in range(counts.shape[0]) if counts[c][_errors_at(self.world, self.e_loc):][:2].any()]
+        if bad:
+            st.join()
+            self.pm.barrier(clear=True)
+            self.calls += 2
+            self._refuse_bad(counts[bad[0]], topk_idx)
+        self.check()
+
     def _pipelined_ce(self, x: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor,
                       experts: Any, bounds: list[tuple[int, int]]) -> torch.Tensor:
         """The pipeline with every byte between GPUs moved by copy engines, and every kernel,
@@ -729,22 +753,11 @@ class PeerRows:
             self._post_weights(mine, weights[lo:hi])
         ps = st.copy_stream(0)
         for c, (lo, hi) in enumerate(bounds):
-            b = c * size
-            for q in peers:
-                if hi > lo:
-                    pm.ce_push(ps, q, b + X + r * rb, own + b + X + r * rb, (hi - lo) * row)
-                    pm.ce_push(ps, q, b + WT + r * wb, own + b + WT + r * wb, (hi - lo) * k * 4)
-                pm.ce_signal(ps, q, c, CE_PUSHED, 1)
+            self._push_posted(ps, c, c * size, t_cap, hi - lo)
         self._fence()  # the ids are posted
         layouts = [self._layout(_Region(0, c * size, 0, t_cap), info[c]) for c in range(n)]
         counts = info.cpu().numpy()  # the one wait, for every chunk
-        bad = [c for c in range(n) if counts[c][_errors_at(W, self.e_loc):][:2].any()]
-        if bad:  # the same on every rank: a barrier that zeroes this rank's flags, then raise
-            st.join()
-            pm.barrier(clear=True)
-            self.calls += 2
-            self._refuse_bad(counts[bad[0]], topk_idx)
-        self.check()
+        self._refuse_bad_in_section(st, counts, topk_idx)
         out = x.new_empty((x.shape[0], x.shape[1]))
         lays = [DeviceLayout(*layouts[c], info[c], counts[c], hi - lo) for c, (lo, hi) in enumerate(bounds)]
 
@@ -838,12 +851,7 @@ class PeerRows:
         mine = _Region(WT + r * wb, 0, X + r * rb, t_cap)
         self._post(mine, x, topk_idx, info[0])
         self._post_weights(mine, weights)
-        ps = st.copy_stream(0)
-        for q in peers:
-            if n:
-                pm.ce_push(ps, q, X + r * rb, own + X + r * rb, n * row)
-                pm.ce_push(ps, q, WT + r * wb, own + WT + r * wb, n * k * 4)
-            pm.ce_signal(ps, q, 0, CE_PUSHED, 1)
+        self._push_posted(st.copy_stream(0), 0, 0, t_cap, n)
         self._mark("post")
         self._fence()  # the ids are posted
         ids_all, ranks = self._layout(_Region(0, 0, 0, t_cap), info[0])
@@ -875,12 +883,7 @@ class PeerRows:
         self._mark(f"gate/up {r}")
         arrived()  # the one wait: for the counts, not for the gate/up product issued after them
         counts = self._pinned.numpy().copy()
-        if counts[0][_errors_at(W, e_loc):][:2].any():  # the same on every rank
-            st.join()
-            pm.barrier(clear=True)
-            self.calls += 2
-            self._refuse_bad(counts[0], topk_idx)
-        self.check()
+        self._refuse_bad_in_section(st, counts, topk_idx)
         lay = DeviceLayout(ids_all, ranks, info[0], counts[0], n)
         cnt = counts[0][:W * e_loc].reshape(W, e_loc).astype(np.int64)  # [source, local expert]
         first = np.zeros(W + 1, dtype=np.int64)  # first[s]: source s's first row; first[W]: the rows

@@ -1008,17 +1008,8 @@ class MoEDispatcher:
         if self._device_layout(topk_idx) and not torch.is_grad_enabled():
             # every chunk routed on the GPUs first, then the rows of chunk i+1 travel (peer kernels
             # on a side stream) while the experts compute chunk i
-            from collectives.dispatch import recorded
-
-            if topk_idx.shape[1] != self.top_k or tuple(topk_weights.shape) != tuple(topk_idx.shape):
-                raise InvalidArgumentError("topk_idx", topk_idx, f"is not [tokens, {self.top_k}] with weights of "
-                                           "its shape", f"pass [tokens, {self.top_k}] ids and weights")
-            meta = torch.empty((x.shape[0], self.hidden), dtype=x.dtype, device="meta")
-            rows = self._peer_rows()
-            with recorded(self.comm, "moe_forward", "peer", meta, x):
-                out = rows.pipelined_dense(x.contiguous(), topk_idx, topk_weights, experts, bounds)
-            self.last_pipeline = rows.last_pipeline
-            return out
+            return self._peer_pipeline(x, topk_idx, topk_weights, lambda rows, xc: rows.pipelined_dense(
+                xc, topk_idx, topk_weights, experts, bounds))
         if self._device_layout(topk_idx):  # with autograd: chunk after chunk, each laid out on the GPUs
             return torch.cat([self.forward(x[lo:hi], topk_idx[lo:hi], topk_weights[lo:hi], experts)
                               for lo, hi in bounds])
@@ -1060,17 +1051,25 @@ class MoEDispatcher:
                 missing = f"rows the experts' Triton kernels take: {why}"
         if missing:
             raise UnsupportedError("chunks", "sources", f"needs {missing}", "use chunks='auto' or an int")
+        out = self._peer_pipeline(x, topk_idx, topk_weights, lambda rows, xc: rows.pipelined_sources(
+            xc, topk_idx, topk_weights, experts))
+        self.last_chunks = (self.comm.size, "by source rank (chunks='sources')")
+        return out
+
+    def _peer_pipeline(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                       run: Callable[[Any, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """A pipelined forward of the peer transport, ``run(rows, x)``: the ids and weights checked
+        against its ``top_k``, the call recorded, ``last_pipeline`` kept."""
+        from collectives.dispatch import recorded
+
         if topk_idx.shape[1] != self.top_k or tuple(topk_weights.shape) != tuple(topk_idx.shape):
             raise InvalidArgumentError("topk_idx", topk_idx, f"is not [tokens, {self.top_k}] with weights of its "
                                        "shape", f"pass [tokens, {self.top_k}] ids and weights")
-        from collectives.dispatch import recorded
-
         rows = self._peer_rows()
         meta = torch.empty((x.shape[0], self.hidden), dtype=x.dtype, device="meta")
         with recorded(self.comm, "moe_forward", "peer", meta, x):
-            out = rows.pipelined_sources(x.contiguous(), topk_idx, topk_weights, experts)
+            out = run(rows, x.contiguous())
         self.last_pipeline = rows.last_pipeline
-        self.last_chunks = (self.comm.size, "by source rank (chunks='sources')")
         return out
 
     def _planner(self, topk_idx: torch.Tensor, bounds: list[tuple[int, int]]) -> Callable[[int], DispatchHandle]:

@@ -998,9 +998,9 @@ extern "C" __global__ void __launch_bounds__(512) rows_layout(const Ctx c, long 
 }
 
 // base[e * W + s] (`by_source`: base[((s - rank) mod W) * e_loc + e]): the first recv_x row of
-// (local expert e, source s), in shared memory (`cap`, `by_source`: see the layout above). Every thread loads some
-// of the counts, then the block scans them (one thread walking W * e_loc counts in global memory
-// costs ~10 us of load latency per block, most of a decode-sized gather).
+// (local expert e, source s), in shared memory (`cap`, `by_source`: see the layout above). Every
+// thread loads some of the counts, then the block scans them (one thread walking W * e_loc
+// counts in global memory costs ~10 us of load latency per block, most of a decode-sized gather).
 __device__ __forceinline__ void load_base(const int* info, int W, int e_loc, long cap, int* base,
                                           bool by_source = false, int rank = 0) {
   __shared__ int warp_sums[32];
