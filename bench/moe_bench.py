@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ import torch.distributed as dist
 import collectives as C
 from overlap.moe import GroupedSwiGLU, MoEDispatcher
 
-from .harness import paired_ratio, time_interleaved
+from .harness import _align, paired_ratio, time_interleaved
 from .harness import time_fn as _time
 
 __all__ = ["MoERecord", "measure_config", "format_moe_table", "plot_moe"]
@@ -71,6 +71,9 @@ class MoERecord:
     # the median over rounds of the sequential forward's time over the pipelined one's in the same
     # round (both timed in the same rounds: bench.harness.time_interleaved)
     speedup_paired: float = 0.0
+    # chunks "sources" on CUDA: one traced call after the timing, [rank, step, microseconds from
+    # that rank's first step to the end of this one] (PeerRows.timeline; the ranks start together)
+    timeline: list[list[Any]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -163,6 +166,8 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
                                      "pipelined": functools.partial(disp.forward_pipelined, x, idx, w, mlp, chunks=k)},
                                     comm, device, iters, reps, rounds=rounds)
             t_pipe = both["pipelined"]
+            timeline = _timeline(disp, functools.partial(disp.forward_pipelined, x, idx, w, mlp, chunks=k), comm,
+                                 device) if k == "sources" and device.type == "cuda" else []
             comm_us = t_dispatch + t_combine
             how = disp.last_pipeline[0] if transport == "peer" and disp.last_pipeline else transport
             records.append(MoERecord(
@@ -171,10 +176,27 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
                 sent_bytes / t_combine / 1e3, t_a2a, sent_bytes / t_a2a / 1e3, t_experts, t_seq, t_pipe, k,
                 100 * (t_seq - t_pipe) / comm_us if comm_us else 0.0, wrong, pieces, transport, t_train, **low,
                 routing="device" if where else "host", pipeline=how,
-                speedup_paired=1 / paired_ratio(rounds, "pipelined", "sequential")))
+                speedup_paired=1 / paired_ratio(rounds, "pipelined", "sequential"), timeline=timeline))
     disp.close()
     disp32.close()
     return records
+
+
+def _timeline(disp: MoEDispatcher, call: Callable[[], object], comm: C.Communicator,
+              device: torch.device) -> list[list[Any]]:
+    """One call of the peer transport's pipeline traced (``PeerRows.trace``), the ranks lined up
+    on their GPUs first; every rank's steps, on every rank."""
+    rows = disp._peer_rows()
+    _align(comm, device)
+    rows.trace = []
+    try:
+        call()
+        mine = rows.timeline()
+    finally:
+        rows.trace = None
+    every: list[Any] = [None] * comm.size
+    dist.all_gather_object(every, mine, group=comm.group)
+    return [[q, step, us] for q, steps in enumerate(every) for step, us in steps]
 
 
 def _low_latency(disp: MoEDispatcher, mlp: GroupedSwiGLU, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
@@ -206,6 +228,9 @@ def format_moe_table(records: list[MoERecord]) -> str:
                      f"{r.experts_us:9.1f} us | sequential {r.sequential_us:9.1f} us | pipelined/{r.chunks} {r.pipeline} "
                      f"{r.pipelined_us:9.1f} us ({r.hidden_pct:6.1f}% hidden, {r.speedup_paired:.3f}x paired) | train step {r.train_us:9.1f} us "
                      f"#wrong {r.wrong}")
+        for q in dict.fromkeys(q for q, _, _ in r.timeline):
+            steps = " | ".join(f"{step} {us:.0f}" for p, step, us in r.timeline if p == q)
+            lines.append(f"{'':<14} rank {q} timeline (us): {steps}")
         if r.ll_dispatch_us:
             lines.append(f"{'':<14} low latency: dispatch {r.ll_dispatch_us:9.1f} us (graph {r.ll_dispatch_graph_us:9.1f}) "
                          f"| combine {r.ll_combine_us:9.1f} us (graph {r.ll_combine_graph_us:9.1f}) | all_to_all graph "

@@ -793,6 +793,15 @@ class PeerRows:
             ev.record()
             self.trace.append((step, ev))
 
+    def timeline(self) -> list[tuple[str, float]]:
+        """The traced call's steps (``trace``), each with the microseconds from the first step to
+        the end of it on the caller's stream; waits for the last event."""
+        if not self.trace:
+            return []
+        self.trace[-1][1].synchronize()
+        t0 = self.trace[0][1]
+        return [(step, round(t0.elapsed_time(ev) * 1e3, 1)) for step, ev in self.trace]
+
     def pipelined_sources(self, x: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor,
                           experts: Any) -> torch.Tensor:
         """dispatch -> experts -> combine pipelined by source rank, ``experts`` a ``GroupedSwiGLU``

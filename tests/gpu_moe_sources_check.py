@@ -9,7 +9,8 @@ GPU). Every kernel, copy and flag of the pipeline is real; shared GPUs time noth
 
 bf16 and fp16; top-1 and top-3; fresh random tokens, routing and weights in every call; a rank
 without tokens in one call; an expert that no token chooses; the sequential forward of the same
-dispatcher checked beside it. Prints one line per failure and a summary; exits non-zero on any.
+dispatcher checked beside it; one traced call's timeline (``PeerRows.timeline``) in the pipeline's
+order. Prints one line per failure and a summary; exits non-zero on any.
 """
 
 from __future__ import annotations
@@ -34,6 +35,24 @@ def _swiglu64(m: GroupedSwiGLU, e: int, rows: torch.Tensor) -> torch.Tensor:
     a = rows.double()
     h = F.silu(a @ m.w1[e].double()) * (a @ m.w3[e].double())
     return h.to(m.w1.dtype).double() @ m.w2[e].double()  # the activation rounded once, as the kernels do
+
+
+def _timeline_fails(steps: list[tuple[str, float]], r: int, w: int, where: str) -> list[str]:
+    """The traced call's steps: the pipeline's order (rank r takes its peers r - 1, r - 2, ...),
+    each ending no earlier than the one before it on the stream."""
+    names = [name for name, _ in steps]
+    times = [us for _, us in steps]
+    want = ["start", "post", "layout", f"gate/up {r}"]
+    for d in range(1, w):
+        s = (r - d) % w
+        want += [f"tokens of {s}", f"gate/up {s}"]
+    want += ["partial rows back", "sum"]
+    it = iter(names)
+    if not all(step in it for step in want) or names[-1] != "sum":  # want, in order, within names
+        return [f"{where}: timeline steps {names}, not in the order {want}"]
+    if times[0] != 0.0 or any(b < a for a, b in zip(times, times[1:])):
+        return [f"{where}: timeline times {times} do not start at 0 and grow"]
+    return []
 
 
 def main() -> int:
@@ -65,8 +84,15 @@ def main() -> int:
                 scores[:, E - 1] = -1.0  # the last expert gets nothing
                 idx = scores.topk(k, dim=-1).indices
                 wt = torch.rand(T, k, generator=g, device=dev).to(dtype)
+                peer = disp._peer_rows()
+                peer.trace = [] if call == 2 else None  # one call traced: its timeline is checked below
                 with torch.no_grad():
                     got = disp.forward_pipelined(x, idx, wt, mine, chunks="sources")
+                if call == 2:
+                    checks += 1
+                    fails += _timeline_fails(peer.timeline(), r, w, f"rank {r} {dtype} k={k}")
+                    peer.trace = None
+                with torch.no_grad():
                     seq = disp.forward(x, idx, wt, mine)
                 want = reference_moe(x.double(), idx, wt.double(), lambda e, rows: _swiglu64(whole, e, rows))
                 scale = want.abs().max().item() if T else 1.0
