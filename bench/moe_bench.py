@@ -185,9 +185,12 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
 def _timeline(disp: MoEDispatcher, call: Callable[[], object], comm: C.Communicator,
               device: torch.device) -> list[list[Any]]:
     """One call of the peer transport's pipeline traced (``PeerRows.trace``), the ranks lined up
-    on their GPUs first; every rank's steps, on every rank."""
+    on their GPUs first; every rank's steps, on every rank. The traced call follows an untraced
+    one without a wait, as in a loop of calls: a call that starts on an idle GPU is timed by how
+    fast the host issues its first steps."""
     rows = disp._peer_rows()
     _align(comm, device)
+    call()
     rows.trace = []
     try:
         call()

@@ -213,7 +213,7 @@ def layout_bytes(world: int, max_tokens: int, top_k: int, row_bytes: int) -> tup
 
 
 IDS_HEADER = 16  # ints before the ids in I (kernels.cu)
-_IDS_PARTS = 16  # blocks per rank copying ids (kernels.cu)
+LAYOUT_TILE = 512  # tokens per block of rows_ids and rows_layout (kernels.cu)
 MAX_BASE = 4096  # local experts x ranks the device-side layout serves (kernels.cu)
 _BAD_RANGE, _BAD_REPEAT = 0, 1  # error words after info's counts
 MAX_CHUNKS = 8  # the most chunks of a pipelined forward over the device-side layout
@@ -446,12 +446,14 @@ class PeerRows:
         W, e_loc, k = self.world, self.e_loc, self.top_k
         ids_all = torch.empty(W * g.t_max * k, dtype=torch.int32, device=info.device)
         ranks = torch.empty(W * g.t_max * e_loc, dtype=torch.int32, device=info.device)
+        n_tiles = -(-g.t_max // LAYOUT_TILE)
+        tiles = torch.empty(W * n_tiles * e_loc, dtype=torch.int32, device=info.device)  # each tile's pairs per expert
         stream = _launch.current_stream(self.pm._index)
         ke = self._geo()
-        self.pm._kernel("rows_ids", None, False, 5)(W * _IDS_PARTS, stream, g.ids, g.t_max, ke, info.data_ptr(),
-                                                     ids_all.data_ptr())
-        self.pm._kernel("rows_layout", None, False, 5)(W * e_loc, stream, g.t_max, ke, ranks.data_ptr(),
-                                                        info.data_ptr(), ids_all.data_ptr())
+        self.pm._kernel("rows_ids", None, False, 6)(W * n_tiles, stream, g.ids, g.t_max, ke, info.data_ptr(),
+                                                     ids_all.data_ptr(), tiles.data_ptr())
+        self.pm._kernel("rows_layout", None, False, 6)(W * e_loc * n_tiles, stream, g.t_max, ke, ranks.data_ptr(),
+                                                        info.data_ptr(), ids_all.data_ptr(), tiles.data_ptr())
         return ids_all, ranks
 
     def _refuse_bad(self, counts: np.ndarray, topk_idx: torch.Tensor) -> None:

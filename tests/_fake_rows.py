@@ -19,6 +19,16 @@ from typing import Any
 import torch
 
 IDS_HEADER = 16
+
+
+def _layout_tile() -> int:
+    """Tokens per block of rows_ids / rows_layout: the host code's constant (a test may shrink it
+    so that a few tokens span several tiles)."""
+    from overlap import _moe_peer
+
+    return _moe_peer.LAYOUT_TILE
+
+
 _DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -168,11 +178,13 @@ class FakeMemory:
         head[0] = T
         _at(info_p, n_info, torch.int32).zero_()
 
-    def _k_rows_ids(self, _: Any, i_off: int, t_max: int, ke: int, info_p: int, ids_p: int) -> None:
+    def _k_rows_ids(self, _: Any, i_off: int, t_max: int, ke: int, info_p: int, ids_p: int, tiles_p: int) -> None:
         k, e_loc = self._geometry(ke)
-        W = self.world
+        tile_n = _layout_tile()
+        W, n_tiles = self.world, -(-t_max // tile_n)
         info = _at(info_p, W * e_loc + 2 * W + 2, torch.int32)
         ids_all = _at(ids_p, W * t_max * k, torch.int32).view(W, t_max, k)
+        tiles = _at(tiles_p, W * n_tiles * e_loc, torch.int32).view(W, n_tiles, e_loc)
         own = self._slot(self.rank, i_off, IDS_HEADER, torch.int32)
         n_own = int(own[0])
         mine = self._slot(self.rank, i_off, IDS_HEADER + n_own * k, torch.int32)[IDS_HEADER:]
@@ -182,28 +194,35 @@ class FakeMemory:
             ids_all[q, :n] = ids
             if ((ids < 0) | (ids >= W * e_loc)).any() and int(info[W * e_loc + 2 * W]) == 0:
                 info[W * e_loc + 2 * W] = q + 1
+            if any(len(set(row)) < k for row in ids.tolist()) and int(info[W * e_loc + 2 * W + 1]) == 0:
+                info[W * e_loc + 2 * W + 1] = q + 1
             info[W * e_loc + q] = n
             info[W * e_loc + W + q] = int((torch.div(mine, e_loc, rounding_mode="floor") == q).sum())
+            for tile in range(n_tiles):  # each tile's pairs per local expert of this rank
+                part = ids[tile * tile_n:(tile + 1) * tile_n]
+                for e in range(e_loc):
+                    tiles[q, tile, e] = int((part == self.rank * e_loc + e).sum())
 
-    def _k_rows_layout(self, _: Any, t_max: int, ke: int, r_p: int, info_p: int, ids_p: int) -> None:
+    def _k_rows_layout(self, _: Any, t_max: int, ke: int, r_p: int, info_p: int, ids_p: int, tiles_p: int) -> None:
         k, e_loc = self._geometry(ke)
-        W = self.world
+        tile_n = _layout_tile()
+        W, n_tiles = self.world, -(-t_max // tile_n)
         info = _at(info_p, W * e_loc + 2 * W + 2, torch.int32)
         ids_all = _at(ids_p, W * t_max * k, torch.int32).view(W, t_max, k)
         R = _at(r_p, W * t_max * e_loc, torch.int32).view(W, t_max, e_loc)
+        tiles = _at(tiles_p, W * n_tiles * e_loc, torch.int32).view(W, n_tiles, e_loc)
         for s in range(W):
             n = int(info[W * e_loc + s])
             for e in range(e_loc):
-                target, run = self.rank * e_loc + e, 0
-                for t in range(n):
-                    row = ids_all[s, t].tolist()
-                    if e == 0 and len(set(row)) < k and int(info[W * e_loc + 2 * W + 1]) == 0:
-                        info[W * e_loc + 2 * W + 1] = s + 1
-                    if target in row:
-                        R[s, t, e] = run
-                        run += 1
-                    else:
-                        R[s, t, e] = -1
+                target = self.rank * e_loc + e
+                for tile in range(max(1, -(-n // tile_n))):  # as the kernel's blocks: from the tiles before
+                    run = int(tiles[s, :tile, e].sum())
+                    for t in range(tile * tile_n, min(n, (tile + 1) * tile_n)):
+                        if target in ids_all[s, t].tolist():
+                            R[s, t, e] = run
+                            run += 1
+                        else:
+                            R[s, t, e] = -1
                 info[s * e_loc + e] = run
                 at = (W * e_loc + 2 * W + 2 + 1) // 2 * 2  # the int64 rows per local expert (kernels.cu)
                 totals = _at(info_p + 4 * at, e_loc, torch.int64)

@@ -7,9 +7,10 @@ peer transport maps a GPU's own memory from another process as it maps a peer's,
 here uses NCCL (the group's NCCL communicator is never created; NCCL refuses two ranks on one
 GPU). Every kernel, copy and flag of the pipeline is real; shared GPUs time nothing meaningful.
 
-bf16 and fp16; top-1 and top-3; fresh random tokens, routing and weights in every call; a rank
-without tokens in one call; an expert that no token chooses; the sequential forward of the same
-dispatcher checked beside it; one traced call's timeline (``PeerRows.timeline``) in the pipeline's
+bf16 and fp16; top-1 and top-3; fresh random tokens, routing and weights in every call (more
+than one tile of the layout kernels); a rank without tokens in one call; an expert that no token
+chooses; ``dispatch`` and ``dispatch_low_latency`` bit for bit against recv_x by definition; the
+sequential forward of the same dispatcher checked beside it; one traced call's timeline (``PeerRows.timeline``) in the pipeline's
 order. Prints one line per failure and a summary; exits non-zero on any.
 """
 
@@ -55,6 +56,42 @@ def _timeline_fails(steps: list[tuple[str, float]], r: int, w: int, where: str) 
     return []
 
 
+def _inputs(q: int, call: int, H: int, E: int, k: int, dtype: torch.dtype,
+            dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank q's tokens, expert ids and weights in call ``call`` (any rank can draw any rank's):
+    more than one 512-token tile of the layout kernels, rank 0 without tokens in call 1."""
+    g = torch.Generator(device=dev)
+    g.manual_seed(1100 + 10 * call + q)
+    T = 0 if (call == 1 and q == 0) else 600 + call + 7 * q
+    x = torch.randn(T, H, generator=g, device=dev).to(dtype)
+    scores = torch.rand(T, E, generator=g, device=dev)
+    scores[:, E - 1] = -1.0  # the last expert gets nothing
+    return x, scores.topk(k, dim=-1).indices, torch.rand(T, k, generator=g, device=dev).to(dtype)
+
+
+def _layout_fails(disp: MoEDispatcher, every: list[tuple[torch.Tensor, ...]], r: int, w: int, where: str) -> list[str]:
+    """``dispatch`` and ``dispatch_low_latency`` against recv_x by definition (this rank's local
+    experts in order, then source rank, then token), bit for bit."""
+    e_loc = disp.local_experts
+    want: list[list[torch.Tensor]] = [[] for _ in range(e_loc)]
+    for x, idx, _ in every:
+        for e in range(e_loc):
+            want[e].append(x[(idx == r * e_loc + e).any(1)])
+    per = [torch.cat(rows) for rows in want]
+    x, idx, wt = every[r]
+    fails = []
+    with torch.no_grad():
+        recv, h = disp.dispatch(x, idx, wt)
+        if h.tokens_per_expert != [p.shape[0] for p in per] or not torch.equal(recv, torch.cat(per)):
+            fails.append(f"{where}: dispatch's recv_x is not grouped by expert, source, token")
+        blocks, hl = disp.dispatch_low_latency(x, idx)
+        counts = hl.tokens_per_expert.tolist()
+        if counts != [p.shape[0] for p in per] or not all(torch.equal(blocks[e, :c], per[e])
+                                                         for e, c in enumerate(counts)):
+            fails.append(f"{where}: dispatch_low_latency's blocks are not by source, token")
+    return fails
+
+
 def main() -> int:
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local % torch.cuda.device_count())
@@ -75,15 +112,12 @@ def main() -> int:
             with torch.no_grad():
                 for name in ("w1", "w2", "w3"):
                     getattr(mine, name).copy_(getattr(whole, name)[r * (E // w):(r + 1) * (E // w)])
-            g = torch.Generator(device=dev)
             for call in range(3):
-                g.manual_seed(1100 + 10 * call + r)
-                T = 0 if (call == 1 and r == 0) else 600 + call + 7 * r
-                x = torch.randn(T, H, generator=g, device=dev).to(dtype)
-                scores = torch.rand(T, E, generator=g, device=dev)
-                scores[:, E - 1] = -1.0  # the last expert gets nothing
-                idx = scores.topk(k, dim=-1).indices
-                wt = torch.rand(T, k, generator=g, device=dev).to(dtype)
+                every = [_inputs(q, call, H, E, k, dtype, dev) for q in range(w)]  # every rank's, for recv_x
+                x, idx, wt = every[r]
+                T = x.shape[0]
+                checks += 2
+                fails += _layout_fails(disp, every, r, w, f"rank {r} {dtype} k={k} call {call}")
                 peer = disp._peer_rows()
                 peer.trace = [] if call == 2 else None  # one call traced: its timeline is checked below
                 with torch.no_grad():

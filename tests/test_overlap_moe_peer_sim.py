@@ -104,6 +104,16 @@ def test_dense_dispatch_combine_and_gradients(world: int, e_loc: int, k: int, ro
     _case(world, e_loc, k, rounds, torch.float32, seed=world * 10 + k)
 
 
+@pytest.mark.parametrize("tile", [1, 3])
+def test_dense_layout_over_several_tiles(monkeypatch: pytest.MonkeyPatch, tile: int) -> None:
+    """rows_ids / rows_layout take a source's tokens a tile at a time, each tile's ranks starting
+    from the counts of the tiles before it: with tiles of 1 and 3 tokens, a few tokens span many
+    (a rank without tokens, and one whose last tile is partial, included)."""
+    monkeypatch.setattr(P, "LAYOUT_TILE", tile)
+    _case(3, 2, 2, [[7, 0, 10], [4, 5, 3]], torch.float32, seed=70 + tile)
+    _padded_case(2, 2, 3, [[8, 5]], tile)
+
+
 def test_dense_path_in_bf16() -> None:
     _case(2, 3, 2, [[9, 4], [2, 7]], torch.bfloat16, seed=3)
 
@@ -139,6 +149,10 @@ def test_a_bad_routing_on_one_rank_raises_on_every_rank(bad: int, text: str) -> 
 ])
 def test_padded_dispatch_and_combine(world: int, e_loc: int, k: int, rounds: list[list[int]]) -> None:
     """The low-latency layout: expert e's rows first in its block of ``cap``, counts on the device."""
+    _padded_case(world, e_loc, k, rounds, 0)
+
+
+def _padded_case(world: int, e_loc: int, k: int, rounds: list[list[int]], seed: int) -> None:
     E = world * e_loc
     max_tokens = max(max(r) for r in rounds) + 2
     row_bytes = HIDDEN * 4
@@ -147,7 +161,7 @@ def test_padded_dispatch_and_combine(world: int, e_loc: int, k: int, rounds: lis
         rows = P.PeerRows(SimpleNamespace(size=world, rank=r), max_tokens, k, row_bytes, E, memory=mem)
         cap = world * max_tokens
         for c, tokens in enumerate(rounds):
-            ins = _inputs(world, E, k, tokens, 50 + c, torch.float32)
+            ins = _inputs(world, E, k, tokens, 50 + seed + c, torch.float32)
             idx, x, w, _ = ins[r]
             want_recv, experts = _expected_recv(ins, r, e_loc)
             recv, counts, layout = rows.dispatch_padded(x.contiguous(), idx)

@@ -837,9 +837,11 @@ INSTANTIATE_ROWS(__nv_bfloat16, bf16, false, scalar)
 // IDS_HEADER ints, then the ids), and after a barrier
 //
 //   rows_ids     copies every rank's ids into ids_all [W][t_max][k] here, with their token
-//                counts, and counts this rank's pairs bound for each rank (send);
-//   rows_layout  block (s, e) scans source s's tokens for local expert e: R[s][t][e] = the rank
-//                of token t among s's tokens that chose e (or -1), cnt[s][e] = their number.
+//                counts, counts this rank's pairs bound for each rank (send), and counts each
+//                tile of a source's tokens' pairs per local expert (a scratch table);
+//   rows_layout  R[s][t][e] = the rank of token t among s's tokens that chose local expert e
+//                (or -1), a block per (s, e, tile) starting from the tiles before it;
+//                cnt[s][e] = their number.
 //                info = [cnt (W * e_loc), tokens (W), send (W), bad range, bad repeat, then
 //                from totals_at() each local expert's rows from all sources as int64]: the two
 //                error words hold 1 + a rank whose ids are out of range, resp. repeat an expert
@@ -891,7 +893,9 @@ __device__ __forceinline__ int scan_block(int flag, int* warp_sums, int* total) 
   return r;
 }
 
-#define IDS_PARTS 16
+// rows_ids and rows_layout take a source's tokens LAYOUT_TILE at a time, one per thread.
+#define LAYOUT_TILE 512
+__host__ __device__ __forceinline__ long layout_tiles(long t_max) { return (t_max + LAYOUT_TILE - 1) / LAYOUT_TILE; }
 
 // Before a dispatch's barrier, this rank's own slot buffer gets its rows (X: `x_bytes` from
 // `x`, at x_off) and its routing at i_off (the token count T, then the `n_ids` int64 ids as
@@ -918,79 +922,88 @@ extern "C" __global__ void __launch_bounds__(512) rows_post(const Ctx c, long x_
   for (long i = tid; i < n_info; i += nt) info[i] = 0;
 }
 
-// Block (q, part): copy part `part` of rank q's ids into ids_all[q]; part 0 also records q's token
-// count and this rank's pairs bound for q. Grid: W * IDS_PARTS.
-extern "C" __global__ void __launch_bounds__(512) rows_ids(const Ctx c, long i_off, long t_max, long ke, int* info,
-                                                           int* ids_all) {
-  if (*(volatile int*)c.err_dev) return;
-  const int k = geo_k(ke), e_loc = geo_eloc(ke), W = c.world;
-  const int q = blockIdx.x / IDS_PARTS, part = blockIdx.x % IDS_PARTS;
-  const int* head = reinterpret_cast<const int*>(c.slots.p[q] + i_off);
-  const long n = __ldcg(head);
-  const int* ids = head + IDS_HEADER;
-  int* mine = ids_all + (long)q * t_max * k;
-  const long len = n * k, per = (len + IDS_PARTS - 1) / IDS_PARTS;
-  const long lo = min(len, per * part), hi = min(len, lo + per);
-  for (long i = lo + threadIdx.x; i < hi; i += 4L * blockDim.x) {  // four loads in flight per thread
-    int v[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u)
-      if (i + u * (long)blockDim.x < hi) v[u] = __ldcg(ids + i + u * (long)blockDim.x);
-#pragma unroll
-    for (int u = 0; u < 4; ++u)
-      if (i + u * (long)blockDim.x < hi) {
-        mine[i + u * (long)blockDim.x] = v[u];
-        if (v[u] < 0 || v[u] >= W * e_loc) atomicCAS(info + W * e_loc + 2 * W, 0, q + 1);  // ids out of range
-      }
-  }
-  if (part) return;
-  __shared__ int total;
-  const int* own = reinterpret_cast<const int*>(c.slots.p[c.rank] + i_off);
-  const long n_own = own[0];
-  int cnt = 0;
-  for (long i = threadIdx.x; i < n_own * k; i += blockDim.x) cnt += own[IDS_HEADER + i] / e_loc == q;
-  for (int o = WARP / 2; o > 0; o /= 2) cnt += __shfl_down_sync(0xffffffffu, cnt, o);
-  if (threadIdx.x == 0) total = 0;
-  __syncthreads();
-  if (threadIdx.x % WARP == 0) atomicAdd(&total, cnt);
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    info[W * e_loc + q] = (int)n;
-    info[W * e_loc + W + q] = total;
-  }
-}
-
 // Where info's per-expert totals (int64) start, in ints: after the counts, tokens, sends and the
 // two error words, rounded up to 8 bytes.
 __device__ __forceinline__ int totals_at(int W, int e_loc) { return (W * e_loc + 2 * W + 2 + 1) / 2 * 2; }
 
-// Block (s, e) scans ids_all[s] (after rows_ids) for this rank's local expert e. Grid: W * e_loc.
+// Block (q, tile): rank q's ids of tokens [tile * LAYOUT_TILE, + LAYOUT_TILE), one token per
+// thread, copied into ids_all[q] and checked (range; no expert twice in a token), and the tile's
+// pairs counted per local expert of this rank: tiles[(q * n_tiles + tile) * e_loc + e], for
+// rows_layout. Tile 0 records q's token count; this rank's own tiles add its pairs bound for each
+// rank to `send` (info starts zeroed). Grid: W * n_tiles, n_tiles = layout_tiles(t_max).
+extern "C" __global__ void __launch_bounds__(512) rows_ids(const Ctx c, long i_off, long t_max, long ke, int* info,
+                                                           int* ids_all, int* tiles) {
+  if (*(volatile int*)c.err_dev) return;
+  const int k = geo_k(ke), e_loc = geo_eloc(ke), W = c.world, E = W * e_loc;
+  const long n_tiles = layout_tiles(t_max);
+  const int q = (int)(blockIdx.x / n_tiles), tile = (int)(blockIdx.x % n_tiles);
+  __shared__ int cnt[MAX_BASE];
+  __shared__ int send[MAX_RANKS];
+  for (int e = threadIdx.x; e < e_loc; e += blockDim.x) cnt[e] = 0;
+  if (threadIdx.x < MAX_RANKS) send[threadIdx.x] = 0;
+  __syncthreads();
+  const int* head = reinterpret_cast<const int*>(c.slots.p[q] + i_off);
+  const long n = __ldcg(head), t = (long)tile * LAYOUT_TILE + threadIdx.x;
+  const bool own = q == c.rank;
+  if (t < n) {
+    const int* src = head + IDS_HEADER + t * k;
+    int* dst = ids_all + ((long)q * t_max + t) * k;
+    bool bad_range = false, repeat = false;
+    for (int j = 0; j < k; ++j) {
+      const int v = __ldcg(src + j);
+      dst[j] = v;
+      if (v < 0 || v >= E) {
+        bad_range = true;
+        continue;
+      }
+      for (int i = 0; i < j; ++i) repeat |= dst[i] == v;
+      if (v / e_loc == c.rank) atomicAdd(&cnt[v - c.rank * e_loc], 1);
+      if (own) atomicAdd(&send[v / e_loc], 1);
+    }
+    if (bad_range) atomicCAS(info + E + 2 * W, 0, q + 1);
+    if (repeat) atomicCAS(info + E + 2 * W + 1, 0, q + 1);
+  }
+  __syncthreads();
+  int* mine = tiles + ((long)q * n_tiles + tile) * e_loc;
+  for (int e = threadIdx.x; e < e_loc; e += blockDim.x) mine[e] = cnt[e];
+  if (own && threadIdx.x < W && send[threadIdx.x]) atomicAdd(info + E + W + threadIdx.x, send[threadIdx.x]);
+  if (tile == 0 && threadIdx.x == 0) info[E + q] = (int)n;
+}
+
+// Block (s, e, tile) ranks source s's tokens of one tile (rows_ids' tiles) that chose this rank's
+// local expert e, after those of the tiles before it (from rows_ids' counts): R[s][t][e]; the
+// last tile holding tokens of s (tile 0 if none) writes cnt[s][e] and adds it to e's total.
+// Grid: W * e_loc * layout_tiles(t_max); a block per tile, so that a prefill's thousands of
+// tokens are ranked by hundreds of blocks instead of each block walking all of a source's.
 extern "C" __global__ void __launch_bounds__(512) rows_layout(const Ctx c, long t_max, long ke, int* R, int* info,
-                                                              const int* ids_all) {
+                                                              const int* ids_all, const int* tiles) {
   if (*(volatile int*)c.err_dev) return;
   const int k = geo_k(ke), e_loc = geo_eloc(ke), W = c.world;
+  const long n_tiles = layout_tiles(t_max);
+  const int tile = (int)(blockIdx.x % n_tiles), se = (int)(blockIdx.x / n_tiles);
+  const int s = se / e_loc, e = se % e_loc, target = c.rank * e_loc + e;
+  const int n = info[W * e_loc + s];
+  const int last = max(0, (n + LAYOUT_TILE - 1) / LAYOUT_TILE - 1);
+  if (tile > last) return;
   __shared__ int warp_sums[32];
   __shared__ int total;
-  const int s = blockIdx.x / e_loc, e = blockIdx.x % e_loc, target = c.rank * e_loc + e;
-  const int n = info[W * e_loc + s];
-  const int* ids = ids_all + (long)s * t_max * k;
-  int run = 0;
-  for (int t0 = 0; t0 < n; t0 += blockDim.x) {
-    const int t = t0 + threadIdx.x;
-    int flag = 0;
-    if (t < n) {
-      const int* mine = ids + (long)t * k;
-      for (int j = 0; j < k; ++j) flag |= mine[j] == target;
-      if (e == 0)  // the blocks of expert 0 also check that no token of s repeats an expert
-        for (int j = 1; j < k; ++j)
-          for (int i = 0; i < j; ++i)
-            if (mine[i] == mine[j]) atomicCAS(info + W * e_loc + 2 * W + 1, 0, s + 1);
-    }
-    const int r = scan_block(flag, warp_sums, &total);
-    if (t < n) R[((long)s * t_max + t) * e_loc + e] = flag ? run + r : -1;
-    run += total;
+  __shared__ int before;
+  if (threadIdx.x < WARP) {  // this expert's pairs in s's earlier tiles
+    int acc = 0;
+    for (int i = threadIdx.x; i < tile; i += WARP) acc += tiles[((long)s * n_tiles + i) * e_loc + e];
+    for (int o = WARP / 2; o > 0; o /= 2) acc += __shfl_down_sync(0xffffffffu, acc, o);
+    if (threadIdx.x == 0) before = acc;
   }
-  if (threadIdx.x == 0) {
+  const long t = (long)tile * LAYOUT_TILE + threadIdx.x;
+  int flag = 0;
+  if (t < n) {
+    const int* mine = ids_all + ((long)s * t_max + t) * k;
+    for (int j = 0; j < k; ++j) flag |= mine[j] == target;
+  }
+  const int r = scan_block(flag, warp_sums, &total);  // its barriers also publish `before`
+  if (t < n) R[((long)s * t_max + t) * e_loc + e] = flag ? before + r : -1;
+  if (tile == last && threadIdx.x == 0) {
+    const int run = before + total;
     info[s * e_loc + e] = run;
     // and local expert e's rows from every source, as int64 after the error words (8-byte aligned)
     atomicAdd(reinterpret_cast<unsigned long long*>(info + totals_at(W, e_loc)) + e, (unsigned long long)run);
