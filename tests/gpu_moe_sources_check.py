@@ -9,7 +9,8 @@ GPU). Every kernel, copy and flag of the pipeline is real; shared GPUs time noth
 
 bf16 and fp16; top-1 and top-3; fresh random tokens, routing and weights in every call (more
 than one tile of the layout kernels); a rank without tokens in one call; an expert that no token
-chooses; ``dispatch`` and ``dispatch_low_latency`` bit for bit against recv_x by definition; the
+chooses; ``dispatch`` and ``dispatch_low_latency`` bit for bit against recv_x by definition; a
+repeated and an out-of-range expert id on one rank refused on every rank; the
 sequential forward of the same dispatcher checked beside it; one traced call's timeline (``PeerRows.timeline``) in the pipeline's
 order. Prints one line per failure and a summary; exits non-zero on any.
 """
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import collectives as C  # noqa: E402
+from collectives.errors import InvalidArgumentError  # noqa: E402
 from overlap.moe import GroupedSwiGLU, MoEDispatcher, reference_moe  # noqa: E402
 
 TOL = 3e-2  # of the largest output element: one rounding of the activation and of the output in bf16
@@ -92,6 +94,30 @@ def _layout_fails(disp: MoEDispatcher, every: list[tuple[torch.Tensor, ...]], r:
     return fails
 
 
+def _bad_routing_fails(disp: MoEDispatcher, every: list[tuple[torch.Tensor, ...]], r: int, w: int,
+                       where: str) -> list[str]:
+    """The last rank's ids with an expert twice in its last token, then out of range in its
+    first (layout kernels' checks): every rank raises the typed error naming it, and the next
+    dispatch still works."""
+    fails = []
+    x, idx, wt = every[r]
+    for what, text in (("repeat", "same expert twice"), ("range", "outside")):
+        bad = idx.clone()
+        if r == w - 1 and bad.shape[0]:
+            if what == "repeat":
+                bad[-1, 1] = bad[-1, 0]
+            else:
+                bad[0, 0] = disp.num_experts + 3
+        try:
+            with torch.no_grad():
+                disp.dispatch(x, bad, wt)
+            fails.append(f"{where}: ids with a bad {what} on rank {w - 1} raised nothing")
+        except InvalidArgumentError as exc:
+            if text not in str(exc) or (r != w - 1 and f"rank {w - 1}" not in str(exc)):
+                fails.append(f"{where}: ids with a bad {what}: {exc}")
+    return fails + _layout_fails(disp, every, r, w, f"{where} after the bad routings")
+
+
 def main() -> int:
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local % torch.cuda.device_count())
@@ -118,6 +144,9 @@ def main() -> int:
                 T = x.shape[0]
                 checks += 2
                 fails += _layout_fails(disp, every, r, w, f"rank {r} {dtype} k={k} call {call}")
+                if call == 1 and k > 1:
+                    checks += 2
+                    fails += _bad_routing_fails(disp, every, r, w, f"rank {r} {dtype}")
                 peer = disp._peer_rows()
                 peer.trace = [] if call == 2 else None  # one call traced: its timeline is checked below
                 with torch.no_grad():
