@@ -872,15 +872,14 @@ class PeerRows:
         # gate/up product is issued before the host waits for the counts: the GPU goes from the
         # layout to the experts without waiting for the host. Its rows are at most n * min(k, E/W).
         ring = [(r + i) % W for i in range(W)]  # the layout's order of sources
-        cnt_dev = info[0][:W * e_loc].view(W, e_loc).long()
-        flat = cnt_dev.roll(-r, 0).reshape(-1)  # in the layout's order (device operations only: no
-        starts = (flat.cumsum(0) - flat).view(W, e_loc).roll(r, 0)  # copy from the host to wait for)
-        seg = torch.stack([starts, cnt_dev, cnt_dev.cumsum(1)]).int()  # [starts, counts, ends within the source]
+        # [first row, rows, end within the source's rows, first row after the own rows] of each
+        # (source, local expert), written by the index kernel (no torch operations to issue)
+        seg = torch.empty((4, W, e_loc), dtype=torch.int32, device=x.device)
         most = W * t_cap * min(k, e_loc)  # pairs at most: the counts are not on the host yet
-        index = torch.zeros(most, dtype=torch.int32, device=x.device)  # rows of no pair read row 0
-        self.pm._kernel("rows_index_dense", None, False, 6)(self._grid(W * t_cap), main, ranks.data_ptr(),
+        index = torch.empty(most, dtype=torch.int32, device=x.device)  # read within the segments only
+        self.pm._kernel("rows_index_dense", None, False, 7)(self._grid(W * t_cap), main, ranks.data_ptr(),
                                                              info[0].data_ptr(), ids_all.data_ptr(), index.data_ptr(),
-                                                             t_cap, self._geo(by_source=True))
+                                                             t_cap, self._geo(by_source=True), seg.data_ptr())
         table = pm.slot_view(X, (W * t_cap, x.shape[1]), x.dtype)
         own_act = x.new_empty((n * min(k, e_loc), experts.w1.shape[2]))
         out = x.new_empty((n, x.shape[1]))
@@ -903,7 +902,7 @@ class PeerRows:
         first[W] = cnt.sum()
         own_rows = int(cnt[r].sum())  # this rank's own rows (the first); the peers' follow, in act
         act = x.new_empty((int(first[W]) - own_rows, experts.w1.shape[2]))
-        seg_rest = seg[0] - own_rows  # the peers' starts within act
+        seg_rest = seg[3]  # the peers' starts within act
         from .moe import _grouped_mm_works
 
         torch_down = _grouped_mm_works(x.device, x.dtype)

@@ -288,12 +288,24 @@ class FakeMemory:
             self._slot(self.rank, p_off + (s * t_max + t) * row * es, row, dtype).copy_(acc.to(dtype))
 
     def _k_rows_index_dense(self, _: Any, r_p: int, info_p: int, ids_p: int, index_p: int, t_max: int,
-                            ke: int) -> None:
+                            ke: int, seg_p: int) -> None:
         k, e_loc, info, ids_all, R = self._tables(r_p, info_p, ids_p, t_max, ke)
-        index = _at(index_p, int(info[:self.world * e_loc].sum()), torch.int32)
+        W = self.world
+        index = _at(index_p, int(info[:W * e_loc].sum()), torch.int32)
         for s, t, here in self._pairs_here(info, ids_all, R, e_loc, 0, bool(ke >> 31 & 1)):
             for _, d in here:
                 index[d] = s * t_max + t
+        if seg_p:  # [first row, rows, end within the source, first row after the own rows] per (s, e)
+            seg = _at(seg_p, 4 * W * e_loc, torch.int32).view(4, W, e_loc)
+            cnt = info[:W * e_loc].view(W, e_loc).tolist()
+            at = 0
+            for s in [(self.rank + i) % W for i in range(W)]:  # the by-source layout: own rows first
+                for e in range(e_loc):
+                    seg[0, s, e] = at
+                    at += cnt[s][e]
+            seg[1] = torch.tensor(cnt, dtype=torch.int32)
+            seg[2] = seg[1].cumsum(1)
+            seg[3] = seg[0] - sum(cnt[self.rank])
 
     def _k_rows_sum_dense(self, dtype: torch.dtype, p_off: int, ids_p: int, out_p: int, t_max: int, row: int, ke: int,
                           n: int) -> None:

@@ -1319,13 +1319,33 @@ __device__ void rows_grad_dense(const Ctx& c, long x_off, long w_off, long d_off
 
 // The source of every recv_x row: index[d] = s * t_max + t for each pair (s, t, e) here, d its
 // recv_x row; one warp per (s, t). A kernel that reads every rank's tokens from one table (rank
-// s's at row s * t_max) reads recv_x's rows through it.
+// s's at row s * t_max) reads recv_x's rows through it. With `seg` (the compact layout by source,
+// W >= 2), block 0 also writes the segments of each (source s, local expert e), as int32
+// [4][W][e_loc]: the first row, the rows, the end within s's rows (inclusive sum over e), and the
+// first row counted after this rank's own rows (its own source comes first).
 extern "C" __global__ void __launch_bounds__(512) rows_index_dense(const Ctx c, const int* R, const int* info,
-                                                                   const int* ids_all, int* index, long t_max, long ke) {
+                                                                   const int* ids_all, int* index, long t_max, long ke,
+                                                                   int* seg) {
   if (*(volatile int*)c.err_dev) return;
   const int k = geo_k(ke), e_loc = geo_eloc(ke), W = c.world;
   __shared__ int base[MAX_BASE];
   load_base(info, W, e_loc, geo_cap(ke), base, geo_by_source(ke), c.rank);
+  if (seg && blockIdx.x == 0) {
+    const int n = W * e_loc, own = W > 1 ? base[e_loc] : 0;  // the layout's second source starts after the own rows
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      const int at = base[((i / e_loc - c.rank + W) % W) * e_loc + i % e_loc];
+      seg[i] = at;
+      seg[n + i] = __ldcg(info + i);
+      seg[3 * n + i] = at - own;
+    }
+    if (threadIdx.x < W) {
+      int run = 0;
+      for (int e = 0; e < e_loc; ++e) {
+        run += __ldcg(info + threadIdx.x * e_loc + e);
+        seg[2 * n + threadIdx.x * e_loc + e] = run;
+      }
+    }
+  }
   const int lane = threadIdx.x % WARP;
   for (long g = warp_id(); g < W * t_max; g += n_warps()) {
     const int s = (int)(g / t_max);
