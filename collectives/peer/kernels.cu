@@ -974,7 +974,9 @@ extern "C" __global__ void __launch_bounds__(512) rows_ids(const Ctx c, long i_o
 // local expert e, after those of the tiles before it (from rows_ids' counts): R[s][t][e]; the
 // last tile holding tokens of s (tile 0 if none) writes cnt[s][e] and adds it to e's total.
 // Grid: W * e_loc * layout_tiles(t_max); a block per tile, so that a prefill's thousands of
-// tokens are ranked by hundreds of blocks instead of each block walking all of a source's.
+// tokens are ranked by hundreds of blocks instead of each block walking all of a source's. (One
+// H200, 8192 tokens of top-8 over 16 local experts, a scratch profile of 2026-12-01, not kept:
+// rows_layout 72 -> 5 us and rows_ids 30 -> 7 us against a block per (s, e) walking every tile.)
 extern "C" __global__ void __launch_bounds__(512) rows_layout(const Ctx c, long t_max, long ke, int* R, int* info,
                                                               const int* ids_all, const int* tiles) {
   if (*(volatile int*)c.err_dev) return;
