@@ -838,6 +838,7 @@ class PeerRows:
         from collectives.peer import _launch
 
         from . import _grouped_gemm
+        from .moe import _grouped_mm_works
 
         pm, W, r, k, row, e_loc = self.pm, self.world, self.rank, self.top_k, self.row_bytes, self.e_loc
         self._check_rows(x)
@@ -877,9 +878,9 @@ class PeerRows:
         seg = torch.empty((4, W, e_loc), dtype=torch.int32, device=x.device)
         most = W * t_cap * min(k, e_loc)  # pairs at most: the counts are not on the host yet
         index = torch.empty(most, dtype=torch.int32, device=x.device)  # read within the segments only
-        self.pm._kernel("rows_index_dense", None, False, 7)(self._grid(W * t_cap), main, ranks.data_ptr(),
-                                                             info[0].data_ptr(), ids_all.data_ptr(), index.data_ptr(),
-                                                             t_cap, self._geo(by_source=True), seg.data_ptr())
+        pm._kernel("rows_index_dense", None, False, 7)(self._grid(W * t_cap), main, ranks.data_ptr(),
+                                                        info[0].data_ptr(), ids_all.data_ptr(), index.data_ptr(),
+                                                        t_cap, self._geo(by_source=True), seg.data_ptr())
         table = pm.slot_view(X, (W * t_cap, x.shape[1]), x.dtype)
         own_act = x.new_empty((n * min(k, e_loc), experts.w1.shape[2]))
         out = x.new_empty((n, x.shape[1]))
@@ -901,10 +902,7 @@ class PeerRows:
             first[s_] = first[ring[i - 1]] + cnt[ring[i - 1]].sum()
         first[W] = cnt.sum()
         own_rows = int(cnt[r].sum())  # this rank's own rows (the first); the peers' follow, in act
-        act = x.new_empty((int(first[W]) - own_rows, experts.w1.shape[2]))
-        seg_rest = seg[3]  # the peers' starts within act
-        from .moe import _grouped_mm_works
-
+        act = x.new_empty((int(first[W]) - own_rows, experts.w1.shape[2]))  # the peers' rows (seg[3]: their starts)
         torch_down = _grouped_mm_works(x.device, x.dtype)
 
         def down(s: int) -> None:
@@ -924,7 +922,7 @@ class PeerRows:
             pm.ce_wait(main, 0, CE_PUSHED, 1, kernel=True, source=s)
             self._mark(f"tokens of {s}")
             if cnt[s].any():
-                _grouped_gemm.grouped_swiglu_segments(table, experts.w1, experts.w3, seg_rest[s], seg[1, s], act,
+                _grouped_gemm.grouped_swiglu_segments(table, experts.w1, experts.w3, seg[3, s], seg[1, s], act,
                                                       index=index[own_rows:int(first[W])])
             self._mark(f"gate/up {s}")
             down(s)
@@ -939,7 +937,7 @@ class PeerRows:
         self._mark("partial rows back")
         self._sum(IN, t_cap, lay, out, sum_at)
         self._mark("sum")
-        st.join(out, own_act, act, index, seg, seg_rest)  # every copy and signal issued before the closing barrier
+        st.join(out, own_act, act, index, seg)  # every copy and signal issued before the closing barrier
         pm.barrier(clear=True)  # every rank has what it waited for; this rank's flags back to zero
         self.calls += 2
         return out
