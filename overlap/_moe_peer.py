@@ -281,10 +281,14 @@ class _Streams:
         s.wait_stream(self.main)
         return s.cuda_stream
 
-    def to_host_beside(self, t: torch.Tensor, pinned: torch.Tensor) -> Any:
-        """Copy ``t`` (its work so far on the caller's stream) to ``pinned`` from the side stream,
-        so that what the caller's stream runs next does not delay it; returns a wait for it."""
-        self.side.wait_stream(self.main)
+    def to_host_beside(self, t: torch.Tensor, pinned: torch.Tensor, after: Any = None) -> Any:
+        """Copy ``t`` (its work so far on the caller's stream, or up to the event ``after``
+        recorded there) to ``pinned`` from the side stream, so that what the caller's stream runs
+        next does not delay it; returns a wait for it."""
+        if after is None:
+            self.side.wait_stream(self.main)
+        else:
+            self.side.wait_event(after)
         with torch.cuda.stream(self.side):
             pinned.copy_(t, non_blocking=True)
             t.record_stream(self.side)
@@ -315,6 +319,7 @@ class DeviceLayout:
     counts: np.ndarray | None
     tokens: int
     cap: int = 0  # padded recv_x: rows per local expert (0: compact)
+    ends: torch.Tensor | None = None  # compact: int32 [E/W], where each local expert's rows end
 
 
 class PeerRows:
@@ -568,9 +573,13 @@ class PeerRows:
         rank, and nothing has reached another rank's ``recv_x``.
         """
         g, info, ids_all, ranks = self._lay_out(x, topk_idx)
+        # the experts' row ends, from the per-expert totals, issued while the host would only wait:
+        # after the wait it need not copy them to the device (GroupedSwiGLU(..., ends=))
+        at = _totals_at(self.world, self.e_loc)
+        ends = torch.cumsum(info[at:at + 2 * self.e_loc].view(torch.int64), 0, dtype=torch.int32)
         counts = info.cpu().numpy()  # the one wait: the host learns how many rows arrive
         self._refuse_bad(counts, topk_idx)
-        layout = DeviceLayout(ids_all, ranks, info, counts, topk_idx.shape[0])
+        layout = DeviceLayout(ids_all, ranks, info, counts, topk_idx.shape[0], ends=ends)
         return self._gather(g, layout, x), layout
 
     def combine_dense(self, layout: DeviceLayout, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -883,16 +892,20 @@ class PeerRows:
                                                         t_cap, self._geo(by_source=True), seg.data_ptr())
         table = pm.slot_view(X, (W * t_cap, x.shape[1]), x.dtype)
         own_act = x.new_empty((n * min(k, e_loc), experts.w1.shape[2]))
-        out = x.new_empty((n, x.shape[1]))
-        if self._pinned is None or self._pinned.shape != info.shape:
-            self._pinned = torch.empty(info.shape, dtype=info.dtype, pin_memory=x.is_cuda)
-        arrived = st.to_host_beside(info, self._pinned)
+        laid_out = st.main_mark()
         self._mark("layout")
         if n:
             _grouped_gemm.grouped_swiglu_segments(table, experts.w1, experts.w3, seg[0, r], seg[1, r],
                                                   own_act, index=index[:own_act.shape[0]])
         self._mark(f"gate/up {r}")
-        arrived()  # the one wait: for the counts, not for the gate/up product issued after them
+        # The counts go to the host from the side stream, after the layout but not after the
+        # gate/up product: issued only now, so that the GPU starts the product without waiting
+        # for the host to issue the copy first.
+        if self._pinned is None or self._pinned.shape != info.shape:
+            self._pinned = torch.empty(info.shape, dtype=info.dtype, pin_memory=x.is_cuda)
+        arrived = st.to_host_beside(info, self._pinned, after=laid_out)
+        out = x.new_empty((n, x.shape[1]))
+        arrived()  # the one wait: for the counts, not for the gate/up product issued before them
         counts = self._pinned.numpy().copy()
         self._refuse_bad_in_section(st, counts, topk_idx)
         lay = DeviceLayout(ids_all, ranks, info[0], counts[0], n)

@@ -93,6 +93,10 @@ class DispatchHandle:
         ungroup: the inverse of ``regroup`` (``recv_x``'s rows back to arrival order, by a gather).
         pair_row: for each of the ``num_tokens * top_k`` pairs, its sent row (dropless only;
             empty otherwise): the returned rows are put in pair order by a gather, not a scatter.
+        expert_ends: ``[E/W]`` int32 on the device, the running sum of ``tokens_per_expert``
+            (where each local expert's rows of ``recv_x`` end), where the routing was laid out on
+            the GPUs (else ``None``): ``GroupedSwiGLU(..., ends=)`` takes it instead of copying
+            the counts from the host after they arrived.
     """
 
     tokens_per_expert: list[int]
@@ -108,6 +112,7 @@ class DispatchHandle:
     extra: dict[str, Any] = field(default_factory=dict)
     ungroup: torch.Tensor | None = None
     pair_row: torch.Tensor | None = None
+    expert_ends: torch.Tensor | None = None
 
 
 @dataclass
@@ -887,7 +892,7 @@ class MoEDispatcher:
         matrix = counts[:w * e_loc].reshape(w, e_loc).astype(np.int64)
         handle = DispatchHandle(matrix.sum(0).tolist(), counts[w * e_loc + w:w * e_loc + 2 * w].astype(np.int64).tolist(),
                                 matrix.sum(1).tolist(), torch.from_numpy(matrix), none, none, none, x.shape[0],
-                                topk_idx.shape[1], 0)
+                                topk_idx.shape[1], 0, expert_ends=layout.ends)
         handle.extra["peer_dense"] = (rows, layout)
         return recv, handle
 
@@ -962,9 +967,14 @@ class MoEDispatcher:
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 experts: Callable[[torch.Tensor, list[int]], torch.Tensor]) -> torch.Tensor:
-        """dispatch -> ``experts(recv_x, tokens_per_expert)`` -> combine."""
+        """dispatch -> ``experts(recv_x, tokens_per_expert)`` -> combine (a ``GroupedSwiGLU`` also
+        gets the handle's ``expert_ends``, where the dispatch has them on the device)."""
         recv, handle = self.dispatch(x, topk_idx, topk_weights)
-        return self.combine(experts(recv, handle.tokens_per_expert), handle, topk_weights)
+        if handle.expert_ends is not None and isinstance(experts, GroupedSwiGLU):
+            rows = experts(recv, handle.tokens_per_expert, ends=handle.expert_ends)
+        else:
+            rows = experts(recv, handle.tokens_per_expert)
+        return self.combine(rows, handle, topk_weights)
 
     def forward_pipelined(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                           experts: Callable[[torch.Tensor, list[int]], torch.Tensor], chunks: int | str = "auto"
@@ -1330,13 +1340,24 @@ class GroupedSwiGLU(nn.Module):
             return "fused", "inference on CUDA, padded blocks with counts: each block's counted rows only"
         return "fused", "inference on CUDA, GPU-bound: gate, up and activation in one kernel"
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
-        """``[rows, hidden]`` -> ``[rows, hidden]``; ``tokens_per_expert[e]`` consecutive rows per local expert."""
+    def forward(self, x: torch.Tensor, tokens_per_expert: list[int], *, ends: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """``[rows, hidden]`` -> ``[rows, hidden]``; ``tokens_per_expert[e]`` consecutive rows per local expert.
+
+        ``ends`` (optional): ``[E/W]`` int32 on ``x``'s device, the running sum of
+        ``tokens_per_expert`` (``DispatchHandle.expert_ends``); given, the grouped GEMMs take it
+        instead of a copy of the counts from the host. It must hold those sums (not checked:
+        that would wait for the GPU)."""
+        if ends is not None and (ends.dtype != torch.int32 or tuple(ends.shape) != (self.w1.shape[0],)
+                                 or ends.device != x.device):
+            raise InvalidArgumentError("ends", ends, f"is not int32 [{self.w1.shape[0]}] on {x.device}",
+                                       "pass DispatchHandle.expert_ends, or leave ends=None")
         if x.shape[0] and self._grouped(x):
-            rows = np.cumsum(tokens_per_expert, dtype=np.int32)
-            # from pinned memory, not waited for: a plain copy would stall the host until the GPU
-            # is idle, and the launches after it would then leave the GPU idle in turn
-            ends = self._offsets.send(rows, x.device) if x.is_cuda else torch.from_numpy(rows)
+            if ends is None:
+                rows = np.cumsum(tokens_per_expert, dtype=np.int32)
+                # from pinned memory, not waited for: a plain copy would stall the host until the
+                # GPU is idle, and the launches after it would then leave the GPU idle in turn
+                ends = self._offsets.send(rows, x.device) if x.is_cuda else torch.from_numpy(rows)
             self.last_path = self._path(x)
             if self.last_path[0] == "fused":
                 act = _grouped_gemm.grouped_swiglu(x, self.w1, self.w3, ends)
@@ -1355,7 +1376,8 @@ class GroupedSwiGLU(nn.Module):
             # torch has no grouped GEMM for these rows (fp16 on CUDA): both grouped products in
             # Triton, two launches instead of three per expert
             self.last_path = ("fused", "inference on CUDA, no grouped GEMM of torch's for these rows: both in Triton")
-            ends = self._offsets.send(np.cumsum(tokens_per_expert, dtype=np.int32), x.device)
+            if ends is None:
+                ends = self._offsets.send(np.cumsum(tokens_per_expert, dtype=np.int32), x.device)
             return _grouped_gemm.grouped_mm(_grouped_gemm.grouped_swiglu(x, self.w1, self.w3, ends), self.w2, ends)
         self.last_path = ("torch", "one GEMM per expert (torch's grouped GEMM does not take these rows)")
         outs = []

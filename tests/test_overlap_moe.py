@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -362,6 +363,18 @@ def test_grouped_experts_match_one_gemm_per_expert_in_float64(dtype: torch.dtype
     assert rel(y, ref) < tol and rel(x.grad, x64.grad) < tol
     for p, q in zip((m.w1, m.w3, m.w2), ws):
         assert rel(p.grad, q.grad) < tol
+
+    # ends= (DispatchHandle.expert_ends) is what the grouped GEMMs take: a split other than
+    # tokens' gives that split's products
+    other = [0, 7, 2, 7]
+    ends = torch.tensor(np.cumsum(other), dtype=torch.int32)
+    with torch.no_grad():
+        got = m(x.detach(), tokens, ends=ends)
+        want = torch.cat([(F.silu(r @ ws[0][e]) * (r @ ws[1][e])) @ ws[2][e] for e, r in enumerate(x64.split(other))])
+    assert rel(got, want) < tol
+    for bad in (ends.long(), ends[:3]):
+        with pytest.raises(InvalidArgumentError, match="ends"):
+            m(x.detach(), tokens, ends=bad)
 
 
 def test_padded_experts_match_one_gemm_per_expert_in_float64() -> None:

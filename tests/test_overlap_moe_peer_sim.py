@@ -73,6 +73,10 @@ def _case(world: int, e_loc: int, k: int, rounds: list[list[int]], dtype: torch.
             # forward without autograd
             recv, layout = rows.dispatch_dense(x.contiguous(), idx)
             assert torch.equal(recv.double(), want_recv), (r, c)
+            # where each local expert's rows end (GroupedSwiGLU(..., ends=)), from the same reference
+            want_ends = torch.bincount(experts.long() - r * e_loc, minlength=e_loc).cumsum(0)
+            assert layout.ends is not None and layout.ends.dtype == torch.int32, (r, c)
+            assert torch.equal(layout.ends.long(), want_ends), (r, c, layout.ends, want_ends)
             y = (recv.double() * (experts + 1).unsqueeze(-1)).to(dtype)
             out = rows.combine_dense(layout, y.contiguous(), w.float())
             factor = (w.double() * (idx.double() + 1)).sum(1) if idx.numel() else torch.zeros(0, dtype=torch.float64)
@@ -228,7 +232,7 @@ class _SameStream:
     def join(self, *used: Any) -> None:
         pass
 
-    def to_host_beside(self, t: Any, pinned: Any) -> Any:
+    def to_host_beside(self, t: Any, pinned: Any, after: Any = None) -> Any:
         pinned.copy_(t)
         return lambda: None
 
