@@ -20,12 +20,12 @@ import torch
 import torch.distributed as dist
 
 import collectives as C
-from overlap.moe import GroupedSwiGLU, MoEDispatcher
+from overlap.moe import MOE_TUNE_MIN_SPEEDUP, GroupedSwiGLU, MoEDispatcher
 
 from .harness import _align, paired_ratio, time_interleaved
 from .harness import time_fn as _time
 
-__all__ = ["MoERecord", "measure_config", "format_moe_table", "plot_moe"]
+__all__ = ["MoERecord", "measure_config", "format_moe_table", "plot_moe", "tuned_moe_table"]
 
 
 LOW_LATENCY_MAX_TOKENS = 256  # configurations timed on the low-latency path too (decode)
@@ -219,6 +219,47 @@ def _low_latency(disp: MoEDispatcher, mlp: GroupedSwiGLU, x: torch.Tensor, idx: 
         got["a2a_graph_us"] = _time(lambda: dist.all_to_all_single(out, rows, plain.recv_counts, plain.send_counts,
                                                                    group=comm.group), comm, device, n, reps, graph=True)
     return got
+
+
+_TUNE_KEY = ("transport", "pieces", "dtype", "device_type", "tokens", "hidden", "ffn_hidden", "experts", "top_k")
+
+
+def tuned_moe_table(records: list[MoERecord], meta: dict[str, Any], into: dict[str, Any] | None = None
+                    ) -> dict[str, Any]:
+    """The table ``forward_pipelined(chunks="auto")`` follows (``overlap.set_tuned``,
+    ``COMMOPS_OVERLAP_TUNED``): per measured layer, the pipeline with the best paired speedup
+    over the sequential forward, if it reached ``MOE_TUNE_MIN_SPEEDUP`` with ``#wrong`` 0; else one
+    chunk. ``into``: a table to add to (its other operators' entries kept, its entries for the same
+    layers replaced; measured at the same world size)."""
+    groups: dict[tuple[Any, ...], list[MoERecord]] = {}
+    for r in records:
+        key = (r.transport, r.pieces, r.dtype, r.device.split(":")[0], r.tokens, r.hidden, r.ffn_hidden, r.experts,
+               r.top_k)
+        groups.setdefault(key, []).append(r)
+    entries = []
+    for key, rs in groups.items():
+        good = [r for r in rs if r.wrong == 0 and r.speedup_paired >= MOE_TUNE_MIN_SPEEDUP]
+        best = max(good or rs, key=lambda r: r.speedup_paired)
+        how = f" over {best.pipeline}" if best.pipeline not in ("", "nccl") else ""
+        measured = (f"pipelined/{best.chunks}{how}: {best.speedup_paired:.2f}x the sequential forward's speed, "
+                    f"paired in the same rounds ({best.pipelined_us:.0f} us), #wrong {best.wrong}")
+        if good:
+            entry: dict[str, Any] = {"chunks": best.chunks, "pipeline": best.pipeline, "note": measured}
+        else:
+            entry = {"chunks": 1, "note": f"no pipeline {MOE_TUNE_MIN_SPEEDUP}x faster with #wrong 0 (best: {measured})"}
+        entries.append({"op": "moe_forward", **dict(zip(_TUNE_KEY, key)), **entry,
+                        "date": meta.get("date", "")})
+    table: dict[str, Any] = {"meta": {k: meta[k] for k in ("world", "device", "date", "torch") if k in meta},
+                             "entries": entries}
+    if into is not None:
+        world = into.get("meta", {}).get("world", meta.get("world"))
+        if world != meta.get("world"):
+            raise ValueError(f"the table to add to was measured at {world} ranks, these records at {meta.get('world')}")
+        new = {tuple(e[f] for f in _TUNE_KEY) for e in entries}
+        kept = [e for e in into.get("entries", [])
+                if e.get("op") != "moe_forward" or tuple(e.get(f) for f in _TUNE_KEY) not in new]
+        table = {"meta": {**into.get("meta", {}), **table["meta"]}, "entries": kept + entries}
+    return table
 
 
 def format_moe_table(records: list[MoERecord]) -> str:

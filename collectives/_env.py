@@ -89,8 +89,8 @@ PEER_TIMEOUT_S: EnvVar[float] = EnvVar(
 
 OVERLAP_TUNED: EnvVar[str] = EnvVar(
     "COMMOPS_OVERLAP_TUNED", "",
-    "Path of a tuned table (launch/bench_overlap.py --tune) whose measured strategies the overlap "
-    "operators' strategy='auto' follows.",
+    "Path of a tuned table (launch/bench_overlap.py --tune, launch/bench_moe.py --tune) whose measured "
+    "strategies the overlap operators' strategy='auto' and MoEDispatcher.forward_pipelined(chunks='auto') follow.",
 )
 
 TRACE_DIR: EnvVar[str] = EnvVar(

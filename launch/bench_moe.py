@@ -14,6 +14,7 @@ the experts' time, sequential and pipelined totals and the share of communicatio
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -23,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import collectives as C  # noqa: E402
 from bench.cli import DTYPES  # noqa: E402
-from bench.moe_bench import format_moe_table, measure_config, plot_moe  # noqa: E402
+from bench.moe_bench import format_moe_table, measure_config, plot_moe, tuned_moe_table  # noqa: E402
 from bench.report import run_meta, write_csv, write_json  # noqa: E402
 
 
@@ -55,6 +56,10 @@ def main() -> int:
     p.add_argument("--json")
     p.add_argument("--csv")
     p.add_argument("--plot")
+    p.add_argument("--tune", metavar="PATH",
+                   help="write (or add to) the tuned table forward_pipelined(chunks='auto') follows: per configuration, "
+                        "the pipeline measured faster than the sequential forward, else one chunk "
+                        "(overlap.set_tuned(PATH) or COMMOPS_OVERLAP_TUNED=PATH)")
     args = p.parse_args()
     if args.routing == "device" and any(int(x) != 1 for x in args.pieces.split(",")):
         p.error(f"--routing device works out the routing of one piece only; pass --pieces 1 (got {args.pieces})")
@@ -94,6 +99,10 @@ def main() -> int:
             write_csv(records, args.csv)  # type: ignore[arg-type]
         if args.plot:
             plot_moe(records, args.plot, f"{comm.size} ranks, {meta['device']}, {dtype}")
+        if args.tune:
+            path = Path(args.tune)
+            into = json.loads(path.read_text()) if path.exists() else None
+            path.write_text(json.dumps(tuned_moe_table(records, meta, into), indent=1) + "\n")
     bad = sum(r.wrong for r in records)
     C.destroy()
     return 1 if bad else 0

@@ -36,8 +36,9 @@ waits for the host and a decode step's exchange can be captured in a CUDA graph.
 ``forward_pipelined`` splits the tokens into chunks. Without autograd it issues the exchanges
 asynchronously (chunk i+1's dispatch and chunk i-1's combine travel while the experts compute
 chunk i); with autograd the chunks run one after another through the differentiable halves.
-``chunks="auto"`` runs one chunk and says why: on 2xH200 the pipeline took 0.78-1.05x the
-sequential time over NCCL (a transfer's CTAs hold back the experts' persistent GEMM, whose
+``chunks="auto"`` follows a tuned table where one measured a pipeline faster (transport
+"peer" only: ``forward_pipelined``), else runs one chunk and says why: on 2xH200 the pipeline
+took 0.78-1.05x the sequential time over NCCL (a transfer's CTAs hold back the experts' persistent GEMM, whose
 tail then waits for it) and lost over the peer transport (its exchanges are 17-40% of the
 layer, and token chunks shrink every expert's GEMM). Keeping SMs for the exchanges did not
 change that: with torch's SM carveout at 24 for the experts and the row kernels capped at 48
@@ -563,6 +564,9 @@ class MoEDispatcher:
         self._row_bytes = hidden * torch.empty((), dtype=dtype).element_size() if dtype is not None else 0
         self.last_chunks: tuple[int, str] | None = None
         self.last_routing: tuple[str, str] | None = None  # transport "nccl": (where, why) of the last routing
+        # chunks="auto": the tuned table last followed, and its choices per shape
+        self._auto_table: Any = None
+        self._auto: dict[tuple[Any, ...], tuple[int | str, str]] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     # -- routing ---------------------------------------------------------------------------------
@@ -997,13 +1001,22 @@ class MoEDispatcher:
         ``pipeline_transfers="copy_engine"``, no autograd, the dropless device layout, and
         ``experts`` a ``GroupedSwiGLU`` of this rank's experts whose Triton kernels take the rows
         (``overlap/_grouped_gemm.py``); a typed error names what is missing.
+
+        ``chunks="auto"`` follows a tuned table (``launch/bench_moe.py --tune``, read through
+        ``overlap.set_tuned`` or ``COMMOPS_OVERLAP_TUNED``, like the overlap operators'): over
+        transport "peer", without autograd, for a ``GroupedSwiGLU`` of the measured shape, the
+        pipeline that measured faster than the sequential forward at the dispatcher's
+        ``max_tokens`` (the same on every rank, so every rank picks the same), where this call
+        can run it; else one chunk, the sequential forward. ``last_chunks`` says which and why.
         """
         if chunks == "sources":
             return self._pipelined_sources(x, topk_idx, topk_weights, experts)
         if chunks == "auto":
-            # 2xH200 (bench/results/README.md, gpu_2xh200_moe): 0.78-1.05x the sequential time
-            # over NCCL across the day's runs, and a loss over the peer transport everywhere
-            n, why = 1, "one chunk: the pipeline measured no real gain on 2xH200 (bench/results/README.md)"
+            self._check(x, topk_idx, topk_weights)
+            picked, why = self._auto_chunks(x, topk_idx, experts)
+            if picked == "sources":
+                return self._pipelined_sources(x, topk_idx, topk_weights, experts, why)
+            n = int(picked)
         elif isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1:
             n, why = chunks, "requested by the caller"
         else:
@@ -1036,14 +1049,55 @@ class MoEDispatcher:
             outs.append(_Combine.apply(rows, topk_weights[lo:hi], handles[i], self.group))
         return torch.cat(outs)
 
+    def _auto_chunks(self, x: torch.Tensor, topk_idx: torch.Tensor, experts: Any) -> tuple[int | str, str]:
+        """``chunks="auto"``: (what to run, why), the same on every rank given the same table."""
+        if torch.is_grad_enabled():
+            return 1, "one chunk: with autograd the chunks run one after another (the tuned pipelines ran without it)"
+        if self.transport != "peer":
+            # the ranks' token counts may differ, and a choice by tokens could then differ
+            # between ranks; over NCCL the pipeline measured 0.78-1.05x the sequential time on
+            # 2xH200 anyway (bench/results/README.md, gpu_2xh200_moe)
+            return 1, ("one chunk: auto follows a tuned table over transport 'peer' only (keyed by max_tokens, "
+                       "the same on every rank)")
+        from .ops import _tuned_table
+
+        table = _tuned_table()
+        if table is None:
+            return 1, ("one chunk: no tuned table (launch/bench_moe.py --tune writes one; overlap.set_tuned or "
+                       "COMMOPS_OVERLAP_TUNED reads it)")
+        if table is not self._auto_table:  # another table since (overlap.set_tuned): choose anew
+            self._auto_table = table
+            self._auto.clear()
+        key = (x.dtype, x.device.type, topk_idx.shape[1], self.pipeline_transfers,
+               tuple(experts.w1.shape) if isinstance(experts, GroupedSwiGLU) else None)
+        found = self._auto.get(key)
+        if found is None:
+            found = self._auto[key] = _from_moe_table(table, self, x, topk_idx.shape[1], experts)
+        picked, why = found
+        if picked == "sources":
+            missing = self._sources_missing(x, topk_idx, experts)
+            if missing:
+                return 1, f"one chunk: the tuned table's pipeline by source needs {missing}"
+        return found
+
     def _pipelined_sources(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                           experts: Any) -> torch.Tensor:
+                           experts: Any, why: str = "") -> torch.Tensor:
         """``forward_pipelined(..., chunks="sources")``: what it needs checked, then the peer
         transport's pipeline by source rank."""
-        from . import _grouped_gemm
-
         self._check(x, topk_idx, topk_weights)
         self._check_transport(x)
+        missing = self._sources_missing(x, topk_idx, experts)
+        if missing:
+            raise UnsupportedError("chunks", "sources", f"needs {missing}", "use chunks='auto' or an int")
+        out = self._peer_pipeline(x, topk_idx, topk_weights, lambda rows, xc: rows.pipelined_sources(
+            xc, topk_idx, topk_weights, experts))
+        self.last_chunks = (self.comm.size, why or "by source rank (chunks='sources')")
+        return out
+
+    def _sources_missing(self, x: torch.Tensor, topk_idx: torch.Tensor, experts: Any) -> str:
+        """What the pipeline by source needs that this call lacks, or ``""``."""
+        from . import _grouped_gemm
+
         missing = ""
         if self.transport != "peer" or self.pipeline_transfers != "copy_engine":
             missing = (f"transport='peer' with pipeline_transfers='copy_engine' (this dispatcher: transport="
@@ -1059,12 +1113,7 @@ class MoEDispatcher:
             why = _grouped_gemm.supported(x.new_empty((1, x.shape[1])), experts.w1, experts.w3, experts.w2)
             if why:
                 missing = f"rows the experts' Triton kernels take: {why}"
-        if missing:
-            raise UnsupportedError("chunks", "sources", f"needs {missing}", "use chunks='auto' or an int")
-        out = self._peer_pipeline(x, topk_idx, topk_weights, lambda rows, xc: rows.pipelined_sources(
-            xc, topk_idx, topk_weights, experts))
-        self.last_chunks = (self.comm.size, "by source rank (chunks='sources')")
-        return out
+        return missing
 
     def _peer_pipeline(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                        run: Callable[[Any, torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -1203,6 +1252,36 @@ class _ContiguousGrad(torch.autograd.Function):
 
 _GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
 _FUSED_WARNED: list[str] = []  # the reason the fused experts kernel could not run, once warned
+
+
+# A pipeline replaces the sequential forward in a tuned table only when it measured at least this
+# much faster, paired in the same rounds: a margin for run-to-run noise (on 2xH200 the paired
+# ratio of one configuration moved by up to 4% between runs, 2026-11-30), so that auto never
+# trades the sequential forward for a measured tie.
+MOE_TUNE_MIN_SPEEDUP = 1.05
+
+
+def _from_moe_table(table: dict[str, Any], disp: MoEDispatcher, x: torch.Tensor, k: int, experts: Any
+                    ) -> tuple[int | str, str]:
+    """The tuned table's choice for this dispatcher, tokens and experts (see ``forward_pipelined``)."""
+    if table.get("meta", {}).get("world", disp.comm.size) != disp.comm.size:
+        return 1, f"one chunk: the tuned table was measured at {table['meta']['world']} ranks, not {disp.comm.size}"
+    if not isinstance(experts, GroupedSwiGLU):
+        return 1, f"one chunk: the tuned table measured GroupedSwiGLU experts, not {type(experts).__name__}"
+    want = {"op": "moe_forward", "transport": disp.transport, "dtype": str(x.dtype).removeprefix("torch."),
+            "device_type": x.device.type, "tokens": disp.max_tokens, "hidden": disp.hidden,
+            "ffn_hidden": experts.w1.shape[2], "experts": disp.num_experts, "top_k": k}
+    for e in table.get("entries", []):
+        if all(e.get(f) == v for f, v in want.items()):
+            # a pipeline over token chunks moves its rows as the dispatcher's pipeline_transfers says
+            how = "sm" if disp.pipeline_transfers == "auto" else disp.pipeline_transfers
+            if e["chunks"] != "sources" and e.get("pipeline", how) != how:
+                return 1, (f"one chunk: the tuned table's {e['chunks']} chunks ran over {e['pipeline']}, this "
+                           f"dispatcher's pipeline_transfers is {disp.pipeline_transfers!r}")
+            chunks = e["chunks"] if e["chunks"] == "sources" else int(e["chunks"])
+            return chunks, f"tuned table: {e['note']}"
+    return 1, (f"one chunk: the tuned table has no measurement of this layer (max_tokens {disp.max_tokens}, hidden "
+               f"{disp.hidden}, ffn {experts.w1.shape[2]}, {disp.num_experts} experts, top-{k}, {want['dtype']})")
 
 
 def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:

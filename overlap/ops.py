@@ -122,8 +122,9 @@ _AUTO: dict[tuple[Any, ...], OverlapChoice] = {}
 
 
 def set_tuned(table: Any) -> None:
-    """Follow this tuned table (the dict ``launch/bench_overlap.py --tune`` writes, or its path) in
-    ``strategy="auto"``; ``None`` goes back to ``COMMOPS_OVERLAP_TUNED``. Give every rank the same one."""
+    """Follow this tuned table (the dict ``launch/bench_overlap.py --tune`` or ``launch/bench_moe.py
+    --tune`` writes, or its path) in ``strategy="auto"`` and ``forward_pipelined(chunks="auto")``;
+    ``None`` goes back to ``COMMOPS_OVERLAP_TUNED``. Give every rank the same one."""
     if isinstance(table, (str, bytes)) or hasattr(table, "__fspath__"):
         import json
         from pathlib import Path

@@ -11,8 +11,10 @@ bf16 and fp16; top-1 and top-3; fresh random tokens, routing and weights in ever
 than one tile of the layout kernels); a rank without tokens in one call; an expert that no token
 chooses; ``dispatch`` and ``dispatch_low_latency`` bit for bit against recv_x by definition; a
 repeated and an out-of-range expert id on one rank refused on every rank; the
-sequential forward of the same dispatcher checked beside it; one traced call's timeline (``PeerRows.timeline``) in the pipeline's
-order. Prints one line per failure and a summary; exits non-zero on any.
+sequential forward of the same dispatcher checked beside it; ``chunks="auto"`` following a tuned
+table to the pipeline by source and to two token chunks over copy engines; one traced call's
+timeline (``PeerRows.timeline``) in the pipeline's order. Prints one line per failure and a
+summary; exits non-zero on any.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import collectives as C  # noqa: E402
 from collectives.errors import InvalidArgumentError  # noqa: E402
+from overlap import ops  # noqa: E402
 from overlap.moe import GroupedSwiGLU, MoEDispatcher, reference_moe  # noqa: E402
 
 TOL = 3e-2  # of the largest output element: one rounding of the activation and of the output in bf16
@@ -149,8 +152,19 @@ def main() -> int:
                     fails += _bad_routing_fails(disp, every, r, w, f"rank {r} {dtype}")
                 peer = disp._peer_rows()
                 peer.trace = [] if call == 2 else None  # one call traced: its timeline is checked below
-                with torch.no_grad():
-                    got = disp.forward_pipelined(x, idx, wt, mine, chunks="sources")
+                # calls 0 and 1: chunks="auto" following a tuned table (the pipeline by source, then
+                # two token chunks over copy engines); call 2 asks for the pipeline by source itself
+                tuned = {0: ("sources", w), 1: (2, 2)}.get(call)
+                if tuned:
+                    ops.set_tuned({"meta": {"world": w}, "entries": [{
+                        "op": "moe_forward", "transport": "peer", "pieces": 1, "dtype": str(dtype).removeprefix("torch."),
+                        "device_type": "cuda", "tokens": 720, "hidden": H, "ffn_hidden": FF, "experts": E, "top_k": k,
+                        "chunks": tuned[0], "pipeline": "copy_engine", "note": "written by this check"}]})
+                try:
+                    with torch.no_grad():
+                        got = disp.forward_pipelined(x, idx, wt, mine, chunks="auto" if tuned else "sources")
+                finally:
+                    ops.set_tuned(None)
                 if call == 2:
                     checks += 1
                     fails += _timeline_fails(peer.timeline(), r, w, f"rank {r} {dtype} k={k}")
@@ -159,14 +173,15 @@ def main() -> int:
                     seq = disp.forward(x, idx, wt, mine)
                 want = reference_moe(x.double(), idx, wt.double(), lambda e, rows: _swiglu64(whole, e, rows))
                 scale = want.abs().max().item() if T else 1.0
-                for what, out in (("pipeline by source", got), ("sequential", seq)):
+                for what, out in ((f"pipeline {tuned or 'by source'}", got), ("sequential", seq)):
                     checks += 1
                     err = (out.double() - want).abs().max().item() if T else 0.0
                     if out.shape != x.shape or not err <= TOL * max(scale, 1e-6):
                         fails.append(f"rank {r} {what} {dtype} k={k} call {call}: max error {err:.3g} (scale {scale:.3g})")
                 checks += 1
-                if disp.last_chunks != (w, "by source rank (chunks='sources')"):
-                    fails.append(f"rank {r} pipeline by source ran {disp.last_chunks}")
+                ran = (tuned[1], "tuned table: written by this check") if tuned else (w, "by source rank (chunks='sources')")
+                if disp.last_chunks != ran:
+                    fails.append(f"rank {r} call {call}: the pipeline ran {disp.last_chunks}, not {ran}")
             disp.close()
     for f in fails:
         print(f, flush=True)
