@@ -52,10 +52,10 @@ class MoERecord:
     experts_us: float
     sequential_us: float
     pipelined_us: float
-    chunks: int | str       # token chunks, or "sources" (forward_pipelined(chunks="sources"))
+    chunks: int | str       # token chunks, "sources" or "auto" (forward_pipelined(chunks=...))
     hidden_pct: float
     wrong: int              # output elements of the pipelined and the pieced forward off the plain one (float32;
-    #                         chunks "sources" in the run's dtype, at 2^-5)
+    #                         chunks "sources" and "auto" in the run's dtype, at 2^-5)
     pieces: int = 1         # the dispatcher's exchange_pieces
     transport: str = "nccl"  # the dispatcher's transport
     train_us: float = 0.0   # dispatch -> experts -> combine, forward and backward (x, weights, experts)
@@ -74,6 +74,8 @@ class MoERecord:
     # chunks "sources" on CUDA: one traced call after the timing, [rank, step, microseconds from
     # that rank's first step to the end of this one] (PeerRows.timeline; the ranks start together)
     timeline: list[list[Any]] = field(default_factory=list)
+    # chunks "auto": what it ran, and why (MoEDispatcher.last_chunks: a tuned table, or one chunk)
+    auto_ran: str = ""
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -90,6 +92,8 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
     A chunk count "sources" is the pipeline by source rank (peer transport, its buffers sized for
     copy engines; one record, whatever ``transfers``), checked in the run's dtype against the
     float32 reference at that dtype's tolerance (it runs the experts' bf16/fp16 kernels only).
+    A chunk count "auto" is ``forward_pipelined(chunks="auto")`` (a tuned table's choice, or one
+    chunk), checked the same way; ``auto_ran`` says what it ran.
     The dispatcher moves its rows in ``pieces`` (``MoEDispatcher(exchange_pieces=...)``) over
     ``transport`` (over NCCL with its ``routing``), checked against one piece over NCCL (or Gloo)
     planned on the host."""
@@ -99,7 +103,8 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
     idx = torch.rand(tokens, experts, generator=g, device=device).topk(top_k, dim=-1).indices
     w = torch.rand(tokens, top_k, generator=g, device=device).to(dtype)
     bounds: dict[str, Any] = {"max_tokens": tokens, "top_k": top_k} if transport == "peer" else {"routing": routing}
-    if transport == "peer" and ("copy_engine" in transfers or "sources" in chunk_counts):  # buffers sized for it
+    # buffers sized for the copy engines where a run may take them ("auto" may pick the pipeline by source)
+    if transport == "peer" and ("copy_engine" in transfers or {"sources", "auto"} & set(chunk_counts)):
         bounds["pipeline_transfers"] = "copy_engine"
     disp = MoEDispatcher(experts, hidden, comm.group, dtype=dtype, device=device, exchange_pieces=pieces,
                          transport=transport, **bounds)
@@ -156,7 +161,7 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
                                       if k == "sources" and transport == "peer"]
         for k, tr in runs:
             disp.pipeline_transfers = disp32.pipeline_transfers = tr
-            if k == "sources":  # the run's dtype: 2^-5 of each element's size (and the mean's)
+            if k in ("sources", "auto"):  # the run's dtype: 2^-5 of each element's size (and the mean's)
                 got = disp.forward_pipelined(x, idx, w, mlp, chunks=k).float()
                 wrong = int(((got - ref).abs() > 2 ** -5 * (ref.abs() + ref.abs().mean() + 1e-12)).sum()) + wrong_seq
             else:
@@ -166,6 +171,7 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
                                      "pipelined": functools.partial(disp.forward_pipelined, x, idx, w, mlp, chunks=k)},
                                     comm, device, iters, reps, rounds=rounds)
             t_pipe = both["pipelined"]
+            auto_ran = f"{disp.last_chunks[0]} ({disp.last_chunks[1]})" if k == "auto" and disp.last_chunks else ""
             timeline = _timeline(disp, functools.partial(disp.forward_pipelined, x, idx, w, mlp, chunks=k), comm,
                                  device) if k == "sources" and device.type == "cuda" else []
             comm_us = t_dispatch + t_combine
@@ -176,7 +182,8 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
                 sent_bytes / t_combine / 1e3, t_a2a, sent_bytes / t_a2a / 1e3, t_experts, t_seq, t_pipe, k,
                 100 * (t_seq - t_pipe) / comm_us if comm_us else 0.0, wrong, pieces, transport, t_train, **low,
                 routing="device" if where else "host", pipeline=how,
-                speedup_paired=1 / paired_ratio(rounds, "pipelined", "sequential"), timeline=timeline))
+                speedup_paired=1 / paired_ratio(rounds, "pipelined", "sequential"), timeline=timeline,
+                auto_ran=auto_ran))
     disp.close()
     disp32.close()
     return records
@@ -229,10 +236,12 @@ def tuned_moe_table(records: list[MoERecord], meta: dict[str, Any], into: dict[s
     """The table ``forward_pipelined(chunks="auto")`` follows (``overlap.set_tuned``,
     ``COMMOPS_OVERLAP_TUNED``): per measured layer, the pipeline with the best paired speedup
     over the sequential forward, if it reached ``MOE_TUNE_MIN_SPEEDUP`` with ``#wrong`` 0; else one
-    chunk. ``into``: a table to add to (its other operators' entries kept, its entries for the same
+    chunk (records of chunks "auto" are left out). ``into``: a table to add to (its other operators' entries kept, its entries for the same
     layers replaced; measured at the same world size)."""
     groups: dict[tuple[Any, ...], list[MoERecord]] = {}
     for r in records:
+        if r.chunks == "auto":  # what a table picked, not a pipeline of its own
+            continue
         key = (r.transport, r.pieces, r.dtype, r.device.split(":")[0], r.tokens, r.hidden, r.ffn_hidden, r.experts,
                r.top_k)
         groups.setdefault(key, []).append(r)
@@ -272,6 +281,8 @@ def format_moe_table(records: list[MoERecord]) -> str:
                      f"{r.experts_us:9.1f} us | sequential {r.sequential_us:9.1f} us | pipelined/{r.chunks} {r.pipeline} "
                      f"{r.pipelined_us:9.1f} us ({r.hidden_pct:6.1f}% hidden, {r.speedup_paired:.3f}x paired) | train step {r.train_us:9.1f} us "
                      f"#wrong {r.wrong}")
+        if r.auto_ran:
+            lines.append(f"{'':<14} auto ran: {r.auto_ran}")
         for q in dict.fromkeys(q for q, _, _ in r.timeline):
             steps = " | ".join(f"{step} {us:.0f}" for p, step, us in r.timeline if p == q)
             lines.append(f"{'':<14} rank {q} timeline (us): {steps}")

@@ -41,8 +41,9 @@ def main() -> int:
                    help="a configuration (repeatable); default: the built-in ones")
     p.add_argument("-d", "--dtype", default=None, choices=sorted(DTYPES))
     p.add_argument("--chunks", default="2,4",
-                   help="comma-separated token chunk counts of the pipelined forward, and 'sources' for the "
-                        "pipeline by source rank (transport peer, GPUs: forward_pipelined(chunks='sources'))")
+                   help="comma-separated token chunk counts of the pipelined forward, 'sources' for the "
+                        "pipeline by source rank (transport peer, GPUs: forward_pipelined(chunks='sources')) and "
+                        "'auto' (what a tuned table picks, COMMOPS_OVERLAP_TUNED)")
     p.add_argument("--pieces", default="1,4", help="exchange_pieces of the dispatcher, comma-separated (transport nccl)")
     p.add_argument("--transport", default=None,
                    help="comma-separated: nccl, peer (default: both on the GPUs of one node, else nccl)")
@@ -73,7 +74,7 @@ def main() -> int:
         for c in args.config:
             name, *nums = c.split(":")
             configs.append((name, *map(int, nums)))  # type: ignore[arg-type]
-    chunks = tuple(x if x == "sources" else int(x) for x in args.chunks.split(","))
+    chunks = tuple(x if x in ("sources", "auto") else int(x) for x in args.chunks.split(","))
     records = []
     transports = args.transport.split(",") if args.transport else ["nccl"]
     if not args.transport and cuda:

@@ -9,6 +9,7 @@
 # call, with a profile); and, only when named: sanitize (the peer-memory checks and
 # tests/gpu_sanitize_cases.py under compute-sanitizer's memcheck and racecheck), moe_pipeline (the MoE
 # pipelines, by token chunks and by source rank, where the exchange is closest to the experts),
+# moe_auto (chunks="auto" following the table moe and moe_pipeline wrote),
 # topology (python -m topology), a2a_bench (NCCL's
 # and our all-to-all algorithms, 8 B - 1 GB, eager and graphs), peer_epilogue (GEMMs writing
 # into a peer's memory against GEMMs beside a copy engine) and model (a calibration of this
@@ -32,6 +33,7 @@ R="python3 -m torch.distributed.run --standalone --nproc-per-node $N"
 MLP_AG="2048x4096x7168,4096x4096x7168,8192x4096x7168,16384x4096x7168"
 MLP_RS="2048x7168x4096,4096x7168x4096,8192x7168x4096,16384x7168x4096"
 TUNED="$OUT/overlap_tuned.json"
+MOE_TUNED="$OUT/moe_tuned.json"  # forward_pipelined(chunks="auto")'s table, from the moe and moe_pipeline steps
 # the overlap steps: peer buffers large enough for the copy-engine strategy to keep its chunk
 # counts at these shapes (the checks and the collectives benchmark keep the default)
 BIG=${OVERLAP_PEER_BYTES:-1073741824}
@@ -70,12 +72,18 @@ for step in $STEPS; do
     tp_mlp) COMMOPS_PEER_BYTES=$BIG COMMOPS_OVERLAP_TUNED=$TUNED run tp_mlp 240 $R launch/bench_tp_mlp.py \
         --variants sequential,chunked/2,copy_engine/2,copy_engine/4,auto --json "$OUT/tp_mlp.json" --plot "$OUT/tp_mlp.png" ;;
     moe) run moe 300 $R launch/bench_moe.py --pieces 1 --chunks 2,sources -n 10 -r 5 --json "$OUT/moe.json" \
-      --csv "$OUT/moe.csv" --plot "$OUT/moe.png" ;;
+      --csv "$OUT/moe.csv" --plot "$OUT/moe.png" --tune "$MOE_TUNED" ;;
     moe_pipeline)  # the pipelines on the peer transport, where the exchange is closest to the experts
       run moe_pipeline 300 $R launch/bench_moe.py --transport peer --chunks 2,sources --pipeline-transfers auto \
         -n 10 -r 5 --config qwen3-30b-prefill:8192:2048:768:$((16 * N)):8 \
         --config top2-h4096-f512:16384:4096:512:$((16 * N)):2 --config top1-h4096-f1024:16384:4096:1024:$((8 * N)):1 \
-        --json "$OUT/moe_pipeline.json" --csv "$OUT/moe_pipeline.csv" --plot "$OUT/moe_pipeline.png" ;;
+        --json "$OUT/moe_pipeline.json" --csv "$OUT/moe_pipeline.csv" --plot "$OUT/moe_pipeline.png" \
+        --tune "$MOE_TUNED" ;;
+    moe_auto)  # chunks="auto" following the table the two steps above wrote, paired with the sequential forward
+      COMMOPS_OVERLAP_TUNED=$MOE_TUNED run moe_auto 300 $R launch/bench_moe.py --transport peer --chunks auto \
+        --pipeline-transfers copy_engine -n 10 -r 5 --config qwen3-30b-prefill:8192:2048:768:$((16 * N)):8 \
+        --config top2-h4096-f512:16384:4096:512:$((16 * N)):2 --config top1-h4096-f1024:16384:4096:1024:$((8 * N)):1 \
+        --json "$OUT/moe_auto.json" --csv "$OUT/moe_auto.csv" --plot "$OUT/moe_auto.png" ;;
     peer_bench) run peer_bench 300 $R launch/bench_collectives.py --op all_reduce,reduce_scatter,all_gather -d bf16 \
         -b 8 -e 1G -f 4 -a native,one_shot,two_shot,copy_engine,auto,symm_mem_two_shot -G both -n 20 -r 5 -w 5 \
         --json "$OUT/peer.json" --plot-vs-native "$OUT/peer.png" ;;

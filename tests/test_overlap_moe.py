@@ -250,7 +250,8 @@ def _moe_bench_smoke(rank: int, world: int) -> list[tuple[int, int, float]]:
     from bench.moe_bench import measure_config
 
     recs = measure_config(C.get_communicator(), "tiny", 6 + rank, 8, 12, 2 * world, 2, torch.float32,
-                          torch.device("cpu"), chunk_counts=(2,), iters=1, reps=1)
+                          torch.device("cpu"), chunk_counts=(2, "auto"), iters=1, reps=1)
+    assert recs[1].auto_ran.startswith("1 (one chunk"), recs[1].auto_ran  # no table over NCCL/Gloo
     recs += measure_config(C.get_communicator(), "tiny", 6 + rank, 8, 12, 2 * world, 2, torch.float32,
                            torch.device("cpu"), chunk_counts=(2,), iters=1, reps=1, routing="device")
     return [(r.chunks, r.wrong, r.bytes_sent, r.routing) for r in recs]
@@ -259,7 +260,7 @@ def _moe_bench_smoke(rank: int, world: int) -> list[tuple[int, int, float]]:
 def test_moe_benchmark_smoke(worlds) -> None:  # noqa: ANN001
     for rank, recs in enumerate(worlds(2).run(_moe_bench_smoke)):
         sent = (6 + rank) * 2 * 8 * 4  # tokens * k rows of 8 floats
-        assert recs == [(2, 0, sent, "host"), (2, 0, sent, "device")]
+        assert recs == [(2, 0, sent, "host"), ("auto", 0, sent, "host"), (2, 0, sent, "device")]
 
 
 def _pipelined_no_grad(rank: int, world: int, chunks: int, routing: str = "auto") -> float:

@@ -36,7 +36,8 @@ def test_the_table_keeps_the_fastest_correct_pipeline_past_the_margin() -> None:
     records = [_record(2, 0.9), _record("sources", 1.31, pipeline="copy_engine"),
                _record(4, 1.6, wrong=3),                      # fastest, but wrong: never chosen
                _record(2, MOE_TUNE_MIN_SPEEDUP - 0.03, tokens=128),  # a tie within the margin
-               _record(4, 0.7, tokens=128)]
+               _record(4, 0.7, tokens=128),
+               _record("auto", 2.0, tokens=128)]  # what a table picked: not a candidate
     table = tuned_moe_table(records, {"world": 2, "date": "2026-12-01T00:00:00", "device": "X"})
     assert table["meta"] == {"world": 2, "date": "2026-12-01T00:00:00", "device": "X"}
     by = _entries(table)
