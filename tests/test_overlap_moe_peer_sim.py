@@ -409,6 +409,7 @@ def _expert_weights(g: int, ffn: int) -> tuple[torch.Tensor, ...]:
     (3, 1, 2, [4, 0, 7]),
     (4, 2, 3, [5, 3, 0, 6]),
     (2, 4, 1, [7, 7]),                   # top-1: experts that get nothing
+    (8, 2, 3, [5, 0, 3, 6, 1, 2, 7, 4]),  # the most ranks of one node (MAX_RANKS)
 ])
 def test_pipeline_by_source_rank_matches_the_float64_moe(monkeypatch: pytest.MonkeyPatch, world: int, e_loc: int,
                                                          k: int, tokens: list[int]) -> None:

@@ -40,6 +40,7 @@ SCENARIOS = {
     "reduce_op_mismatch": "mismatch:reduce_op",
     "root_mismatch": "mismatch:root",
     "straggler": "straggler",
+    "skipped_moe_layer": "timeout",
 }
 
 
@@ -93,7 +94,7 @@ def _judge(kind: str, outcomes: dict[int, dict[str, Any]], found: dict[str, Any]
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 GPU_SCENARIOS = ("skipped_collective", "rank_crash", "shape_mismatch", "dtype_mismatch", "reduce_op_mismatch",
-                 "root_mismatch")
+                 "root_mismatch", "skipped_moe_layer")
 
 
 def run_one(name: str, kind: str, world: int, timeout_s: float, gpu: bool = False) -> dict[str, Any]:
