@@ -560,6 +560,7 @@ class MoEDispatcher:
         self.top_k: int = top_k or 0
         self._peer: Any = None
         self._no_plan: dict[torch.device, torch.Tensor] = {}
+        self._meta: dict[torch.dtype, torch.Tensor] = {}  # dispatch's output as the flight recorder notes it
         # the peer transport sizes its buffers by the rows' bytes
         self._row_bytes = hidden * torch.empty((), dtype=dtype).element_size() if dtype is not None else 0
         self.last_chunks: tuple[int, str] | None = None
@@ -885,14 +886,20 @@ class MoEDispatcher:
             raise InvalidArgumentError("topk_idx", topk_idx, f"has k={topk_idx.shape[1]}; the dispatcher was built "
                                        f"for top_k={self.top_k}", f"pass [tokens, {self.top_k}] expert ids")
         rows = self._peer_rows()
-        box: list[Any] = []
-        with recorded(self.comm, "moe_dispatch", "peer", torch.empty((0, x.shape[1]), dtype=x.dtype, device="meta"), x):
-            recv = _DenseDispatch.apply(x, topk_idx, rows, box)
-        layout = box[0]
-        counts = layout.counts
+        meta = self._meta.get(x.dtype)  # what the flight recorder notes of the output (shape, dtype)
+        if meta is None:
+            meta = self._meta[x.dtype] = torch.empty((0, x.shape[1]), dtype=x.dtype, device="meta")
+        with recorded(self.comm, "moe_dispatch", "peer", meta, x):
+            if torch.is_grad_enabled() and x.requires_grad:
+                box: list[Any] = []
+                recv = _DenseDispatch.apply(x, topk_idx, rows, box)
+                layout = box[0]
+            else:  # nothing to differentiate: the same call without autograd's bookkeeping
+                recv, layout = rows.dispatch_dense(x.contiguous(), topk_idx)
         none = self._no_plan.get(x.device)  # no host plan (see DispatchHandle): one empty tensor, shared
         if none is None:
             none = self._no_plan[x.device] = torch.empty(0, dtype=torch.int64, device=x.device)
+        counts = layout.counts
         matrix = counts[:w * e_loc].reshape(w, e_loc).astype(np.int64)
         handle = DispatchHandle(matrix.sum(0).tolist(), counts[w * e_loc + w:w * e_loc + 2 * w].astype(np.int64).tolist(),
                                 matrix.sum(1).tolist(), torch.from_numpy(matrix), none, none, none, x.shape[0],
@@ -966,7 +973,10 @@ class MoEDispatcher:
             with recorded(self.comm, "moe_combine", "peer", torch.empty((handle.num_tokens, expert_out.shape[1]),
                                                                          dtype=expert_out.dtype, device="meta"),
                           expert_out):
-                return _DenseCombine.apply(expert_out, topk_weights, rows, layout)
+                if torch.is_grad_enabled() and (expert_out.requires_grad or topk_weights.requires_grad):
+                    return _DenseCombine.apply(expert_out, topk_weights, rows, layout)
+                # nothing to differentiate: the same call without autograd's bookkeeping
+                return rows.combine_dense(layout, expert_out.contiguous(), topk_weights)
         return _Combine.apply(expert_out, topk_weights, handle, self.group)
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
