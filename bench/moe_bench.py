@@ -236,8 +236,9 @@ def tuned_moe_table(records: list[MoERecord], meta: dict[str, Any], into: dict[s
     """The table ``forward_pipelined(chunks="auto")`` follows (``overlap.set_tuned``,
     ``COMMOPS_OVERLAP_TUNED``): per measured layer, the pipeline with the best paired speedup
     over the sequential forward, if it reached ``MOE_TUNE_MIN_SPEEDUP`` with ``#wrong`` 0; else one
-    chunk (records of chunks "auto" are left out). ``into``: a table to add to (its other operators' entries kept, its entries for the same
-    layers replaced; measured at the same world size)."""
+    chunk (records of chunks "auto" are left out). ``into``: a table to add to (its other
+    operators' entries kept, its entries for the same layers replaced; measured at the same world
+    size)."""
     groups: dict[tuple[Any, ...], list[MoERecord]] = {}
     for r in records:
         if r.chunks == "auto":  # what a table picked, not a pipeline of its own
