@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import collectives as C
+from overlap.layers import MoELayer
 from overlap.moe import MOE_TUNE_MIN_SPEEDUP, GroupedSwiGLU, MoEDispatcher
 
 from .harness import _align, paired_ratio, time_interleaved
@@ -76,6 +77,11 @@ class MoERecord:
     timeline: list[list[Any]] = field(default_factory=list)
     # chunks "auto": what it ran, and why (MoEDispatcher.last_chunks: a tuned table, or one chunk)
     auto_ran: str = ""
+    # the layer (MoELayer: its router in front of the same dispatcher and experts) at one chunk and
+    # at this record's chunks, timed in the same rounds, and the median of their per-round ratio
+    layer_sequential_us: float = 0.0
+    layer_pipelined_us: float = 0.0
+    layer_speedup_paired: float = 0.0
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -93,7 +99,9 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
     copy engines; one record, whatever ``transfers``), checked in the run's dtype against the
     float32 reference at that dtype's tolerance (it runs the experts' bf16/fp16 kernels only).
     A chunk count "auto" is ``forward_pipelined(chunks="auto")`` (a tuned table's choice, or one
-    chunk), checked the same way; ``auto_ran`` says what it ran.
+    chunk), checked the same way; ``auto_ran`` says what it ran. Each record also times the layer,
+    ``MoELayer`` (its router, then ``forward_pipelined``) over the same dispatcher and experts, at
+    one chunk and at the record's chunks (the same calls as the checked ones, behind a router).
     The dispatcher moves its rows in ``pieces`` (``MoEDispatcher(exchange_pieces=...)``) over
     ``transport`` (over NCCL with its ``routing``), checked against one piece over NCCL (or Gloo)
     planned on the host."""
@@ -110,6 +118,9 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
                          transport=transport, **bounds)
     where = disp._device_layout(idx) if transport == "peer" else disp._routes_on_device(idx)
     mlp = GroupedSwiGLU(disp.local_experts, hidden, ffn_hidden, dtype=dtype, device=device)
+    # the layer: a router (the same on every rank) in front of this dispatcher and these experts
+    layer = MoELayer(hidden, ffn_hidden, experts, top_k, comm.group, dtype=dtype, device=device)
+    layer.dispatcher, layer.experts = disp, mlp
     with torch.no_grad():
         recv, handle = disp.dispatch(x, idx, w)
         y = mlp(recv, handle.tokens_per_expert)
@@ -171,7 +182,12 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
                                      "pipelined": functools.partial(disp.forward_pipelined, x, idx, w, mlp, chunks=k)},
                                     comm, device, iters, reps, rounds=rounds)
             t_pipe = both["pipelined"]
+            # (read before the layer's calls below set last_chunks again)
             auto_ran = f"{disp.last_chunks[0]} ({disp.last_chunks[1]})" if k == "auto" and disp.last_chunks else ""
+            layer_rounds: dict[str, list[float]] = {}
+            layer_t = time_interleaved({"sequential": functools.partial(_layer_at, layer, x, 1),
+                                        "pipelined": functools.partial(_layer_at, layer, x, k)},
+                                       comm, device, iters, reps, rounds=layer_rounds)
             timeline = _timeline(disp, functools.partial(disp.forward_pipelined, x, idx, w, mlp, chunks=k), comm,
                                  device) if k == "sources" and device.type == "cuda" else []
             comm_us = t_dispatch + t_combine
@@ -183,10 +199,16 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
                 100 * (t_seq - t_pipe) / comm_us if comm_us else 0.0, wrong, pieces, transport, t_train, **low,
                 routing="device" if where else "host", pipeline=how,
                 speedup_paired=1 / paired_ratio(rounds, "pipelined", "sequential"), timeline=timeline,
-                auto_ran=auto_ran))
+                auto_ran=auto_ran, layer_sequential_us=layer_t["sequential"], layer_pipelined_us=layer_t["pipelined"],
+                layer_speedup_paired=1 / paired_ratio(layer_rounds, "pipelined", "sequential")))
     disp.close()
     disp32.close()
     return records
+
+
+def _layer_at(layer: MoELayer, x: torch.Tensor, chunks: int | str) -> torch.Tensor:
+    layer.chunks = chunks
+    return layer(x)
 
 
 def _timeline(disp: MoEDispatcher, call: Callable[[], object], comm: C.Communicator,
@@ -282,6 +304,8 @@ def format_moe_table(records: list[MoERecord]) -> str:
                      f"{r.experts_us:9.1f} us | sequential {r.sequential_us:9.1f} us | pipelined/{r.chunks} {r.pipeline} "
                      f"{r.pipelined_us:9.1f} us ({r.hidden_pct:6.1f}% hidden, {r.speedup_paired:.3f}x paired) | train step {r.train_us:9.1f} us "
                      f"#wrong {r.wrong}")
+        lines.append(f"{'':<14} layer (router included): sequential {r.layer_sequential_us:9.1f} us | pipelined/{r.chunks} "
+                     f"{r.layer_pipelined_us:9.1f} us ({r.layer_speedup_paired:.3f}x paired)")
         if r.auto_ran:
             lines.append(f"{'':<14} auto ran: {r.auto_ran}")
         for q in dict.fromkeys(q for q, _, _ in r.timeline):

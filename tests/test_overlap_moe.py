@@ -254,6 +254,7 @@ def _moe_bench_smoke(rank: int, world: int) -> list[tuple[int, int, float]]:
     assert recs[1].auto_ran.startswith("1 (one chunk"), recs[1].auto_ran  # no table over NCCL/Gloo
     recs += measure_config(C.get_communicator(), "tiny", 6 + rank, 8, 12, 2 * world, 2, torch.float32,
                            torch.device("cpu"), chunk_counts=(2,), iters=1, reps=1, routing="device")
+    assert all(r.layer_sequential_us > 0 and r.layer_pipelined_us > 0 and r.layer_speedup_paired > 0 for r in recs)
     return [(r.chunks, r.wrong, r.bytes_sent, r.routing) for r in recs]
 
 
