@@ -1093,10 +1093,11 @@ class MoEDispatcher:
     def _pipelined_sources(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                            experts: Any, why: str = "") -> torch.Tensor:
         """``forward_pipelined(..., chunks="sources")``: what it needs checked, then the peer
-        transport's pipeline by source rank."""
+        transport's pipeline by source rank. ``why``: auto's reason, given once ``_auto_chunks``
+        has found nothing missing (not looked for again)."""
         self._check(x, topk_idx, topk_weights)
         self._check_transport(x)
-        missing = self._sources_missing(x, topk_idx, experts)
+        missing = "" if why else self._sources_missing(x, topk_idx, experts)
         if missing:
             raise UnsupportedError("chunks", "sources", f"needs {missing}", "use chunks='auto' or an int")
         out = self._peer_pipeline(x, topk_idx, topk_weights, lambda rows, xc: rows.pipelined_sources(
