@@ -6,6 +6,9 @@ calls up by group and sequence number, and reports, per group:
 * the first sequence number where the ranks disagree: ranks that never entered it (and the last
   call they did enter), and ranks that entered a different op, shape, dtype, reduce op, root or
   algorithm there (both sides' values);
+* the first call that failed (raised) on some rank, and the calls ranks were still inside when
+  they dumped (state ``started``: a synchronous call that never returned, because the rank was
+  stopped there, by its launcher's SIGTERM for instance, or was still waiting);
 * the straggler: over the last calls every rank completed, the rank that entered last most
   often, and by how much on average.
 
@@ -79,6 +82,15 @@ def diagnose(dumps: dict[int, dict[str, Any]], straggler_window: int = 20) -> di
             s0 = failures[0][0]
             first_failure = {"seq": s0, "op": next(calls[r][s0]["op"] for ss, r in failures if ss == s0),
                              "ranks": sorted(r for ss, r in failures if ss == s0)}
+        # A synchronous call still "started" in a dump never returned: the rank dumped from inside it
+        # (stopped by a signal, or waiting). Only a rank's latest call of the group can be one.
+        inside = {r: max(calls[r]) for r in members if calls.get(r)
+                  and calls[r][max(calls[r])]["state"] == "started"}
+        in_flight = None
+        if inside:
+            s1 = min(inside.values())
+            in_flight = {"seq": s1, "op": next(calls[r][s1]["op"] for r in inside if inside[r] == s1),
+                         "ranks": sorted(r for r in inside if inside[r] == s1)}
         done = [s for s in seqs if all(calls.get(r, {}).get(s, {}).get("state") == "completed" for r in members)]
         straggler = None
         if len(members) > 1 and done:
@@ -96,7 +108,7 @@ def diagnose(dumps: dict[int, dict[str, Any]], straggler_window: int = 20) -> di
                          "mean_lag_ms": 1e3 * statistics.mean(lag[rank]),
                          "others_mean_lag_ms": 1e3 * statistics.mean(x for r in members if r != rank for x in lag[r])}
         findings.append({"group": name, "ranks": g["ranks"], "no_dump": absent, "first_disagreement": first,
-                         "first_failure": first_failure, "straggler": straggler,
+                         "first_failure": first_failure, "in_flight": in_flight, "straggler": straggler,
                          "last_seq": {r: max(calls.get(r, {}), default=None) for r in members}})
     return {"ranks_dumped": sorted(dumps), "reasons": {r: d.get("reason") for r, d in dumps.items()},
             "groups": findings}
@@ -123,6 +135,10 @@ def _sentence(f: dict[str, Any]) -> str:
     ff = f.get("first_failure")
     if ff is not None and (d is None or ff["seq"] != d["seq"]):
         parts.append(f"call #{ff['seq']} ({ff['op']}) failed on rank(s) {ff['ranks']}")
+    fl = f.get("in_flight")
+    if fl is not None:
+        parts.append(f"rank(s) {fl['ranks']} were still inside call #{fl['seq']} ({fl['op']}) when they dumped "
+                     "(stopped there, or still waiting)")
     s = f["straggler"]
     if s is not None and s["mean_lag_ms"] >= STRAGGLER_MS and s["mean_lag_ms"] > 2 * s["others_mean_lag_ms"]:
         parts.append(f"straggler: rank {s['rank']} entered last in {s['last_in']} of the last {s['of']} completed "

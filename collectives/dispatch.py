@@ -211,7 +211,10 @@ def dispatch_tensors(comm: Communicator, op: str, output: torch.Tensor, input: t
             try:
                 runner(output, input)
             except BaseException as exc:
-                RECORDER.end(entry, "failed")
+                # Marked inline, before any call: a signal handler (a launcher's SIGTERM) runs at the
+                # next call's entry and may raise there, and the entry would stay "started".
+                entry[_STATE] = "failed"
+                entry[_T_END] = _now()
                 _failed(comm, op, comm.seq, exc)
                 raise
             entry[_T_END], entry[_STATE] = _now(), "completed"  # RECORDER.end, inlined on this path
@@ -240,7 +243,8 @@ def recorded(comm: Communicator, op: str, algorithm: str, output: torch.Tensor, 
     try:
         yield
     except BaseException as exc:
-        RECORDER.end(entry, "failed")
+        entry[_STATE] = "failed"
+        entry[_T_END] = _now()
         _failed(comm, op, comm.seq, exc)
         raise
     RECORDER.end(entry, "enqueued")
@@ -262,7 +266,8 @@ def dispatch(call: Call) -> Work | None:
         try:
             check_call(call, algo.name)
         except BaseException as exc:
-            RECORDER.end(entry, "failed")
+            entry[_STATE] = "failed"
+            entry[_T_END] = _now()
             _failed(comm, call.op, call.seq, exc)
             raise
     hooks = _HOOKS
@@ -291,7 +296,8 @@ def dispatch(call: Call) -> Work | None:
                 if nvtx:
                     torch.cuda.nvtx.range_pop()
     except BaseException as exc:
-        RECORDER.end(entry, "failed")
+        entry[_STATE] = "failed"
+        entry[_T_END] = _now()
         if hooks:
             for h in hooks:
                 h("error", call, exc)

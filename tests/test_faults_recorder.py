@@ -229,3 +229,41 @@ def test_progress_thread_stops_before_the_groups_go(worlds) -> None:  # noqa: AN
     """No thread may be inside a store call while the process tears the store down."""
     for seen in worlds(2).run(_progress_thread):
         assert seen == [True, False, True], seen
+
+
+def _dump_inside(rank: int, world: int, directory: str) -> int:
+    import threading
+
+    recorder.RECORDER.clear()
+    g = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=30))
+    comm = C.get_communicator(g)
+    C.all_reduce(torch.ones(4), group=g)
+    if rank == 0:
+        # Dumped while this rank waits inside the next call, as a launcher's SIGTERM or a SIGUSR1
+        # finds a rank stuck in a collective.
+        timer = threading.Timer(0.5, lambda: C.dump_trace("while inside", directory))
+        timer.start()
+        C.all_reduce(torch.ones(4), group=g)
+        timer.join()
+    else:
+        time.sleep(1.5)
+        C.dump_trace("before its call", directory)  # this rank has not entered it yet
+        C.all_reduce(torch.ones(4), group=g)
+    seq = comm.seq
+    dist.barrier()
+    C.destroy(g)
+    return seq
+
+
+def test_diagnose_names_the_call_a_rank_was_still_inside_when_it_dumped(worlds, tmp_path) -> None:  # noqa: ANN001
+    seqs = worlds(2).run(_dump_inside, str(tmp_path), timeout=120)
+    found = diagnose(load(tmp_path))
+    g = [f for f in found["groups"] if f["first_disagreement"] is not None]
+    assert len(g) == 1, found
+    d = g[0]["first_disagreement"]
+    assert d["seq"] == seqs[0] and d["missing"] == [1] and d["states"] == {0: "started"}, d
+    assert g[0]["in_flight"] == {"seq": seqs[0], "op": "all_reduce", "ranks": [0]}, g[0]
+    assert g[0]["first_failure"] is None
+    text = subprocess.run([sys.executable, "-m", "collectives.diagnose", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60).stdout
+    assert f"rank(s) [0] were still inside call #{seqs[0]} (all_reduce)" in text, text

@@ -29,8 +29,13 @@ class LauncherStop(Exception):
     """SIGTERM: the launcher stopped this rank, which torchrun does to every rank once one exits."""
 
 
+_ARMED = [True]  # a SIGTERM raises until the fault's call is over; after it, the rank finishes its record
+
+
 def _stop(*_: Any) -> None:
-    raise LauncherStop("SIGTERM: the launcher stopped this rank (another rank exited)")
+    if _ARMED[0]:
+        _ARMED[0] = False
+        raise LauncherStop("SIGTERM: the launcher stopped this rank (another rank exited)")
 
 
 def _start_together(bound_s: float = 120.0) -> None:
@@ -78,10 +83,16 @@ def run(name: str, inject: str, expect: str, body: Callable[[C.Communicator, int
     outcome: dict[str, Any] = {"rank": comm.rank, "culprit": culprit, "raised": None}
     t0 = time.time()
     try:
-        with C.call_timeout(timeout):
-            body(comm, culprit, device)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+        try:
+            with C.call_timeout(timeout):
+                body(comm, culprit, device)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+        finally:
+            # Disarmed first, with no call before it (a handler runs at a call's entry): a SIGTERM
+            # from here on, which the launcher sends once another rank has exited, no longer cuts
+            # this rank's dump and outcome short.
+            _ARMED[0] = False
         outcome["result"] = "returned"
     except C.CommopsError as exc:
         outcome.update(raised=type(exc).__name__, message=str(exc), missing=getattr(exc, "missing", None))

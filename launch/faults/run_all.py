@@ -56,6 +56,8 @@ def _judge(kind: str, outcomes: dict[int, dict[str, Any]], found: dict[str, Any]
     d = g.get("first_disagreement") or {}
     row: dict[str, Any] = {"culprit_named": None, "seq": d.get("seq"), "op": d.get("op"), "detected": False}
     others = [o for r, o in outcomes.items() if r != culprit]
+    if len(others) < world - 1:  # a rank that wrote no outcome did not show that it noticed
+        others = []
     if kind == "timeout":
         row["detected"] = bool(others) and all(o["raised"] == "CollectiveTimeout" and o.get("missing") == [culprit]
                                                for o in others)
@@ -63,7 +65,8 @@ def _judge(kind: str, outcomes: dict[int, dict[str, Any]], found: dict[str, Any]
     elif kind == "crash":
         row["detected"] = bool(others) and all(o["raised"] for o in others) and culprit in g.get("no_dump", [])
         row["culprit_named"] = g.get("no_dump")
-        failed = g.get("first_failure") or {}
+        # the call the others failed in, or were stopped inside (the launcher stops them once the culprit is gone)
+        failed = g.get("first_failure") or g.get("in_flight") or {}
         row["seq"], row["op"] = failed.get("seq"), failed.get("op")
     elif kind.startswith("mismatch:"):
         field = kind.split(":")[1]
@@ -81,7 +84,7 @@ def _judge(kind: str, outcomes: dict[int, dict[str, Any]], found: dict[str, Any]
         far = list(range(world // 2, world))
         row["detected"] = bool(near) and all(o["raised"] == "CollectiveTimeout" and o.get("missing") == far for o in near)
         row["culprit_named"] = near[0].get("missing") if near else None
-        failed = g.get("first_failure") or {}
+        failed = g.get("first_failure") or g.get("in_flight") or {}
         row["seq"], row["op"] = failed.get("seq"), failed.get("op")
     elif kind == "straggler":
         s = g.get("straggler") or {}
