@@ -1,6 +1,7 @@
 """On GPUs: the NCCL fault matrix (``launch/faults/run_all.py --gpu``): skipped collective, a rank
-killed, and the shape, dtype, reduce-op and root mismatches, each detected with the culprit and
-the call named, every rank gone within timeout + 15 s, no process left. Marker ``gpu``."""
+killed, the shape, dtype, reduce-op and root mismatches, and a rank that skips its MoE layer,
+each detected with the culprit and the call named, every rank gone within timeout + 15 s, no
+process left. Marker ``gpu``."""
 
 from __future__ import annotations
 
@@ -25,4 +26,7 @@ def test_nccl_fault_matrix(tmp_path: Path) -> None:
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())
-    assert len(rows) == 6 and all(r["detected"] and r["culprit_named"] == [n - 1] for r in rows), rows
+    assert {r["scenario"] for r in rows} == {"skipped_collective", "rank_crash", "shape_mismatch", "dtype_mismatch",
+                                              "reduce_op_mismatch", "root_mismatch", "skipped_moe_layer"}, rows
+    for r in rows:
+        assert r["detected"] and r["culprit_named"] == [n - 1] and r["seq"] is not None, r
