@@ -377,17 +377,28 @@ def measure_side_by_side(comm: C.Communicator, op: str, algorithms: list[str], n
 
 def prepare(op: str, algorithms: Iterable[str], comm: C.Communicator, dtype: torch.dtype, device: torch.device,
             say: Callable[[str], None] | None = None, skip_unsupported: bool = False) -> list[str]:
-    """The algorithms to sweep: "all" expands to every registered one usable here, plus "auto".
+    """The algorithms to sweep: "all" expands to every registered one usable here, plus "auto";
+    one that this group refuses (``Algorithm.unavailable``) is left out of "all", and ``say`` is
+    told why, and raises when named.
 
     Anchors (``bench/anchors.py``) are swept where they can run; elsewhere ``say`` is told why.
     A registered algorithm that does not run ``op`` raises, or with ``skip_unsupported`` (a sweep
     over several ops) is left out and ``say`` is told.
     """
     usable = comm.algorithms(op, dtype, device.type)
+    # Registered for this backend but refused by this group (peer memory on one GPU, a grid over
+    # nodes of unequal size): asked on every rank, as the answer may take a collective to find.
+    refused = {a: why for a in usable if (why := REGISTRY[a].unavailable(comm, op))}
     names: list[str] = []
     for a in algorithms:
+        if a in refused:
+            raise C.UnsupportedError("--algorithms", a, f"cannot run {op} here: {refused[a]}",
+                                     f"use one of {[u for u in usable if u not in refused] + ['auto']}")
         if a == "all":
-            names += usable + ["auto"]
+            for r, why in refused.items():
+                if say is not None:
+                    say(f"# {r} not measured for {op}: {why}")
+            names += [u for u in usable if u not in refused] + ["auto"]
         elif a in A.ANCHORS:
             why = A.unavailable(a, op, dtype, device)
             if not why:

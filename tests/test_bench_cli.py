@@ -191,3 +191,40 @@ def test_sweep_times_small_sizes_in_the_same_rounds(worlds) -> None:  # noqa: AN
         rounds = [small[i:i + 4] for i in range(0, 12, 4)]  # 8 and 64 bytes: one loop of each job per round
         assert all(sorted(r) == [(2, "native"), (2, "ring"), (16, "native"), (16, "ring")] for r in rounds)
         assert sorted(large) == [(1024, "native")] * 3 + [(1024, "ring")] * 3
+
+
+def body_prepare_refused(rank: int, world: int) -> dict:  # type: ignore[type-arg]
+    import bench.harness as H
+    import collectives as C
+    from topology import Topology
+
+    comm = C.get_communicator()
+    comm.set_topology(Topology.from_nodes([[0, 1], [2]]))  # two nodes of unequal size: no grid
+    said: list[str] = []
+    try:
+        cpu = torch.device("cpu")
+        ar = H.prepare("all_reduce", ["all"], comm, torch.float32, cpu, say=said.append)
+        a2a = H.prepare("all_to_all", ["all"], comm, torch.float32, cpu, say=said.append)
+        raised = []
+        for op, name in (("all_reduce", "grid2d"), ("all_to_all", "hierarchical")):
+            try:
+                H.prepare(op, [name], comm, torch.float32, cpu)
+            except C.UnsupportedError as exc:
+                raised.append(str(exc))
+    finally:
+        comm.set_topology(None)
+    return {"all_reduce": ar, "all_to_all": a2a, "said": said, "raised": raised}
+
+
+def test_prepare_leaves_out_what_this_group_refuses_and_says_why(worlds) -> None:  # noqa: ANN001
+    from collectives.algos import for_op
+
+    for out in worlds(3).run(body_prepare_refused):
+        assert "grid2d" not in out["all_reduce"] and "hierarchical" in out["all_reduce"]
+        assert set(out["all_reduce"]) == (set(for_op("all_reduce", torch.float32, "gloo")) - {"grid2d"}) | {"auto"}
+        assert "hierarchical" not in out["all_to_all"] and "pairwise" in out["all_to_all"]
+        assert [s.split(":")[0] for s in out["said"]] == ["# grid2d not measured for all_reduce",
+                                                          "# hierarchical not measured for all_to_all"], out["said"]
+        assert all("[2, 1] ranks" in s for s in out["said"]), out["said"]
+        assert len(out["raised"]) == 2 and "'grid2d'" in out["raised"][0] and "hierarchical" in out["raised"][1]
+        assert all("equal size" in s and "Fix:" in s for s in out["raised"]), out["raised"]

@@ -22,6 +22,7 @@ from ._executor import execute
 from ._schedule import Layout, Schedule
 
 if TYPE_CHECKING:
+    from ..communicator import Communicator
     from ..dispatch import Call
 
 __all__ = ["Algorithm", "ScheduledAlgorithm", "busbw_factor"]
@@ -64,6 +65,11 @@ class Algorithm:
 
     def busbw_factor(self, op: str, world: int) -> float:
         return busbw_factor(op, world)
+
+    def unavailable(self, comm: Communicator, op: str) -> str:
+        """Why this algorithm cannot run ``op`` on ``comm``'s group whatever the call, or ``""``.
+        Collective where it reads the group (the topology, peer memory): every rank asks."""
+        return ""
 
     def check(self, call: Call) -> None:
         """Raise a typed error if this algorithm cannot run ``call`` (only if ``topology_aware``)."""

@@ -13,6 +13,7 @@ from ..peer.memory import DTYPES, peer_memory, peer_unavailable
 from ._base import Algorithm
 
 if TYPE_CHECKING:
+    from ..communicator import Communicator
     from ..dispatch import Call
 
 __all__ = ["PeerAlgorithm"]
@@ -29,12 +30,15 @@ class PeerAlgorithm(Algorithm):
     backends = frozenset({"nccl"})
     topology_aware = True
 
+    def unavailable(self, comm: Communicator, op: str) -> str:
+        return peer_unavailable(comm)
+
     def check(self, call: Call) -> None:
         """Raise before anything is sent if peer memory cannot run ``call`` (collective on a group's first call)."""
         if call.reduce_op is not None and call.reduce_op not in _REDUCE_OPS:
             raise UnsupportedError("op", call.reduce_op, f"{self.name} reduces with {' or '.join(_REDUCE_OPS)} only",
                                    "use algorithm='native' or 'auto' for max, min and prod")
-        reason = peer_unavailable(call.comm)
+        reason = self.unavailable(call.comm, call.op)
         if reason:
             raise UnsupportedError("algorithm", self.name, f"cannot run here: {reason}", "use 'native' or 'auto'")
 

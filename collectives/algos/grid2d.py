@@ -36,6 +36,7 @@ from .native import _all_gather, _reduce_scatter
 from .._wait import wait
 
 if TYPE_CHECKING:
+    from ..communicator import Communicator
     from ..dispatch import Call
 
 __all__ = ["Grid2D"]
@@ -47,15 +48,18 @@ class Grid2D(Algorithm):
     topology_aware = True
     summary = "2D grid all-reduce: half rows-first, half columns-first, concurrently"
 
+    def unavailable(self, comm: Communicator, op: str) -> str:
+        nodes = comm.topology.nodes()
+        if single_tier(nodes, comm.size) or _equal(nodes):
+            return ""
+        return f"needs a grid (nodes of equal size); this group's nodes have {[len(n) for n in nodes]} ranks"
+
     def check(self, call: Call) -> None:
-        nodes = call.comm.topology.nodes()
-        if single_tier(nodes, call.comm.size):
-            return
-        if not _equal(nodes):
-            raise UnsupportedError(
-                "algorithm", self.name, f"needs a grid (nodes of equal size); this group's nodes have "
-                f"{[len(n) for n in nodes]} ranks", "use 'hierarchical' on nodes of unequal size")
-        call.comm.derived_groups()
+        why = self.unavailable(call.comm, call.op)
+        if why:
+            raise UnsupportedError("algorithm", self.name, why, "use 'hierarchical' on nodes of unequal size")
+        if not single_tier(call.comm.topology.nodes(), call.comm.size):
+            call.comm.derived_groups()
 
     def run(self, call: Call) -> None:
         comm = call.comm

@@ -57,6 +57,7 @@ from .._wait import wait
 if TYPE_CHECKING:
     from topology import Topology
 
+    from ..communicator import Communicator
     from ..dispatch import Call
 
 __all__ = ["Hierarchical", "Phase", "plan", "run_flat", "single_tier", "padded"]
@@ -168,15 +169,18 @@ class Hierarchical(Algorithm):
         """The sub-collectives this algorithm runs (what the cost model prices)."""
         return plan(op, topo, elements)
 
+    def unavailable(self, comm: Communicator, op: str) -> str:
+        nodes = comm.topology.nodes()
+        if op != "all_to_all" or single_tier(nodes, comm.size) or _equal(nodes):
+            return ""
+        return f"all-to-all needs nodes of equal size; this group's nodes have {[len(n) for n in nodes]} ranks"
+
     def check(self, call: Call) -> None:
-        nodes = call.comm.topology.nodes()
-        if single_tier(nodes, call.comm.size):
-            return
-        if call.op == "all_to_all" and not _equal(nodes):
-            raise UnsupportedError(
-                "algorithm", self.name, f"all-to-all needs nodes of equal size; this group's nodes have "
-                f"{[len(n) for n in nodes]} ranks", "use 'pairwise' or 'native' on nodes of unequal size")
-        call.comm.derived_groups()  # created here, on the caller's thread, before anything is sent
+        why = self.unavailable(call.comm, call.op)
+        if why:
+            raise UnsupportedError("algorithm", self.name, why, "use 'pairwise' or 'native' on nodes of unequal size")
+        if not single_tier(call.comm.topology.nodes(), call.comm.size):
+            call.comm.derived_groups()  # created here, on the caller's thread, before anything is sent
 
     def run(self, call: Call) -> None:
         comm = call.comm
