@@ -10,7 +10,9 @@ microsecond, measured by ``tests/test_faults_recorder.py`` and documented in the
 
 The ring is dumped as one JSON file per rank (``commops_trace_rank<R>.json``) into the trace
 directory (``COMMOPS_TRACE_DIR`` or ``collectives.init(trace_dir=...)``) when a collective raises,
-on SIGUSR1, on SIGTERM (then the signal's usual effect), or on request (:func:`dump`).
+on SIGUSR1, on SIGTERM (then the signal's usual effect), or on request (:func:`dump`). The
+signals are served by a thread as they arrive, so that a rank held inside a hung collective
+dumps too (:func:`_start_watcher`).
 ``python -m collectives.diagnose DIR`` reads them.
 
 The recorder also publishes each rank's progress (the last sequence number it entered, per
@@ -80,7 +82,9 @@ class FlightRecorder:
         # would later have to walk.
         self._ring: list[list[Any]] = [[None] * len(FIELDS) for _ in range(capacity)]
         self._next = 0
-        self._lock = threading.Lock()
+        # Reentrant: a signal's handler may dump on the main thread while it is inside a dump.
+        self._lock = threading.RLock()
+        self._dumps = 0  # each dump writes a temporary file of its own
         self.trace_dir: str | None = None
         self._progress: dict[Any, list[Any]] = {}  # group -> [store, rank, last seq]
         self._published: dict[Any, int] = {}
@@ -166,10 +170,11 @@ class FlightRecorder:
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         Path(where).mkdir(parents=True, exist_ok=True)
         path = Path(where) / f"commops_trace_rank{rank}.json"
-        data = {"rank": rank, "world": world, "host": socket.gethostname(), "pid": os.getpid(), "reason": reason,
-                "time": time.time(), "entries": self.entries()}
-        with self._lock:
-            tmp = path.with_suffix(".json.tmp")
+        with self._lock:  # the entries are read under it too: of two dumps, the later one read later
+            data = {"rank": rank, "world": world, "host": socket.gethostname(), "pid": os.getpid(), "reason": reason,
+                    "time": time.time(), "entries": self.entries()}
+            self._dumps += 1
+            tmp = path.with_suffix(f".json.{self._dumps}.tmp")
             tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
             tmp.replace(path)
         return str(path)
@@ -244,15 +249,80 @@ def dump(reason: str = "on request", directory: str | None = None) -> str | None
     return RECORDER.dump(reason, directory)
 
 
+_WATCHER: list[Any] = []  # [read fd, write fd, thread] once the signal watcher runs
+
+
+def _watch(fd: int) -> None:
+    while True:
+        try:
+            data = os.read(fd, 64)
+        except OSError:
+            return
+        if not data:
+            return
+        for signum in data:
+            if signum in (signal.SIGUSR1, signal.SIGTERM):
+                try:
+                    RECORDER.dump(signal.Signals(signum).name)
+                except Exception:  # noqa: BLE001 - an unwritable directory: the main thread's handler tries again
+                    pass
+
+
+def _start_watcher() -> bool:
+    """Dump on SIGUSR1 and SIGTERM from a thread of its own, as the signal arrives.
+
+    Python runs a signal's handler on the main thread between two bytecodes, so a rank held
+    inside a backend's wait (C++, a hung collective: the case a dump is for) would dump only when
+    that wait ends, if ever. The interpreter's wakeup fd receives each signal's number at once,
+    from the C-level handler; this thread reads it and dumps. Main thread only; if something else
+    (an event loop) owns the wakeup fd, it is left alone and the handlers dump as before."""
+    if _WATCHER:
+        return True
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    try:
+        previous = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    except (ValueError, OSError):
+        previous = None
+    if previous != -1:
+        if previous is not None:
+            signal.set_wakeup_fd(previous)
+        os.close(r)
+        os.close(w)
+        return False
+    thread = threading.Thread(target=_watch, args=(r,), name="commops-signals", daemon=True)
+    thread.start()
+    _WATCHER[:] = [r, w, thread]
+    return True
+
+
+def _forget_watcher_in_child() -> None:
+    # A forked child (a data-loader worker) must not write its signals into the parent's pipe.
+    if _WATCHER:
+        with contextlib.suppress(ValueError, OSError):
+            signal.set_wakeup_fd(-1)
+        for fd in _WATCHER[:2]:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        _WATCHER.clear()
+
+
+os.register_at_fork(after_in_child=_forget_watcher_in_child)
+
+
 def set_trace_dir(directory: str | None) -> None:
-    """Where dumps go, and install the SIGUSR1 (dump) and SIGTERM (dump, then the usual) handlers."""
+    """Where dumps go, and install the SIGUSR1 (dump) and SIGTERM (dump, then the usual) handlers,
+    with the thread that dumps as soon as either arrives (:func:`_start_watcher`)."""
     RECORDER.trace_dir = directory
     if directory and threading.current_thread() is threading.main_thread():
+        _start_watcher()
+        # The handlers dump too (again, when the main thread gets to them: the state has moved on,
+        # and the wakeup fd may since have been taken over, by an event loop for instance).
         signal.signal(signal.SIGUSR1, lambda *_: RECORDER.dump("SIGUSR1"))
         previous = signal.getsignal(signal.SIGTERM)
 
         def on_term(signum: int, frame: Any) -> None:
-            RECORDER.dump("SIGTERM")
+            RECORDER.dump("SIGTERM")  # again: by now the call that was waiting may have ended or failed
             if callable(previous):
                 previous(signum, frame)
             else:

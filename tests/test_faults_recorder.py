@@ -267,3 +267,64 @@ def test_diagnose_names_the_call_a_rank_was_still_inside_when_it_dumped(worlds, 
     text = subprocess.run([sys.executable, "-m", "collectives.diagnose", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=60).stdout
     assert f"rank(s) [0] were still inside call #{seqs[0]} (all_reduce)" in text, text
+
+
+def _wait_for(what, bound_s: float):  # noqa: ANN001, ANN202
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        got = what()
+        if got:
+            return got
+        time.sleep(0.05)
+    return None
+
+
+def _dumped(path: Path, reason: str) -> dict[str, object] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if data["reason"] == reason else None
+
+
+def test_a_rank_held_inside_a_hung_collective_dumps_on_signal(tmp_path) -> None:  # noqa: ANN001
+    """SIGUSR1 and SIGTERM dump at once, though the main thread is inside Gloo's wait, where Python
+    runs no handler; SIGTERM still ends the rank once the call returns."""
+    import os
+    import signal
+
+    env = dict(os.environ, COMMOPS_TRACE_DIR=str(tmp_path), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(ROOT / "tests" / "hung_rank.py")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        pid = _wait_for(lambda: (tmp_path / "pid0").exists() and (tmp_path / "pid0").read_text(), 120)
+        assert pid, "rank 0 never reached the hung call"
+        time.sleep(1.0)  # inside the all-reduce by now
+        dump = tmp_path / "commops_trace_rank0.json"
+        sent = time.monotonic()
+        os.kill(int(pid), signal.SIGUSR1)
+        data = _wait_for(lambda: _dumped(dump, "SIGUSR1"), 10)
+        assert data is not None, "no dump on SIGUSR1 while the rank waits"
+        took = time.monotonic() - sent
+        entries = data["entries"]
+        assert entries[-1]["op"] == "all_reduce" and entries[-1]["state"] == "started", entries[-1]
+        found = diagnose(load(tmp_path))["groups"][0]
+        assert found["no_dump"] == [1] and found["in_flight"]["ranks"] == [0], found
+        os.kill(int(pid), signal.SIGTERM)
+        data = _wait_for(lambda: _dumped(dump, "SIGTERM"), 10)
+        assert data is not None and data["entries"][-1]["state"] == "started", data
+        assert proc.poll() is None  # still held: the usual effect waits for the call to return
+        (tmp_path / "go").write_text("")
+        proc.wait(timeout=60)
+        # Once Gloo's wait returned, the main thread's handler ran: a last dump, then SIGTERM's
+        # usual effect (the call never returned to its caller, so it is still "started" there).
+        final = json.loads(dump.read_text())
+        assert final["reason"] == "SIGTERM" and final["time"] > data["time"], final
+        assert final["entries"][-1]["seq"] == entries[-1]["seq"]
+        assert proc.returncode != 0, proc.stdout.read() if proc.stdout else ""
+        assert took < 5.0, took
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
