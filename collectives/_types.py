@@ -11,9 +11,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, InvalidTypeError
 
-__all__ = ["OPS", "REDUCE_OPS", "ReduceOp", "normalize_reduce_op", "torch_reduce_op"]
+__all__ = ["OPS", "REDUCE_OPS", "ReduceOp", "BACKEND_DTYPES", "backend_moves", "normalize_reduce_op", "torch_reduce_op"]
 
 ReduceOp = dist.ReduceOp
 
@@ -34,28 +34,60 @@ _FROM_TORCH = {
 }
 _TO_TORCH = {v: k for k, v in _FROM_TORCH.items()}
 _ALIASES = {"product": "prod", "mean": "avg"}
+_RED_OP_TYPE = type(ReduceOp.SUM)  # ReduceOp.RedOpType
 
 FLOAT_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
 INT_DTYPES = frozenset({torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64})
-# Dtypes every reducing algorithm handles; moving data (gather, all-to-all, broadcast) takes any.
+COMPLEX_DTYPES = frozenset({torch.complex64, torch.complex128})
+FLOAT8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz})
+# Dtypes every reducing algorithm handles; moving data (gather, all-to-all, broadcast) takes any
+# dtype the backend moves (BACKEND_DTYPES).
 REDUCIBLE_DTYPES = FLOAT_DTYPES | INT_DTYPES
 
 # Device type each backend moves data on.
 BACKEND_DEVICES = {"gloo": "cpu", "mpi": "cpu", "nccl": "cuda", "hccl": "npu"}
 
+# The dtypes each backend's own collectives take (complex ones as a real view, as torch does).
+# Every algorithm of ours runs over the same backend (its collectives on sub-groups, or its
+# point-to-point ops), so a dtype outside this set is refused for every algorithm before anything
+# is sent, rather than failing inside the backend after some ranks have sent. Gloo: probed with
+# torch 2.13 (tests/test_validate_table.py probes it again); int16, the unsigned 16-64 bit types
+# and float8 raise "Invalid scalar type" there after the call has started. NCCL: the dtypes
+# torch's ProcessGroupNCCL maps to an NCCL type (float8 as bytes: moved, never reduced). A
+# backend missing here (MPI, HCCL) is not checked by dtype.
+_MOVED = FLOAT_DTYPES | frozenset({torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool}) | COMPLEX_DTYPES
+BACKEND_DTYPES: dict[str, frozenset[torch.dtype]] = {
+    "gloo": _MOVED,
+    "nccl": _MOVED | FLOAT8_DTYPES,
+}
+
+
+def backend_moves(backend: str | None, dtype: torch.dtype) -> bool:
+    """Whether ``backend``'s collectives move tensors of ``dtype`` (True for backends not in the table)."""
+    known = BACKEND_DTYPES.get(backend or "")
+    return known is None or dtype in known
+
 
 def normalize_reduce_op(op: object) -> str:
-    """Return the canonical lower-case name of ``op`` or raise a typed error naming the choices."""
-    try:
-        name = _FROM_TORCH.get(op)  # type: ignore[call-overload]
-    except TypeError:  # unhashable values
-        name = None
-    if name is not None:
-        return name
+    """Return the canonical lower-case name of ``op`` or raise a typed error naming the choices.
+
+    Only a ``ReduceOp`` member or a string is a reduce op. torch's enum compares equal to its
+    integer value, so an int (or a bool) would otherwise pass as one: 3 is MIN, True is AVG.
+    """
     if isinstance(op, str):
         key = _ALIASES.get(op.lower(), op.lower())
         if key in _TO_TORCH:
             return key
+    elif isinstance(op, (_RED_OP_TYPE, ReduceOp)):
+        # a ReduceOp object (ReduceOp(ReduceOp.MAX)) carries its member in .op
+        name = _FROM_TORCH.get(op if isinstance(op, _RED_OP_TYPE) else op.op)  # type: ignore[call-overload, union-attr]
+        if name is not None:
+            return name
+    else:
+        raise InvalidTypeError(
+            "op", op, f"is a {type(op).__name__}, not a reduce op",
+            f"pass one of {', '.join(REDUCE_OPS)} as torch.distributed.ReduceOp.<NAME> or a string",
+        )
     raise InvalidArgumentError(
         "op", op, "not a supported reduce op",
         f"pass one of {', '.join(REDUCE_OPS)} (as torch.distributed.ReduceOp or a string)",

@@ -3,22 +3,32 @@
 Each check raises a typed error naming the argument, its value, what is wrong and the fix. They
 look only at this rank's arguments: ranks that disagree with each other are the debug-check mode's
 business, not this module's.
+
+What each verb accepts is written once, in :data:`VERBS` (its tensor arguments, whether it
+reduces, the fewest dimensions a tensor may have, its root argument) and in the dtype tables of
+:mod:`collectives._types` (what each backend moves, what every algorithm reduces); the per-verb
+functions below only add the size relations between a verb's tensors. Every argument the call
+reads is checked here, types first, so that nothing a rank was given can fail inside a backend
+after another rank has sent (tests/test_validate_fuzz.py throws random bad calls at it).
 """
 
 from __future__ import annotations
 
+import operator
+from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
-from ._types import FLOAT_DTYPES, REDUCIBLE_DTYPES, REDUCING_OPS
+from ._types import BACKEND_DTYPES, FLOAT_DTYPES, REDUCIBLE_DTYPES, backend_moves, normalize_reduce_op
 from .errors import InvalidArgumentError, InvalidTypeError
 
 if TYPE_CHECKING:
     from .communicator import Communicator
     from .dispatch import Call
 
-__all__ = ["validate"]
+__all__ = ["validate", "VERBS", "VerbRule"]
 
 
 # torch's own accessor of the current CUDA device (what torch.cuda.current_device() returns after
@@ -44,6 +54,13 @@ def _tensor(name: str, t: object, comm: Communicator) -> torch.Tensor:
             )
     elif comm.backend_for(t.device.type) is None:
         _wrong_device(name, t, comm)
+    backend = comm.backend_for("cuda" if t.is_cuda else t.device.type)
+    if not backend_moves(backend, t.dtype):
+        moved = sorted(str(d).removeprefix("torch.") for d in BACKEND_DTYPES[backend or ""])
+        raise InvalidArgumentError(
+            name, t, f"has dtype {t.dtype}, which backend {backend!r} does not move",
+            f"cast it to one of {', '.join(moved)} (e.g. int16 -> int32), and back after the call",
+        )
     return t
 
 
@@ -64,6 +81,7 @@ def _same(name: str, t: torch.Tensor, other_name: str, other: torch.Tensor) -> N
 
 
 def _reducible(call: Call, name: str, t: torch.Tensor) -> None:
+    call.reduce_op = normalize_reduce_op(call.reduce_op)
     if t.dtype not in REDUCIBLE_DTYPES:
         raise InvalidArgumentError(
             name, t, f"has dtype {t.dtype}, which {call.op} cannot reduce",
@@ -76,20 +94,33 @@ def _reducible(call: Call, name: str, t: torch.Tensor) -> None:
         )
 
 
+def _rank_arg(name: str, value: object) -> int | None:
+    """``value`` as an int rank (anything with ``__index__``, as torch takes), None if None."""
+    if value is None:
+        return None
+    if isinstance(value, bool):  # an int to Python, never meant as a rank
+        raise InvalidTypeError(name, value, "is a bool, not a rank", f"pass {name} as an int")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidTypeError(name, value, f"is a {type(value).__name__}, not an int",
+                               f"pass {name} as an int rank") from None
+
+
 def _root(call: Call, name: str, group_name: str, value: int | None, group_value: int | None) -> int:
     comm = call.comm
+    value, group_value = _rank_arg(name, value), _rank_arg(group_name, group_value)
     if value is None and group_value is None:
         raise InvalidArgumentError(name, None, "is required", f"pass {name}= (a global rank) or {group_name}= (a rank in the group)")
     if group_value is not None:
-        if not isinstance(group_value, int) or not 0 <= group_value < comm.size:
+        if not 0 <= group_value < comm.size:
             raise InvalidArgumentError(group_name, group_value, f"is not a rank of this group of {comm.size}",
                                        f"pass {group_name} in 0..{comm.size - 1}")
         if value is not None and comm.group_rank(value) != group_value:
             raise InvalidArgumentError(name, value, f"and {group_name}={group_value} name different ranks",
                                        f"pass only one of {name} and {group_name}")
         return group_value
-    if not isinstance(value, int):
-        raise InvalidTypeError(name, value, "is not an int", f"pass {name} as a global rank (int)")
+    assert value is not None
     g = comm.group_rank(value)
     if g is None:
         raise InvalidArgumentError(name, value, f"is not a member of this group (global ranks {list(comm.global_ranks)})",
@@ -104,9 +135,16 @@ def _splits(name: str, splits: object, rows: int, world: int) -> tuple[int, ...]
                                        f"pass {name} explicitly or make dim 0 a multiple of {world}")
         return (rows // world,) * world
     if isinstance(splits, torch.Tensor):
+        if splits.dtype.is_floating_point or splits.dtype.is_complex or splits.dim() != 1:
+            raise InvalidTypeError(name, splits, "is not a 1-d integer tensor", f"pass {name} as a list of {world} ints")
         splits = splits.tolist()
-    if not isinstance(splits, (list, tuple)) or not all(isinstance(s, int) and not isinstance(s, bool) for s in splits):
-        raise InvalidTypeError(name, splits, "is not a list of ints", f"pass {name} as a list of {world} non-negative ints")
+    try:
+        if not isinstance(splits, (list, tuple)) or any(isinstance(s, bool) for s in splits):
+            raise TypeError
+        splits = [operator.index(s) for s in splits]
+    except TypeError:
+        raise InvalidTypeError(name, splits, "is not a list of ints",
+                               f"pass {name} as a list of {world} non-negative ints") from None
     if len(splits) != world:
         raise InvalidArgumentError(name, splits, f"has {len(splits)} entries but the group has {world} ranks",
                                    f"pass exactly one size per rank ({world})")
@@ -118,16 +156,7 @@ def _splits(name: str, splits: object, rows: int, world: int) -> tuple[int, ...]
     return tuple(splits)
 
 
-def _all_reduce(call: Call) -> None:
-    t = _tensor("tensor", call.output, call.comm)
-    _reducible(call, "tensor", t)
-
-
-def _reduce_scatter(call: Call) -> None:
-    out = _tensor("output", call.output, call.comm)
-    inp = _tensor("input", call.input, call.comm)
-    _same("output", out, "input", inp)
-    _reducible(call, "input", inp)
+def _reduce_scatter_sizes(call: Call, out: torch.Tensor, inp: torch.Tensor) -> None:
     w = call.comm.size
     if inp.numel() != w * out.numel():
         raise InvalidArgumentError(
@@ -136,10 +165,7 @@ def _reduce_scatter(call: Call) -> None:
         )
 
 
-def _all_gather(call: Call) -> None:
-    out = _tensor("output_tensor", call.output, call.comm)
-    inp = _tensor("input_tensor", call.input, call.comm)
-    _same("output_tensor", out, "input_tensor", inp)
+def _all_gather_sizes(call: Call, out: torch.Tensor, inp: torch.Tensor) -> None:
     w = call.comm.size
     if out.numel() != w * inp.numel():
         raise InvalidArgumentError(
@@ -149,13 +175,7 @@ def _all_gather(call: Call) -> None:
         )
 
 
-def _all_to_all(call: Call) -> None:
-    out = _tensor("output", call.output, call.comm)
-    inp = _tensor("input", call.input, call.comm)
-    _same("output", out, "input", inp)
-    for name, t in (("input", inp), ("output", out)):
-        if t.dim() == 0:
-            raise InvalidArgumentError(name, t, "is 0-dimensional", f"pass {name} with a leading dimension to split")
+def _all_to_all_sizes(call: Call, out: torch.Tensor, inp: torch.Tensor) -> None:
     if inp.numel() and out.numel() and _overlaps(inp, out):
         raise InvalidArgumentError("output", out, "shares memory with input",
                                    "all_to_all_single is out of place: pass a separate output tensor")
@@ -172,27 +192,67 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
-def _broadcast(call: Call) -> None:
-    _tensor("tensor", call.output, call.comm)
-    call.root = _root(call, "src", "group_src", call.root, call.group_root)
+@dataclass(frozen=True)
+class VerbRule:
+    """What one verb accepts, before the size relations between its tensors.
+
+    Attributes:
+        output: the argument name of ``Call.output`` (the tensor written), or None (barrier).
+        input: the argument name of ``Call.input`` when it is a tensor of its own, else None.
+        reduces: whether ``op=`` applies (checked against the reducible dtypes).
+        min_dim: the fewest dimensions each tensor may have (a scatter or gather splits dim 0, or
+            counts elements per rank: a 0-d tensor has no rows; Gloo's reduce-scatter crashes on one).
+        root: the (global, group) argument names of the root, for rooted verbs.
+        sizes: the check of the size relation between output and input, if any.
+    """
+
+    output: str | None
+    input: str | None = None
+    reduces: bool = False
+    min_dim: int = 0
+    root: tuple[str, str] | None = None
+    sizes: Callable[[Call, torch.Tensor, torch.Tensor], None] | None = None
 
 
-def _reduce(call: Call) -> None:
-    t = _tensor("tensor", call.output, call.comm)
-    _reducible(call, "tensor", t)
-    call.root = _root(call, "dst", "group_dst", call.root, call.group_root)
-
-
-def _barrier(call: Call) -> None:
-    pass
-
-
-_CHECKS = {
-    "all_reduce": _all_reduce, "reduce_scatter": _reduce_scatter, "all_gather": _all_gather,
-    "all_to_all": _all_to_all, "broadcast": _broadcast, "reduce": _reduce, "barrier": _barrier,
+VERBS: dict[str, VerbRule] = {
+    "all_reduce": VerbRule("tensor", reduces=True),
+    "reduce_scatter": VerbRule("output", "input", reduces=True, min_dim=1, sizes=_reduce_scatter_sizes),
+    "all_gather": VerbRule("output_tensor", "input_tensor", min_dim=1, sizes=_all_gather_sizes),
+    "all_to_all": VerbRule("output", "input", min_dim=1, sizes=_all_to_all_sizes),
+    "broadcast": VerbRule("tensor", root=("src", "group_src")),
+    "reduce": VerbRule("tensor", reduces=True, root=("dst", "group_dst")),
+    "barrier": VerbRule(None),
 }
 
 
+def _min_dim(name: str, t: torch.Tensor, rule: VerbRule, op: str) -> None:
+    if t.dim() < rule.min_dim:
+        raise InvalidArgumentError(name, t, f"is {t.dim()}-dimensional, but {op} splits or gathers it by rank",
+                                   f"pass {name} with a leading dimension (e.g. {name}.reshape(-1))")
+
+
 def validate(call: Call) -> None:
-    _CHECKS[call.op](call)
-    assert call.op not in REDUCING_OPS or call.reduce_op is not None
+    """Check ``call``'s arguments against :data:`VERBS` and the dtype tables; raise a typed error."""
+    rule = VERBS[call.op]
+    comm = call.comm
+    if not isinstance(call.algorithm, str):
+        raise InvalidTypeError("algorithm", call.algorithm, f"is a {type(call.algorithm).__name__}, not a name",
+                               "pass 'auto' or a name from collectives.algorithms(op)")
+    if call.async_op is not None and not isinstance(call.async_op, (bool, int)):
+        raise InvalidTypeError("async_op", call.async_op, f"is a {type(call.async_op).__name__}, not a bool",
+                               "pass async_op=True or False")
+    if rule.output is None:
+        return
+    out = _tensor(rule.output, call.output, comm)
+    _min_dim(rule.output, out, rule, call.op)
+    inp = out
+    if rule.input is not None:
+        inp = _tensor(rule.input, call.input, comm)
+        _min_dim(rule.input, inp, rule, call.op)
+        _same(rule.output, out, rule.input, inp)
+    if rule.reduces:
+        _reducible(call, rule.input or rule.output, inp)
+    if rule.root is not None:
+        call.root = _root(call, rule.root[0], rule.root[1], call.root, call.group_root)
+    if rule.sizes is not None:
+        rule.sizes(call, out, inp)

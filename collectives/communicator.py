@@ -9,8 +9,9 @@ nothing, and the process group stays the caller's to destroy.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 from weakref import WeakKeyDictionary
 
@@ -18,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from . import _env
-from ._types import BACKEND_DEVICES, ReduceOp, normalize_reduce_op
+from ._types import BACKEND_DEVICES, ReduceOp
 from .dispatch import Call, dispatch, dispatch_tensors
-from .errors import NotInitializedError
+from .errors import InvalidTypeError, NotInitializedError
 from .selection import Choice
 from .work import Work
 
@@ -73,10 +74,12 @@ class Communicator:
         self._tag = 0
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
+        self._pending = 0  # calls submitted to the worker and not yet finished (_submit)
         self._scratch: dict[tuple[Any, ...], torch.Tensor] = {}
         self.last_choice: Choice | None = None
         self._topology: Any = None
         self._derived: Any = None
+        self._p2p: Any = None  # p2p_group() on CPU backends
         self._choices: dict[Any, Any] = {}  # auto's cached choices and calibration (selection.py)
         self._peer_reason: str | None = None  # why peer memory cannot run here ("" if it can; collectives/peer)
         self._peer_memory: Any = None  # collectives.peer.PeerMemory, built on first use
@@ -160,17 +163,52 @@ class Communicator:
             self._derived = derive(self.topology, self.rank, self.global_ranks, self.backend, self.group)
         return self._derived
 
+    def p2p_group(self, cuda: bool) -> dist.ProcessGroup:
+        """The group our point-to-point schedules send on: on CPU backends a private twin of this
+        group (same ranks, created on first use, collective), so that a program's own
+        ``isend``/``irecv`` on the group, whatever its tags, never matches one of ours (Gloo
+        matches messages by peer and tag); on CUDA the group itself (NCCL ignores tags and orders
+        by stream, in the program's order)."""
+        if cuda:
+            return self.group
+        if self._p2p is None:
+            backend = self.backend_for("cpu") or self.backend
+            if self.size == 1:
+                self._p2p = self.group
+            else:
+                from topology.groups import private_group
+
+                self._p2p = private_group(self.group, self._group_name, "p2p", self.global_ranks, backend)
+        return self._p2p
+
     # -- internals used by algorithms -------------------------------------------------------
     def next_tag(self) -> int:
         with self._lock:
             self._tag = (self._tag + 1) % (1 << 30)
             return self._tag
 
-    def _worker(self) -> ThreadPoolExecutor:
+    def _submit(self, fn: Any, *args: Any) -> Future[None]:
+        """Run ``fn(*args)`` on this group's one worker thread, after everything submitted before
+        (``_pending`` counts what has not finished: while it is not zero, the dispatch point sends
+        every call of this group here, in call order)."""
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"commops-r{self.rank}")
-            return self._executor
+            self._pending += 1
+            future = self._executor.submit(fn, *args)
+        future.add_done_callback(self._finished)
+        return future
+
+    def _drain(self) -> None:
+        """Wait until the worker has finished everything submitted (each job bounded by its own waits)."""
+        with self._lock:
+            executor = self._executor
+        if executor is not None and self._pending:
+            executor.submit(lambda: None).result()
+
+    def _finished(self, _: Future[None]) -> None:
+        with self._lock:
+            self._pending -= 1
 
     def _workspace(self, key: str, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
         """Flat scratch of at least ``numel`` elements.
@@ -231,7 +269,7 @@ class Communicator:
     def reduce(self, tensor: torch.Tensor, dst: int | None = None, op: Any = ReduceOp.SUM, async_op: bool = False,
                *, group_dst: int | None = None, algorithm: str = "auto") -> Work | None:
         """Reduce ``tensor`` over the group into global rank ``dst`` (or group rank ``group_dst``)."""
-        return dispatch(Call("reduce", self, tensor, reduce_op=normalize_reduce_op(op), root=dst,
+        return dispatch(Call("reduce", self, tensor, reduce_op=op, root=dst,
                              group_root=group_dst, async_op=async_op, algorithm=algorithm))
 
     def barrier(self, async_op: bool = False) -> Work | None:
@@ -252,8 +290,14 @@ def get_communicator(group: dist.ProcessGroup | None = None) -> Communicator:
         comm = Communicator()
         _WORLD[:] = [comm]
         return comm
-    found = _COMMS.get(group)
+    try:
+        found = _COMMS.get(group)
+    except TypeError:  # not weakly referenceable: an int, a str, a list
+        found = None
     if found is None:
+        if not isinstance(group, dist.ProcessGroup):
+            raise InvalidTypeError("group", group, f"is a {type(group).__name__}, not a process group",
+                                   "pass a torch.distributed.ProcessGroup (from new_group) or None for the world")
         found = _COMMS[group] = Communicator(group)
     return found
 
@@ -280,14 +324,18 @@ def destroy(group: dist.ProcessGroup | None = None) -> None:
 
     if group is None:  # every group, and with them the default store its progress goes to
         RECORDER.stop_progress()  # no thread may touch a store once it goes
+    from topology import groups
+
     for c in comms:
         close_peer_memory(c)  # collective, like destroy itself
         c.close()
+        if group is not None:  # the groups it made (derived, p2p twin) go with it
+            for g in groups.forget(c._group_name):
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group(g)
         c.group = None  # type: ignore[assignment]
     del comms
     if group is None:
-        from topology import groups
-
         groups.clear()
     if dist.is_initialized():
         dist.destroy_process_group(group)

@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import _env, _native
-from ._types import normalize_reduce_op
 from ._validate import _current_device, validate
-from ._wait import limit
+from ._wait import call_timeout, limit, wait
 from .algos import REGISTRY, Algorithm, ScheduledAlgorithm, for_op
 from .algos._schedule import Layout
 from .errors import CollectiveTimeout, UnsupportedError
@@ -221,8 +220,7 @@ def dispatch_tensors(comm: Communicator, op: str, output: torch.Tensor, input: t
             return None
     else:
         key = None
-    call = Call(op, comm, output, input, reduce_op=None if reduce_op is None else normalize_reduce_op(reduce_op),
-                async_op=async_op, algorithm=algorithm)
+    call = Call(op, comm, output, input, reduce_op=reduce_op, async_op=async_op, algorithm=algorithm)
     result = dispatch(call)
     if key is not None and call.fast is not None:
         if not _native_tried:
@@ -252,6 +250,10 @@ def recorded(comm: Communicator, op: str, algorithm: str, output: torch.Tensor, 
 
 def dispatch(call: Call) -> Work | None:
     """Validate, choose, trace and run ``call``; returns a handle when ``call.async_op``."""
+    if call.comm._pending and call.comm._topology is None:
+        # The choice below may discover the topology, a collective on this group: not while
+        # the worker runs this group's earlier async calls.
+        call.comm._drain()
     validate(call)
     algo = _resolve(call)
     if algo.topology_aware:
@@ -344,6 +346,31 @@ def _abort(comm: Communicator) -> None:
 
 
 def _run(algo: Algorithm, call: Call) -> Work | None:
+    out, inp = call.output, call.input
+    if out is not None and (out.requires_grad or inp.requires_grad) and torch.is_grad_enabled():
+        # torch.distributed's verbs write a tensor that requires grad in place without autograd
+        # seeing it (the version counter still moves); ours do the same instead of failing in
+        # their first in-place torch op after some ranks have sent.
+        with torch.no_grad():
+            return _run_plain(algo, call)
+    return _run_plain(algo, call)
+
+
+def _run_plain(algo: Algorithm, call: Call) -> Work | None:
+    comm = call.comm
+    cuda = call.output is not None and call.output.is_cuda
+    if not cuda and comm._pending:
+        # Async work of this group is still running on its worker thread: this call queues behind
+        # it, so that every rank issues the group's collectives (and those of its derived groups)
+        # in the order the program called them. Run inline, a call issued before an earlier
+        # async one's wait() would pair with a different call on each rank.
+        if isinstance(algo, ScheduledAlgorithm):
+            call.tag = comm.next_tag()
+        future = comm._submit(_in_order, algo, call, limit())
+        if call.async_op:
+            return FutureWork(future)
+        future.result()
+        return None
     if algo.returns_work:
         work = algo.run(call)
         return TorchWork(work) if call.async_op else None
@@ -358,6 +385,15 @@ def _run(algo: Algorithm, call: Call) -> Work | None:
         event = torch.cuda.Event()
         event.record()
         return EventWork(event)
-    return FutureWork(call.comm._worker().submit(algo.run, call))
+    return FutureWork(call.comm._submit(_in_order, algo, call, limit()))
 
 
+
+
+def _in_order(algo: Algorithm, call: Call, bound: Any) -> None:
+    """Run ``call`` to completion on the communicator's worker thread, under the caller's
+    ``call_timeout`` bound (thread-local, so carried here) and without autograd (see ``_run``)."""
+    with torch.no_grad(), (call_timeout(bound) if bound is not None else nullcontext()):
+        work = algo.run(call)
+        if work is not None:  # the backend's own Work (an async native call queued here)
+            wait(work)

@@ -7,18 +7,25 @@ For a group whose topology has nodes ``N_0 .. N_{n-1}`` (group ranks, ascending)
   ranks that share a NIC rail on rail-optimised clusters; the columns of an ``n x g`` grid);
 * ``leaders``: the first rank of every node (members only; ``None`` on other ranks).
 
-Groups are created once per (backend, rank set) and cached for the life of the process, so two
-communicators over the same ranks share them. Creation uses ``new_group(...,
-use_local_synchronization=True)``: only members take part, each rank creates its groups in one
-fixed order (intra, rail, leaders), which cannot deadlock because every group's members all reach
-its creation after creating the same earlier groups. torch names such a group after its ranks and
-the number of groups the process has made, so before creating any, the communicator's ranks line
-that number up (:func:`_align_group_counts`); a program whose ranks made different numbers of
-groups would otherwise hang there.
+Groups are created once per parent group and kept for the life of the process: a communicator
+owns its derived groups, never shares them with another communicator over the same ranks, so two
+threads running on two communicators never meet on one process group (their calls would pair in
+a different order on each rank). Each group is named after its parent group's name, its role and
+its ranks (``commops/<parent>/<role>/<ranks>``), the same on every member whatever else the
+process created before or creates meanwhile on another thread; only the members take part in its
+creation (the backend's own rendezvous through the store, under the parent's timeout). torch's
+``new_group`` names a group after its ranks and how many groups the process has made, so that
+two threads making groups at once, or ranks that made different numbers of groups, would pair
+the wrong groups or wait forever; it serves only where torch lacks the helper used here
+(:func:`_named_group`), and there creation takes a lock and first lines up the group counts.
+Their waits use the parent's timeout (:func:`group_timeout`).
 """
 
 from __future__ import annotations
 
+import datetime
+import inspect
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,21 +33,100 @@ import torch.distributed as dist
 
 from .model import Topology
 
-__all__ = ["DerivedGroups", "derive", "equal_nodes", "rails_of", "clear"]
+__all__ = ["DerivedGroups", "derive", "equal_nodes", "rails_of", "clear", "forget", "private_group", "group_timeout"]
 
-# (backend, global ranks) -> process group, shared by every communicator of this process.
-_CACHE: dict[tuple[str, tuple[int, ...]], Any] = {}
+# (parent group name, role, backend, global ranks) -> process group, created once.
+_CACHE: dict[tuple[str, str, str, tuple[int, ...]], Any] = {}
+_LOCK = threading.Lock()  # guards _CACHE and _KEY_LOCKS; never held while a group is created
+_KEY_LOCKS: dict[tuple[str, str, str, tuple[int, ...]], threading.Lock] = {}
+_LEGACY_LOCK = threading.Lock()  # new_group's fallback: one creation at a time in this process
 
 
 def clear() -> None:
     """Forget the cached groups (after ``destroy_process_group``; the groups die with it)."""
-    _CACHE.clear()
+    with _LOCK:
+        _CACHE.clear()
+        _KEY_LOCKS.clear()
+
+
+def forget(parent: str) -> list[Any]:
+    """Forget the groups derived from the group named ``parent``; return them (for destroying)."""
+    with _LOCK:
+        keys = [k for k in _CACHE if k[0] == parent]
+        for k in keys:
+            _KEY_LOCKS.pop(k, None)
+        return [_CACHE.pop(k) for k in keys]
+
+
+def group_timeout(group: Any) -> datetime.timedelta | None:
+    """The timeout ``group``'s backend waits under (``init_process_group``/``new_group``'s), or None."""
+    import torch
+
+    for device in ("cpu", "cuda"):
+        try:
+            backend = group._get_backend(torch.device(device))
+            timeout = backend.options._timeout
+        except Exception:  # noqa: BLE001 - no backend for that device, or one without options
+            continue
+        if isinstance(timeout, datetime.timedelta):
+            return timeout
+    return None
 
 
 def equal_nodes(topo: Topology) -> int | None:
     """Ranks per node when every node has the same number, else None."""
     sizes = {len(n) for n in topo.nodes()}
     return sizes.pop() if len(sizes) == 1 else None
+
+
+def private_group(parent: Any, parent_name: str, role: str, global_ranks: tuple[int, ...], backend: str) -> Any:
+    """The process group over ``global_ranks`` that the group named ``parent_name`` keeps for
+    ``role``, created on first use (collective over those ranks only; thread-safe)."""
+    key = (parent_name, role, backend, tuple(global_ranks))
+    with _LOCK:
+        g = _CACHE.get(key)
+        if g is not None:
+            return g
+        lock = _KEY_LOCKS.setdefault(key, threading.Lock())
+    with lock:  # a second thread asking for the same group waits for the first one's
+        with _LOCK:
+            g = _CACHE.get(key)
+        if g is None:
+            name = f"commops/{parent_name}/{role}/{'_'.join(map(str, sorted(global_ranks)))}"
+            g = _named_group(sorted(global_ranks), backend, name, group_timeout(parent), parent)
+            with _LOCK:
+                _CACHE[key] = g
+    return g
+
+
+def _helper() -> Any:
+    """torch's ``_new_process_group_helper`` when it has the signature used here (2.11-2.13), else None."""
+    c10d = dist.distributed_c10d
+    helper = getattr(c10d, "_new_process_group_helper", None)
+    if helper is None:
+        return None
+    try:
+        params = list(inspect.signature(helper).parameters)
+    except (TypeError, ValueError):
+        return None
+    want = ["group_size", "group_rank", "global_ranks_in_group", "backend", "store", "group_name"]
+    ok = params[:6] == want and "timeout" in params and hasattr(c10d, "_world") and hasattr(c10d, "_get_default_store")
+    return helper if ok else None
+
+
+def _named_group(ranks: list[int], backend: str, name: str, timeout: datetime.timedelta | None, parent: Any) -> Any:
+    c10d = dist.distributed_c10d
+    helper = _helper()
+    if helper is None:
+        with _LEGACY_LOCK:
+            _align_group_counts(parent, backend)
+            return dist.new_group(ranks, timeout=timeout, backend=backend, use_local_synchronization=True)
+    me = dist.get_rank()
+    group_name = getattr(c10d, "GroupName", str)(name)
+    kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
+    pg, _ = helper(len(ranks), ranks.index(me), ranks, backend, c10d._get_default_store(), group_name, **kwargs)
+    c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(ranks)}
+    return pg
 
 
 @dataclass(frozen=True)
@@ -57,16 +143,6 @@ class DerivedGroups:
     rail_ranks: tuple[int, ...] | None
     # rails[j]: the group ranks of rail j in the rail group's own order (ascending), for every j.
     rails: list[tuple[int, ...]] | None
-
-
-def _group(backend: str, global_ranks: tuple[int, ...], world_group: Any) -> Any:
-    if global_ranks == tuple(range(dist.get_world_size())) and world_group is not None:
-        return world_group
-    key = (backend, global_ranks)
-    g = _CACHE.get(key)
-    if g is None:
-        g = _CACHE[key] = dist.new_group(list(global_ranks), backend=backend, use_local_synchronization=True)
-    return g
 
 
 def _align_group_counts(group: Any, backend: str) -> None:
@@ -99,28 +175,28 @@ def derive(topo: Topology, rank: int, global_ranks: tuple[int, ...], backend: st
         rank: this rank's index in the communicator's group.
         global_ranks: the communicator's group ranks -> global ranks.
         backend: the backend string of the communicator's group.
-        group: the communicator's process group (default: the world), over which the members
-            first line up their group counts (:func:`_align_group_counts`).
+        group: the communicator's process group (default: the world): the derived groups are
+            its own (named after it), used by no other communicator.
     """
     if topo.world != len(global_ranks):
         raise ValueError(f"topology has {topo.world} ranks but the group has {len(global_ranks)}")
     nodes = topo.nodes()
     node = next(k for k, members in enumerate(nodes) if rank in members)
     local = nodes[node].index(rank)
-    world_pg = dist.group.WORLD
-    _align_group_counts(world_pg if group is None else group, backend)
+    parent = dist.group.WORLD if group is None else group
+    parent_name = str(getattr(parent, "group_name", "") or "world")
 
-    def pg(members: tuple[int, ...]) -> Any:
-        return _group(backend, tuple(global_ranks[m] for m in members), world_pg)
+    def pg(role: str, members: tuple[int, ...]) -> Any:
+        return private_group(parent, parent_name, role, tuple(global_ranks[m] for m in members), backend)
 
     intra_ranks = tuple(nodes[node])
-    intra = pg(intra_ranks)
+    intra = pg("intra", intra_ranks)
     rail = rail_ranks = rails = None
     if equal_nodes(topo) is not None:
         rails = rails_of(nodes)
         rail_ranks = rails[local]
-        rail = pg(rail_ranks)
-    leaders = pg(tuple(members[0] for members in nodes)) if local == 0 else None
+        rail = pg("rail", rail_ranks)
+    leaders = pg("leaders", tuple(members[0] for members in nodes)) if local == 0 else None
     return DerivedGroups(nodes, node, local, intra, rail, leaders, intra_ranks, rail_ranks, rails)
 
 

@@ -3,9 +3,10 @@
 Design note: each step posts all of its sends and receives in one ``batch_isend_irecv`` (NCCL
 groups them into one launch; Gloo and MPI post them concurrently) and waits for them before
 folding received data in. On CUDA the waits only order streams, so a whole schedule is enqueued
-without blocking the host; on CPU they block. Messages carry a per-call tag so that two calls in
-flight on one group (an async one on the worker thread and a synchronous one) never match each
-other's messages; NCCL ignores tags and orders by stream instead.
+without blocking the host; on CPU they block. On CPU backends they go over the communicator's
+private twin of its group (``Communicator.p2p_group``), so that a program's own point-to-point
+messages on the group never match ours whatever their tags, and carry a per-call tag so that two
+of our calls in flight never match each other's; NCCL ignores tags and orders by stream instead.
 
 Tried and rejected: one ``isend``/``irecv`` pair per transfer with a wait per pair (twice the
 latency per step on Gloo), and receiving reduced data straight into the destination (a step may
@@ -63,7 +64,7 @@ def execute(
     buffers["tmp"] = comm._workspace("tmp", ref.dtype, ref.device, schedule.scratch)
     staging = comm._workspace("staging", ref.dtype, ref.device, schedule.staging) if schedule.staging else None
     reducer = REDUCERS[reduce_op]
-    group = comm.group
+    group = comm.p2p_group(ref.is_cuda)
     to_global = comm.global_ranks
 
     def view(r: Region) -> torch.Tensor:
