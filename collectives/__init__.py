@@ -30,6 +30,7 @@ from .errors import (
     CollectiveTimeout,
     CommopsError,
     InvalidArgumentError,
+    InvalidSettingError,
     InvalidTypeError,
     LaunchError,
     NotInitializedError,
@@ -47,7 +48,8 @@ __all__ = [
     "ReduceOp", "Work", "Choice", "Call", "add_trace_hook", "remove_trace_hook", "LaunchInfo",
     "OPS", "DATA_OPS", "REDUCE_OPS",
     "CommopsError", "InvalidArgumentError", "InvalidTypeError", "UnsupportedError",
-    "NotInitializedError", "LaunchError", "CollectiveTimeout", "CollectiveMismatch", "dump_trace", "call_timeout",
+    "NotInitializedError", "LaunchError", "CollectiveTimeout", "CollectiveMismatch", "InvalidSettingError",
+    "dump_trace", "call_timeout",
 ]
 
 Group = dist.ProcessGroup | None

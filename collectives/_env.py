@@ -3,6 +3,14 @@
 Variables share the ``COMMOPS_`` prefix and are read lazily (never at import) and cached; library
 code never writes ``os.environ``. Launcher variables (``RANK``, ``LOCAL_RANK``, ...) are not here:
 only :mod:`collectives.bootstrap` reads them, to start torch.distributed the way the launcher asks.
+
+Values are parsed strictly. A switch takes 1/0, true/false, yes/no, on/off, enable/disable or
+enabled/disabled (any case, spaces around ignored); a number takes what ``int``/``float`` read.
+Anything else raises :class:`~collectives.errors.InvalidSettingError` naming the variable, the
+value and what it accepts, where the setting is first read. An empty value counts as unset (the
+default). Design note: a switch used to be on for any value outside a short list of "off"
+words, so ``COMMOPS_RECORDER=disable`` left the recorder on without a word; a setting that
+silently means the opposite of what was written is worse than one that refuses to start.
 """
 
 from __future__ import annotations
@@ -12,7 +20,9 @@ import os
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-__all__ = ["EnvVar", "NVTX", "VARIABLES"]
+from .errors import InvalidSettingError
+
+__all__ = ["EnvVar", "NVTX", "VARIABLES", "TRUE_WORDS", "FALSE_WORDS"]
 
 T = TypeVar("T")
 
@@ -27,24 +37,50 @@ class EnvVar(Generic[T]):
         return _read(self)  # type: ignore[return-value]
 
     def is_set(self) -> bool:
-        """Whether the environment sets this variable (its default is then not in use)."""
-        return self.name in os.environ
+        """Whether the environment sets this variable to a value (its default is then not in use)."""
+        return bool(os.environ.get(self.name, "").strip())
 
 
-def _parse(raw: str, default: object) -> object:
-    if isinstance(default, bool):
-        return raw.strip().lower() not in ("0", "false", "no", "off", "")
-    if isinstance(default, int):
-        return int(raw)
-    if isinstance(default, float):
-        return float(raw)
+TRUE_WORDS = ("1", "true", "yes", "on", "enable", "enabled")
+FALSE_WORDS = ("0", "false", "no", "off", "disable", "disabled")
+
+
+def _switch(name: str, raw: str, extra: tuple[str, ...] = ()) -> bool | str:
+    """``raw`` (the value of variable ``name``) as a switch: True or False, or one of ``extra``
+    (lower-cased) where it is one of those. Raises InvalidSettingError for anything else."""
+    word = raw.strip().lower()
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    if word in extra:
+        return word
+    accepted = "/".join(extra + TRUE_WORDS) + " or " + "/".join(FALSE_WORDS)
+    raise InvalidSettingError(name, raw, f"is not a switch commops reads (it accepts {accepted}, any case)",
+                              f"set {name}=1 to turn it on or {name}=0 to turn it off, or unset it for the default")
+
+
+def _parse(var: EnvVar, raw: str) -> object:  # type: ignore[type-arg]
+    default = var.default
+    if not raw.strip() and not isinstance(default, str):
+        return default  # empty: as if unset
+    if isinstance(default, bool):  # before int: a bool is an int
+        return _switch(var.name, raw)
+    for kind, what in ((int, "a whole number"), (float, "a number")):
+        if isinstance(default, kind):
+            try:
+                return kind(raw)
+            except ValueError:
+                raise InvalidSettingError(var.name, raw, f"is not {what}",
+                                          f"set {var.name} to {what} such as {default!r}, or unset it for that "
+                                          "default") from None
     return raw
 
 
 @functools.cache
 def _read(var: EnvVar) -> object:  # type: ignore[type-arg]
     raw = os.environ.get(var.name)
-    return var.default if raw is None else _parse(raw, var.default)
+    return var.default if raw is None else _parse(var, raw)
 
 
 NVTX: EnvVar[str] = EnvVar(
@@ -135,7 +171,8 @@ VARIABLES = (NVTX, MPI_MASTER_ADDR, TOPOLOGY, CALIBRATION, TUNED, PEER_BYTES, PE
 
 @functools.cache
 def nvtx_enabled() -> bool:
-    mode = NVTX.get().strip().lower()
+    """Whether collectives on CUDA tensors get NVTX ranges (``COMMOPS_NVTX``: a switch or 'auto')."""
+    mode = _switch(NVTX.name, NVTX.get().strip() or NVTX.default, extra=("auto",))
     if mode == "auto":
         return bool(os.environ.get("NVTX_INJECTION64_PATH"))
-    return mode not in ("0", "false", "no", "off", "")
+    return bool(mode)

@@ -17,6 +17,7 @@ __all__ = [
     "LaunchError",
     "CollectiveTimeout",
     "CollectiveMismatch",
+    "InvalidSettingError",
 ]
 
 
@@ -41,6 +42,11 @@ class InvalidTypeError(InvalidArgumentError, TypeError):
 
 class UnsupportedError(InvalidArgumentError):
     """The chosen algorithm or backend cannot run this op, dtype or device; names those that can."""
+
+
+class InvalidSettingError(InvalidArgumentError):
+    """An environment variable commops reads (``collectives/_env.py``) has a value it cannot parse;
+    names the variable, the value and the spellings it accepts. Raised where the setting is first read."""
 
 
 class NotInitializedError(CommopsError, RuntimeError):
