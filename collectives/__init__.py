@@ -34,6 +34,7 @@ from .errors import (
     InvalidTypeError,
     LaunchError,
     NotInitializedError,
+    UnsafePathError,
     UnsupportedError,
 )
 from ._wait import call_timeout
@@ -49,7 +50,7 @@ __all__ = [
     "OPS", "DATA_OPS", "REDUCE_OPS",
     "CommopsError", "InvalidArgumentError", "InvalidTypeError", "UnsupportedError",
     "NotInitializedError", "LaunchError", "CollectiveTimeout", "CollectiveMismatch", "InvalidSettingError",
-    "dump_trace", "call_timeout",
+    "UnsafePathError", "dump_trace", "call_timeout",
 ]
 
 Group = dist.ProcessGroup | None

@@ -13,13 +13,37 @@ timing script, not kept), not to nothing.
 
 It is a plain CPython extension (no torch or CUDA headers: the driver's ``cuLaunchKernel`` is
 passed in as an address), compiled with the C compiler Python was built with, the way Triton
-builds its launchers, into ``COMMOPS_CACHE_DIR`` under a name that hashes the source, the
-interpreter and the compiler, and loaded from there on later runs. Where there is no compiler,
-or ``COMMOPS_NATIVE=0``, the Python fast path serves every call; :func:`status` says which.
+builds its launchers, into ``COMMOPS_CACHE_DIR``, and loaded from there on later runs. Where
+there is no compiler, or ``COMMOPS_NATIVE=0``, the Python fast path serves every call;
+:func:`status` says which.
+
+Loading a compiled file runs its code, so nothing is loaded that another local user could have
+planted or changed. The cache directory must be this user's: it is created 0700 where missing,
+and an existing one must be a directory (not a symbolic link) owned by this user that neither
+its group nor others can write. An object is named ``_fastpath_<tag>_<sha256><suffix>``: the tag
+hashes the source, the interpreter and the compiler (a change to any of them builds anew), the
+sha256 is the object's own bytes. It is opened without following a symbolic link, checked
+through that descriptor (a regular file, this user's, writable by nobody else, its bytes hashing
+to its name) and loaded through the same descriptor (``/proc/self/fd/N``), so that what was
+checked is what runs even if the path changes meanwhile. A refused directory (another user's,
+group- or world-writable, a link) is not used: the process warns once, naming it and why, builds
+into a private ``tempfile.mkdtemp`` directory and removes that once the object is loaded (each
+process then builds: about a second on a 2-core CPU). A refused object in a good directory is
+warned about, removed and rebuilt.
+
+Tried and rejected: raising on a refused cache (the Python path would then serve, a few
+microseconds slower per call, for a reason the user may not see); a sidecar file with the
+object's hash (two ranks building at once could leave one's hash beside the other's object; a
+name that states its content cannot disagree with it). The hash guards against a truncated or
+altered file; against other users, the owner and mode checks do. The peer-memory kernels
+(``peer/_launch.py``) are compiled by CuPy and the grouped GEMM by Triton, each keeping its own
+cache (``CUPY_CACHE_DIR``, ``TRITON_CACHE_DIR``; in the home directory by default); commops
+writes and loads no other compiled file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import importlib.machinery
@@ -27,6 +51,7 @@ import importlib.util
 import os
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -38,12 +63,17 @@ from types import ModuleType
 from typing import Any
 
 from . import _env
+from .errors import UnsafePathError
 
 __all__ = ["load", "build", "status", "configure", "configure_cuda"]
 
 _SOURCE = Path(__file__).with_name("_fastpath.c")
 _LOCK = threading.Lock()
 _STATE: dict[str, Any] = {"module": None, "why": "not loaded yet (no repeated GPU call so far)", "tried": False}
+_WARNED: set[str] = set()  # refusals already warned about (once per path and reason)
+# Descriptors of loaded objects, never closed: the dynamic loader knows a library by the name it
+# was opened under (/proc/self/fd/N), and a later load under a reused N would get the old library.
+_LOADED_FDS: list[int] = []
 
 
 def _compiler() -> list[str]:
@@ -64,19 +94,107 @@ def _cache_dir() -> Path:
     return Path(base) / "commops"
 
 
+def _name_stem(cc: list[str]) -> str:
+    """``_fastpath_<tag>``: the tag hashes the source, the interpreter and the compiler command."""
+    tag = hashlib.sha256(_SOURCE.read_bytes() + sys.version.encode() + " ".join(cc).encode()).hexdigest()[:16]
+    return f"_fastpath_{tag}"
+
+
+def _writable_by_others(mode: int) -> bool:
+    return bool(mode & (stat.S_IWGRP | stat.S_IWOTH))
+
+
+def _private_dir(directory: Path) -> Path:
+    """``directory``, created 0700 if missing; raises UnsafePathError unless it is a directory (not
+    a link) of this user's that its group and others cannot write."""
+    try:
+        directory.mkdir(mode=0o700, parents=True)
+        os.chmod(directory, 0o700)  # ours, just made: whatever the umask left
+    except FileExistsError:
+        pass
+    st = os.lstat(directory)
+    fix = f"remove {directory} or set COMMOPS_CACHE_DIR to a directory of your own (created 0700)"
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafePathError("cache directory", directory, "is a symbolic link, which another user may have made "
+                              "or may change", f"set COMMOPS_CACHE_DIR to the directory it points to, or {fix}")
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafePathError("cache directory", directory, "is not a directory", fix)
+    if st.st_uid != os.geteuid():
+        raise UnsafePathError("cache directory", directory, f"belongs to uid {st.st_uid}, not to this user "
+                              f"(uid {os.geteuid()}), who could then not tell what was put there", fix)
+    if _writable_by_others(st.st_mode):
+        raise UnsafePathError("cache directory", directory, f"has mode {stat.S_IMODE(st.st_mode):o}: its group or "
+                              "other users can put files there", f"chmod go-w {directory}, or {fix}")
+    return directory
+
+
+def _open_checked(path: Path) -> int:
+    """A descriptor of ``path``, at its start, once ``path`` has passed the checks (a regular
+    file, not a link, this user's, writable by nobody else, its bytes hashing to the hash its name
+    ends in); raises UnsafePathError (or OSError: missing) otherwise. The caller closes it."""
+    fix = f"remove {path}; the next run builds it anew"
+    try:
+        # not blocking: a FIFO of that name would otherwise hold the open forever
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if os.path.islink(path):  # ELOOP: the open refused to follow it
+            raise UnsafePathError("compiled object", path, "is a symbolic link", fix) from exc
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePathError("compiled object", path, "is not a regular file", fix)
+        if st.st_uid != os.geteuid():
+            raise UnsafePathError("compiled object", path, f"belongs to uid {st.st_uid}, not to this user "
+                                  f"(uid {os.geteuid()})", fix)
+        if _writable_by_others(st.st_mode):
+            raise UnsafePathError("compiled object", path, f"has mode {stat.S_IMODE(st.st_mode):o}: its group or "
+                                  "other users can change it", fix)
+        digest = hashlib.sha256()
+        while chunk := os.read(fd, 1 << 20):
+            digest.update(chunk)
+        found = digest.hexdigest()
+        stated = path.name.split(".")[0].rpartition("_")[2]
+        if found != stated:
+            raise UnsafePathError("compiled object", path, f"holds bytes whose sha256 is {found[:16]}..., not the "
+                                  f"{stated[:16]}... its name states (truncated or altered)", fix)
+        os.lseek(fd, 0, os.SEEK_SET)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _warn_once(exc: UnsafePathError, then: str) -> None:
+    key = f"{exc.path}: {exc.problem}"
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(f"commops: the compiled fast path is not loaded from {exc}; {then}", RuntimeWarning,
+                      stacklevel=3)
+
+
 def build(directory: Path | None = None) -> Path:
-    """Compile ``_fastpath.c`` into ``directory`` (default: the cache) unless it is there already;
-    the path of the extension. Raises ``RuntimeError`` with the compiler's output on failure."""
-    source = _SOURCE.read_bytes()
+    """Compile ``_fastpath.c`` into ``directory`` (default: the cache) unless a good object is
+    there already (the module docstring says what passes); the path of the object.
+
+    Raises:
+        UnsafePathError: ``directory`` is not private to this user (nothing is built there).
+        RuntimeError: the compiler failed (its output is in the message).
+    """
     cc = _compiler()
     include = sysconfig.get_paths()["include"]
-    tag = hashlib.sha256(source + sys.version.encode() + " ".join(cc).encode()).hexdigest()[:16]
-    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-    directory = _cache_dir() if directory is None else directory
-    target = directory / f"_fastpath_{tag}{suffix}"
-    if target.exists():
-        return target
-    directory.mkdir(parents=True, exist_ok=True)
+    stem, suffix = _name_stem(cc), importlib.machinery.EXTENSION_SUFFIXES[0]
+    directory = _private_dir(_cache_dir() if directory is None else directory)
+    for candidate in sorted(directory.glob(f"{stem}_*{suffix}")):
+        try:
+            os.close(_open_checked(candidate))
+            return candidate
+        except UnsafePathError as exc:
+            _warn_once(exc, "removing it and building anew")
+            with contextlib.suppress(OSError):  # our directory: we may remove what is in it
+                os.unlink(candidate)
+        except FileNotFoundError:  # removed since the listing
+            pass
     # each process builds into a file of its own and renames it into place: ranks that start
     # together may all build, and none loads a half-written file
     fd, tmp = tempfile.mkstemp(suffix=suffix, dir=directory)
@@ -86,7 +204,10 @@ def build(directory: Path | None = None) -> Path:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)
+        os.chmod(tmp, 0o700)  # the linker's mode follows the umask, which may let the group write
+        digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
+        target = directory / f"{stem}_{digest}{suffix}"
+        os.replace(tmp, target)  # replaces a refused file (or link) of that name, never writes through it
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -94,12 +215,38 @@ def build(directory: Path | None = None) -> Path:
 
 
 def _import(path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location("collectives._fastpath", path)
-    if spec is None or spec.loader is None:
+    """Load the object at ``path`` once it has passed the checks, through the descriptor that was
+    checked; raises UnsafePathError (nothing of it runs) if it does not."""
+    fd = _open_checked(path)
+    where = f"/proc/self/fd/{fd}"
+    if not os.path.exists(where):  # no /proc: by its path, just checked
+        os.close(fd)
+        where = str(path)
+    else:
+        _LOADED_FDS.append(fd)
+    loader = importlib.machinery.ExtensionFileLoader("collectives._fastpath", where)
+    spec = importlib.util.spec_from_file_location("collectives._fastpath", where, loader=loader)
+    if spec is None:
         raise ImportError(f"cannot load {path}")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    loader.exec_module(module)
+    module.__file__ = str(path)
     return module
+
+
+def _build_and_import() -> ModuleType:
+    """Build into the cache (or, where the cache is refused, into a private directory removed
+    after loading) and load."""
+    try:
+        directory = _private_dir(_cache_dir())
+    except UnsafePathError as exc:
+        private = Path(tempfile.mkdtemp(prefix="commops-native-"))
+        _warn_once(exc, f"building into {private} instead, for this process only")
+        try:
+            return _import(build(private))
+        finally:
+            shutil.rmtree(private, ignore_errors=True)  # loaded: the mapping outlives the file
+    return _import(build(directory))
 
 
 def load() -> ModuleType | None:
@@ -114,7 +261,7 @@ def load() -> ModuleType | None:
             _STATE["why"] = "off (COMMOPS_NATIVE=0)"
         else:
             try:
-                _STATE["module"] = _import(build())
+                _STATE["module"] = _build_and_import()
                 _STATE["why"] = "loaded"
             except (OSError, RuntimeError, ImportError, subprocess.SubprocessError) as exc:
                 _STATE["why"] = f"not available: {exc}"

@@ -18,6 +18,7 @@ __all__ = [
     "CollectiveTimeout",
     "CollectiveMismatch",
     "InvalidSettingError",
+    "UnsafePathError",
 ]
 
 
@@ -47,6 +48,19 @@ class UnsupportedError(InvalidArgumentError):
 class InvalidSettingError(InvalidArgumentError):
     """An environment variable commops reads (``collectives/_env.py``) has a value it cannot parse;
     names the variable, the value and the spellings it accepts. Raised where the setting is first read."""
+
+
+class UnsafePathError(CommopsError, PermissionError):
+    """A file or directory commops would load code from could be changed by another user (its
+    owner, its mode, a symbolic link), or holds other bytes than its name says; nothing was loaded
+    from it. Names the path, what is wrong with it and the fix."""
+
+    def __init__(self, what: str, path: object, problem: str, fix: str) -> None:
+        self.what = what
+        self.path = str(path)
+        self.problem = problem
+        self.fix = fix
+        super().__init__(f"{what}={_short(self.path)}: {problem}. Fix: {fix}")
 
 
 class NotInitializedError(CommopsError, RuntimeError):

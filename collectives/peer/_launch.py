@@ -1,8 +1,10 @@
 """Compiling and launching ``kernels.cu``: pointers, sizes and a stream in, nothing else.
 
 The module is compiled by NVRTC (through CuPy) on first use for the current device, never at
-import. Launches go to torch's current stream, so they order with the caller's work and are
-captured by ``torch.cuda.graph`` like any other kernel.
+import. commops writes no file for it; CuPy keeps the compiled binary in its own cache
+(``CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``, which should be private to the user;
+``CUPY_CACHE_IN_MEMORY=1`` keeps it in memory). Launches go to torch's current stream, so they
+order with the caller's work and are captured by ``torch.cuda.graph`` like any other kernel.
 
 Design note: a launch is on the path of every small collective, whose whole budget is a few
 microseconds of host time. CuPy's ``RawKernel.__call__`` converts its arguments on every call
