@@ -12,8 +12,16 @@ The ring is dumped as one JSON file per rank (``commops_trace_rank<R>.json``) in
 directory (``COMMOPS_TRACE_DIR`` or ``collectives.init(trace_dir=...)``) when a collective raises,
 on SIGUSR1, on SIGTERM (then the signal's usual effect), or on request (:func:`dump`). The
 signals are served by a thread as they arrive, so that a rank held inside a hung collective
-dumps too (:func:`_start_watcher`).
+dumps too (:func:`_start_watcher`). The handlers chain to what the program had before: its own
+handler runs after the dump, an ignored SIGTERM stays ignored, a default one still ends the
+process (:func:`set_trace_dir`).
 ``python -m collectives.diagnose DIR`` reads them.
+
+A dump is written to a temporary file made for it alone (``tempfile.mkstemp``: a new random
+name, created exclusively, mode 0600) and renamed onto the final name, which replaces whatever
+is there, a symbolic link included, without writing through it. A predictable temporary name
+(the way it was first written) let another user of a shared trace directory plant a link there
+and have a dump overwrite the file it pointed to.
 
 The recorder also publishes each rank's progress (the last sequence number it entered, per
 group) to the group's store from a background thread every ``PROGRESS_PERIOD_S``, so that a rank
@@ -29,6 +37,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -84,7 +93,6 @@ class FlightRecorder:
         self._next = 0
         # Reentrant: a signal's handler may dump on the main thread while it is inside a dump.
         self._lock = threading.RLock()
-        self._dumps = 0  # each dump writes a temporary file of its own
         self.trace_dir: str | None = None
         self._progress: dict[Any, list[Any]] = {}  # group -> [store, rank, last seq]
         self._published: dict[Any, int] = {}
@@ -173,10 +181,7 @@ class FlightRecorder:
         with self._lock:  # the entries are read under it too: of two dumps, the later one read later
             data = {"rank": rank, "world": world, "host": socket.gethostname(), "pid": os.getpid(), "reason": reason,
                     "time": time.time(), "entries": self.entries()}
-            self._dumps += 1
-            tmp = path.with_suffix(f".json.{self._dumps}.tmp")
-            tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
-            tmp.replace(path)
+            _write_new(path, json.dumps(data, indent=1, default=str) + "\n")
         return str(path)
 
     # -- progress in the store (for naming the ranks that did not arrive) -------------------------
@@ -218,6 +223,20 @@ class FlightRecorder:
                 self._published[group] = seq
             except Exception:  # noqa: BLE001 - the store is gone (shutdown): stop quietly
                 return
+
+
+def _write_new(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file of its own beside it (see the module
+    docstring); on any error the temporary file is removed and the error raised."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:  # a signal's exception too: no temporary file is left behind
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _as_dict(e: list[Any]) -> dict[str, Any]:
@@ -310,26 +329,51 @@ def _forget_watcher_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_watcher_in_child)
 
 
+# signal -> the handler the program had before ours, to chain to; kept across calls of
+# set_trace_dir, so that ours is never recorded as its own predecessor
+_PREVIOUS: dict[int, Any] = {}
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    """Dump (again: by now the call that was waiting may have ended or failed), then what the
+    program had before: its own handler if it had one; nothing if it ignored the signal; the
+    default action (the process ends) for a default SIGTERM; nothing for a default SIGUSR1,
+    whose default action, ending the process, is not what a request for a dump means."""
+    try:
+        RECORDER.dump(signal.Signals(signum).name)
+    finally:  # a dump that failed (an unwritable directory) still leaves the signal its effect
+        previous = _PREVIOUS.get(signum)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN and signum == signal.SIGTERM:
+            # SIG_DFL, or a handler set outside Python (None): the default action
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+
+def _install(signum: int) -> None:
+    current = signal.getsignal(signum)
+    if current is not _on_signal:  # not ours already (a second set_trace_dir keeps what was before)
+        _PREVIOUS[signum] = current
+        signal.signal(signum, _on_signal)
+
+
 def set_trace_dir(directory: str | None) -> None:
     """Where dumps go, and install the SIGUSR1 (dump) and SIGTERM (dump, then the usual) handlers,
-    with the thread that dumps as soon as either arrives (:func:`_start_watcher`)."""
+    with the thread that dumps as soon as either arrives (:func:`_start_watcher`).
+
+    The handlers chain to the ones the program had: a Python handler is called after the dump; an
+    ignored SIGTERM (``SIG_IGN``) is dumped and stays ignored; a default SIGTERM is dumped, then
+    ends the process as it would have; SIGUSR1 only dumps unless the program had a handler.
+    Calling this again does not chain the handlers to themselves. Main thread only (as
+    ``signal.signal``); from another thread only the directory is set."""
     RECORDER.trace_dir = directory
     if directory and threading.current_thread() is threading.main_thread():
         _start_watcher()
         # The handlers dump too (again, when the main thread gets to them: the state has moved on,
         # and the wakeup fd may since have been taken over, by an event loop for instance).
-        signal.signal(signal.SIGUSR1, lambda *_: RECORDER.dump("SIGUSR1"))
-        previous = signal.getsignal(signal.SIGTERM)
-
-        def on_term(signum: int, frame: Any) -> None:
-            RECORDER.dump("SIGTERM")  # again: by now the call that was waiting may have ended or failed
-            if callable(previous):
-                previous(signum, frame)
-            else:
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                os.kill(os.getpid(), signal.SIGTERM)
-
-        signal.signal(signal.SIGTERM, on_term)
+        _install(signal.SIGUSR1)
+        _install(signal.SIGTERM)
 
 
 def missing_ranks(comm: Communicator, seq: int, wait_s: float = 2 * PROGRESS_PERIOD_S) -> list[int]:
