@@ -5,7 +5,9 @@ Each scenario (a script beside this one) runs under ``torchrun --standalone --np
 ``collectives.diagnose``. Printed per scenario: whether the fault was detected as expected, the
 diagnosis (culprit rank, call sequence number, op), seconds from the fault to its detection,
 whether every rank exited within timeout + 15 s, and how many of the scenario's processes are
-left. ``--json`` writes the rows. The exit status is 1 if any scenario was missed.
+left. ``--json`` writes the rows. The exit status is 1 if any scenario was missed. Each
+scenario's trace directory is private (``tempfile.mkdtemp``) and removed once it has been read;
+``--keep-traces`` keeps them and prints where they are.
 
 ``--gpu`` runs the NCCL matrix (skipped collective, crash and the mismatches, one rank per GPU);
 ``--emulated`` adds the inter-node link going down in an emulated 2-node cluster (root only).
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -100,9 +103,23 @@ GPU_SCENARIOS = ("skipped_collective", "rank_crash", "shape_mismatch", "dtype_mi
                  "root_mismatch", "skipped_moe_layer")
 
 
-def run_one(name: str, kind: str, world: int, timeout_s: float, gpu: bool = False) -> dict[str, Any]:
-    script = HERE / f"{name}.py"
+def run_one(name: str, kind: str, world: int, timeout_s: float, gpu: bool = False,
+            keep: bool = False) -> dict[str, Any]:
+    """Run scenario ``name`` and judge it; its trace directory is removed afterwards unless ``keep``."""
     trace = tempfile.mkdtemp(prefix=f"commops-fault-{name}-")
+    try:
+        row = _run_one(name, kind, world, timeout_s, gpu, trace)
+    finally:
+        if keep:
+            print(f"[run_all] {name}: trace directory kept: {trace}", file=sys.stderr, flush=True)
+        else:
+            shutil.rmtree(trace, ignore_errors=True)
+    row["trace_dir"] = trace if keep else None
+    return row
+
+
+def _run_one(name: str, kind: str, world: int, timeout_s: float, gpu: bool, trace: str) -> dict[str, Any]:
+    script = HERE / f"{name}.py"
     env = dict(os.environ, COMMOPS_TRACE_DIR=trace, FAULT_TIMEOUT_S=str(timeout_s), PYTHONUNBUFFERED="1",
                OMP_NUM_THREADS="1")
     if gpu:
@@ -133,7 +150,7 @@ def run_one(name: str, kind: str, world: int, timeout_s: float, gpu: bool = Fals
     row = {"scenario": name, **_judge(kind, outcomes, found, world),
            "detect_s": max((o["detect_s"] for o in outcomes.values() if o.get("raised")), default=None),
            "wall_s": wall, "exit_code": code, "all_exited": exited and wall <= timeout_s + 15 + (20 if kind == "link_down" else 0),  # start-up included
-           "processes_left": _left(script), "trace_dir": trace,
+           "processes_left": _left(script),
            "raised": {r: o.get("raised") for r, o in sorted(outcomes.items())}}
     if kind == "straggler":
         row["detect_s"] = None
@@ -151,6 +168,8 @@ def main() -> int:
                    help="also the link-down scenario in an emulated 2-node cluster (needs root)")
     p.add_argument("--gpu", action="store_true", help="the NCCL matrix: one rank per GPU (NVLink multicast off)")
     p.add_argument("--json")
+    p.add_argument("--keep-traces", action="store_true",
+                   help="keep each scenario's trace directory (dumps, outcomes) and print where it is")
     args = p.parse_args()
     scenarios = dict(SCENARIOS, **({"link_down": "link_down"} if args.emulated else {}))
     if args.gpu:
@@ -161,7 +180,8 @@ def main() -> int:
     names = [n for n in scenarios if not args.only or n in args.only.split(",")]
     rows = []
     for n in names:
-        rows.append(run_one(n, scenarios[n], args.world if scenarios[n] != "link_down" else 4, args.timeout, args.gpu))
+        rows.append(run_one(n, scenarios[n], args.world if scenarios[n] != "link_down" else 4, args.timeout, args.gpu,
+                            args.keep_traces))
         print(f"[run_all] {n}: {'detected' if rows[-1]['detected'] else 'MISSED'} in {rows[-1]['wall_s']:.1f} s",
               file=sys.stderr, flush=True)
     print(f"{'scenario':<20} {'detected':<9} {'diagnosis (culprit, call #, op)':<36} {'to detect':>9} "
