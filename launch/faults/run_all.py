@@ -45,6 +45,17 @@ SCENARIOS = {
     "straggler": "straggler",
     "skipped_moe_layer": "timeout",
 }
+# A hang inside each CPU algorithm (launch/faults/algorithm_hang.py, FAULT_ALGORITHM=<name>).
+HANG_ALGORITHMS = ("native", "ring", "recursive_doubling", "halving_doubling", "hierarchical", "grid2d", "pairwise",
+                   "bruck", "binomial_tree")
+SCENARIOS.update({f"algorithm_hang[{a}]": "hang" for a in HANG_ALGORITHMS})
+
+
+def _script(name: str) -> tuple[str, dict[str, str]]:
+    """The script a scenario runs and what it adds to the environment."""
+    if name.startswith("algorithm_hang["):
+        return "algorithm_hang", {"FAULT_ALGORITHM": name[len("algorithm_hang["):-1]}
+    return name, {}
 
 
 def _left(script: Path) -> int:
@@ -52,7 +63,8 @@ def _left(script: Path) -> int:
     return sum(1 for line in out.splitlines() if str(script) in line and "ps -eo" not in line)
 
 
-def _judge(kind: str, outcomes: dict[int, dict[str, Any]], found: dict[str, Any], world: int) -> dict[str, Any]:
+def _judge(kind: str, outcomes: dict[int, dict[str, Any]], found: dict[str, Any], world: int,
+           timeout_s: float) -> dict[str, Any]:
     culprit = world - 1
     groups = found["groups"]
     g = groups[0] if groups else {}
@@ -89,6 +101,18 @@ def _judge(kind: str, outcomes: dict[int, dict[str, Any]], found: dict[str, Any]
         row["culprit_named"] = near[0].get("missing") if near else None
         failed = g.get("first_failure") or g.get("in_flight") or {}
         row["seq"], row["op"] = failed.get("seq"), failed.get("op")
+    elif kind == "hang":
+        # The culprit entered the call and hangs inside it: every other rank whose part waits on it
+        # raises CollectiveTimeout within timeout + 5 s (a rank whose part never needed the culprit,
+        # as in a broadcast from rank 0, returns); none raised anything else.
+        raised = [o for o in others if o["raised"]]
+        row["detected"] = bool(raised) and all(o["raised"] == "CollectiveTimeout" for o in raised) \
+            and all(o["detect_s"] <= timeout_s + 5 for o in raised)
+        # every rank entered the call, so no rank is missing from it: the culprit is the one the
+        # launcher had to stop, still inside it (the others' outcomes are a timeout or a return)
+        row["culprit_named"] = sorted(r for r, o in outcomes.items() if o["raised"] not in (None, "CollectiveTimeout"))
+        failed = g.get("first_failure") or g.get("in_flight") or {}
+        row["seq"], row["op"] = failed.get("seq"), failed.get("op")
     elif kind == "straggler":
         s = g.get("straggler") or {}
         row["culprit_named"] = [s["rank"]] if s else None
@@ -119,9 +143,10 @@ def run_one(name: str, kind: str, world: int, timeout_s: float, gpu: bool = Fals
 
 
 def _run_one(name: str, kind: str, world: int, timeout_s: float, gpu: bool, trace: str) -> dict[str, Any]:
-    script = HERE / f"{name}.py"
+    script_name, extra = _script(name)
+    script = HERE / f"{script_name}.py"
     env = dict(os.environ, COMMOPS_TRACE_DIR=trace, FAULT_TIMEOUT_S=str(timeout_s), PYTHONUNBUFFERED="1",
-               OMP_NUM_THREADS="1")
+               OMP_NUM_THREADS="1", **extra)
     if gpu:
         env.update(NO_MULTICAST)
     else:
@@ -147,7 +172,7 @@ def _run_one(name: str, kind: str, world: int, timeout_s: float, gpu: bool, trac
         outcomes[int(o["rank"])] = o
     dumps = load(trace)
     found = diagnose(dumps) if dumps else {"groups": []}
-    row = {"scenario": name, **_judge(kind, outcomes, found, world),
+    row = {"scenario": name, **_judge(kind, outcomes, found, world, timeout_s),
            "detect_s": max((o["detect_s"] for o in outcomes.values() if o.get("raised")), default=None),
            "wall_s": wall, "exit_code": code, "all_exited": exited and wall <= timeout_s + 15 + (20 if kind == "link_down" else 0),  # start-up included
            "processes_left": _left(script),
@@ -180,8 +205,8 @@ def main() -> int:
     names = [n for n in scenarios if not args.only or n in args.only.split(",")]
     rows = []
     for n in names:
-        rows.append(run_one(n, scenarios[n], args.world if scenarios[n] != "link_down" else 4, args.timeout, args.gpu,
-                            args.keep_traces))
+        world = 4 if scenarios[n] == "link_down" or n == "algorithm_hang[grid2d]" else args.world
+        rows.append(run_one(n, scenarios[n], world, args.timeout, args.gpu, args.keep_traces))
         print(f"[run_all] {n}: {'detected' if rows[-1]['detected'] else 'MISSED'} in {rows[-1]['wall_s']:.1f} s",
               file=sys.stderr, flush=True)
     print(f"{'scenario':<20} {'detected':<9} {'diagnosis (culprit, call #, op)':<36} {'to detect':>9} "
