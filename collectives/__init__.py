@@ -34,6 +34,7 @@ from .errors import (
     InvalidTypeError,
     LaunchError,
     NotInitializedError,
+    RankLeft,
     UnsafePathError,
     UnsupportedError,
 )
@@ -49,7 +50,7 @@ __all__ = [
     "ReduceOp", "Work", "Choice", "Call", "add_trace_hook", "remove_trace_hook", "LaunchInfo",
     "OPS", "DATA_OPS", "REDUCE_OPS",
     "CommopsError", "InvalidArgumentError", "InvalidTypeError", "UnsupportedError",
-    "NotInitializedError", "LaunchError", "CollectiveTimeout", "CollectiveMismatch", "InvalidSettingError",
+    "NotInitializedError", "LaunchError", "CollectiveTimeout", "CollectiveMismatch", "RankLeft", "InvalidSettingError",
     "UnsafePathError", "dump_trace", "call_timeout",
 ]
 

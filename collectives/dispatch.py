@@ -28,8 +28,8 @@ from ._validate import _current_device, validate
 from ._wait import call_timeout, limit, wait
 from .algos import REGISTRY, Algorithm, ScheduledAlgorithm, for_op
 from .algos._schedule import Layout
-from .errors import CollectiveTimeout, UnsupportedError
-from .recorder import RECORDER, missing_ranks
+from .errors import CollectiveTimeout, CommopsError, RankLeft, UnsupportedError
+from .recorder import RECORDER, missing_ranks, ranks_gone
 from .recorder import STATE as _STATE, T_END as _T_END
 from .selection import Choice, choose
 from .work import EventWork, FutureWork, TorchWork, Work
@@ -319,10 +319,24 @@ def _is_timeout(exc: BaseException) -> bool:
     return isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text
 
 
+# What Gloo's TCP transport says when a peer's socket closes under it (its process is gone).
+_CONNECTION_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused",
+                    "socket closed")
+
+
+def _is_connection_loss(exc: BaseException) -> bool:
+    if isinstance(exc, CommopsError) or not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc).lower()
+    return any(s in text for s in _CONNECTION_LOST)
+
+
 def _failed(comm: Communicator, op: str, seq: int, exc: BaseException) -> None:
     """A collective raised: dump the flight recorder; a timeout becomes ``CollectiveTimeout``
     naming the ranks that never entered this call (from their published progress)."""
     RECORDER.dump(f"{op} #{seq} on group {comm._group_name} raised: {exc}"[:2000])
+    if _is_connection_loss(exc):
+        raise RankLeft(op, seq, ranks_gone(comm), str(exc)[:1000]) from exc
     if isinstance(exc, CollectiveTimeout) or not _is_timeout(exc):
         return
     missing = missing_ranks(comm, seq)

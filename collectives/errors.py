@@ -8,6 +8,8 @@ against torch.distributed's exceptions keeps working.
 
 from __future__ import annotations
 
+from torch.distributed import DistBackendError as _DistBackendError
+
 __all__ = [
     "CommopsError",
     "InvalidArgumentError",
@@ -100,3 +102,20 @@ def _short(value: object) -> str:
         return f"<tensor shape={tuple(shape)} dtype={dtype} device={device}>"
     text = repr(value)
     return text if len(text) <= 120 else text[:117] + "..."
+
+
+class RankLeft(CommopsError, _DistBackendError):
+    """A peer's connection dropped in the middle of a collective: names the rank(s) whose process
+    is gone (their heartbeat stopped) and keeps the backend's own text. A ``DistBackendError``
+    (a ``RuntimeError``), as what torch raises for the same failure."""
+
+    def __init__(self, op: str, seq: int, gone: list[int] | None, backend_text: str) -> None:
+        self.op, self.seq, self.gone = op, seq, gone
+        if gone:
+            who = f"rank(s) {gone} left the group mid-call (the process exited or was killed)"
+        elif gone is None:
+            who = "a peer's connection dropped (which rank is gone could not be read from the store)"
+        else:
+            who = "a peer's connection dropped, but every rank's heartbeat still moves (a network fault)"
+        super().__init__(f"{op} call #{seq}: {who}. The group cannot be used again: destroy it and "
+                         f"restart. Backend: {backend_text}")

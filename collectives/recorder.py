@@ -214,7 +214,14 @@ class FlightRecorder:
         self._published.clear()
 
     def publish(self) -> None:
-        """Write every group's last entered sequence number to its store (only what changed)."""
+        """Write every group's last entered sequence number to its store (only what changed), and
+        this process's heartbeat (a count, one more each period: :func:`ranks_gone` reads it)."""
+        stores = [v[0] for v in list(self._progress.values())]
+        if stores:
+            try:
+                stores[0].add(f"commops/alive/{_global_rank()}", 1)
+            except Exception:  # noqa: BLE001 - the store is gone (shutdown): stop quietly
+                return
         for group, (store, rank, seq) in [(g, tuple(v)) for g, v in list(self._progress.items())]:
             if self._published.get(group) == seq:
                 continue
@@ -374,6 +381,34 @@ def set_trace_dir(directory: str | None) -> None:
         # and the wakeup fd may since have been taken over, by an event loop for instance).
         _install(signal.SIGUSR1)
         _install(signal.SIGTERM)
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def ranks_gone(comm: Communicator, wait_s: float = 3 * PROGRESS_PERIOD_S) -> list[int] | None:
+    """Global ranks of ``comm``'s group whose heartbeat (see :meth:`FlightRecorder.publish`) did
+    not move in ``wait_s``: their process exited or was killed. None when the store cannot say."""
+    store = _store()
+    if store is None:
+        return None
+
+    def beats() -> dict[int, int] | None:
+        try:
+            return {g: int(store.add(f"commops/alive/{g}", 0)) for g in comm.global_ranks}
+        except Exception:  # noqa: BLE001 - the store is out of reach
+            return None
+
+    before = beats()
+    time.sleep(wait_s)
+    after = beats()
+    if before is None or after is None:
+        return None
+    me = _global_rank()
+    return [g for g in comm.global_ranks if g != me and after[g] <= before[g]]
 
 
 def missing_ranks(comm: Communicator, seq: int, wait_s: float = 2 * PROGRESS_PERIOD_S) -> list[int]:
