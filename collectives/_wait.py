@@ -13,6 +13,12 @@ surface later, in whatever synchronises next, and only once NCCL's watchdog give
 ``call_timeout`` block a synchronous CUDA collective therefore also waits on the host for its GPU
 work (an event polled until the bound): the block trades the asynchrony of CUDA calls for a bound
 that holds where the call is made, which is what a fault reproduction or a health check wants.
+
+Waits on the store (debug check mode, the settings check) follow the same rule through
+:func:`bound_s` and :func:`store_gather`: the ``call_timeout`` block's bound, else the
+communicator's timeout, else the group's own. The store's reads come only after a bounded wait
+has seen every key, because a read of a missing key waits out the store's own timeout (five
+minutes on a ``FileStore``, the group's on torchrun's ``TCPStore``) whatever the call's bound.
 """
 
 from __future__ import annotations
@@ -20,13 +26,16 @@ from __future__ import annotations
 import datetime
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .errors import InvalidArgumentError
+from .errors import CollectiveTimeout, InvalidArgumentError
 
-__all__ = ["call_timeout", "limit", "wait"]
+if TYPE_CHECKING:
+    from .communicator import Communicator
+
+__all__ = ["call_timeout", "limit", "wait", "bound_s", "store_gather"]
 
 class _Local(threading.local):
     # a class default: reading it on a thread that never set one raises nothing (limit() is on
@@ -62,6 +71,66 @@ def call_timeout(seconds: float | datetime.timedelta) -> Iterator[None]:
 def limit() -> datetime.timedelta | None:
     """The bound of a ``call_timeout`` block around this call, or None (the group's own timeout)."""
     return _LOCAL.timeout
+
+
+def bound_s(comm: Communicator) -> float:
+    """Seconds a call on ``comm`` may wait for its peers: the ``call_timeout`` block's bound if one
+    is open on this thread, else ``comm.timeout_s`` (``collectives.init(timeout=...)``), else the
+    timeout the group's backend was built with (``init_process_group`` / ``new_group``), else
+    torch's default for the backend (30 minutes for Gloo)."""
+    t = _LOCAL.timeout
+    if t is not None:
+        return t.total_seconds()
+    if comm.timeout_s is not None:
+        return float(comm.timeout_s)
+    return group_timeout_s(comm)
+
+
+def group_timeout_s(comm: Communicator) -> float:
+    """The timeout ``comm``'s process group was created with, in seconds."""
+    import torch
+    import torch.distributed.distributed_c10d as c10d
+
+    for device_type in comm.device_types:
+        try:
+            # each backend keeps its options; torch has no public reader of the group's timeout
+            return float(comm.group._get_backend(torch.device(device_type)).options._timeout.total_seconds())
+        except (AttributeError, RuntimeError):  # a backend without options (MPI), or none for that device
+            continue
+    return float(c10d._get_default_timeout(comm.backend).total_seconds())  # type: ignore[arg-type]
+
+
+def store_gather(store: Any, prefix: str, rank: int, value: str, ranks: Sequence[int], seconds: float, op: str,
+                 what: str) -> list[str]:
+    """Write ``value`` under ``prefix/rank`` and return every rank's value in rank order.
+
+    One write, one wait bounded by ``seconds`` and one read of every key (``multi_get``): the read
+    comes after the wait has seen every key, so that nothing here waits past the bound (see the
+    module docstring).
+
+    Args:
+        store: the store the ranks share (the default store).
+        prefix: the keys' prefix, the same on every rank and distinct for each exchange.
+        rank: this rank's index among ``ranks``.
+        value: what this rank writes.
+        ranks: the global ranks of the group, in group order; named in the error.
+        seconds: the bound.
+        op, what: the call and the exchange, for the error's text.
+    Raises:
+        CollectiveTimeout: a rank's key did not appear within ``seconds``; names those ranks.
+    """
+    store.set(f"{prefix}/{rank}", value)
+    keys = [f"{prefix}/{r}" for r in range(len(ranks))]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=seconds))
+    except Exception as exc:  # noqa: BLE001 - the store's timeout (its type differs by store): say who is missing
+        try:
+            missing = [ranks[r] for r, k in enumerate(keys) if not store.check([k])]
+        except Exception:  # noqa: BLE001 - the store itself is gone: no rank can be told apart
+            missing = []
+        why = f"rank(s) {missing} did not reach it" if missing else f"the store did not answer ({exc})"
+        raise CollectiveTimeout(op, missing, f"{what}: {why} within {seconds:g} s") from exc
+    return [v.decode() for v in store.multi_get(keys)]
 
 
 def wait(work: Any, cuda: bool = False) -> None:

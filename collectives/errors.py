@@ -84,13 +84,20 @@ class CollectiveTimeout(CommopsError, TimeoutError):
 
 class CollectiveMismatch(CommopsError, RuntimeError):
     """Debug check mode: the ranks called a collective with different arguments; every rank
-    raises this, naming the field and which ranks passed which value, before anything is sent."""
+    raises this, naming the field and which ranks passed which value, before anything is sent.
 
-    def __init__(self, op: str, seq: int, field: str, sides: dict[str, list[int]]) -> None:
+    ``field`` is a fingerprint field, or ``"splits"`` for an all-to-all whose split sizes do not
+    pair up (``detail`` then lists the pairs of ranks that disagree, with both sides' rows).
+    """
+
+    def __init__(self, op: str, seq: int, field: str, sides: dict[str, list[int]], *, detail: str = "",
+                 fix: str = "") -> None:
         self.op, self.seq, self.field, self.sides = op, seq, field, sides
         listed = "; ".join(f"rank(s) {ranks} passed {value}" for value, ranks in sides.items())
-        super().__init__(f"{op} call #{seq}: the ranks disagree on {field}: {listed}. Fix: give every rank of the "
-                         "group the same call (same op, shapes, dtype, reduce op and root) in the same order")
+        fix = fix or ("give every rank of the group the same call (same op, shapes, dtype, reduce op and root) in "
+                      "the same order")
+        super().__init__(f"{op} call #{seq}: the ranks disagree on {field}: {detail + '; ' if detail else ''}"
+                         f"{listed}. Fix: {fix}")
 
 
 def _short(value: object) -> str:

@@ -18,7 +18,8 @@ def test_every_cpu_fault_is_detected_and_diagnosed(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())
     assert {r["scenario"] for r in rows} == {"skipped_collective", "rank_crash", "shape_mismatch", "dtype_mismatch",
-                                              "reduce_op_mismatch", "root_mismatch", "straggler", "skipped_moe_layer"}
+                                              "reduce_op_mismatch", "root_mismatch", "straggler", "skipped_moe_layer",
+                                              "debug_hang", "debug_size_mismatch"}
     for r in rows:
         assert r["detected"] and r["culprit_named"] == [2] and r["seq"] is not None, r
         assert r["all_exited"] and r["processes_left"] == 0, r

@@ -148,7 +148,8 @@ def run(name: str, inject: str, expect: str, body: Callable[[C.Communicator, int
             _ARMED[0] = False
         outcome["result"] = "returned"
     except C.CommopsError as exc:
-        outcome.update(raised=type(exc).__name__, message=str(exc), missing=getattr(exc, "missing", None))
+        outcome.update(raised=type(exc).__name__, message=str(exc), missing=getattr(exc, "missing", None),
+                       field=getattr(exc, "field", None), sides=getattr(exc, "sides", None))
     except Exception as exc:  # noqa: BLE001 - what the backend raised, recorded for the matrix
         outcome.update(raised=type(exc).__name__, message=str(exc)[:500])
     outcome["detect_s"] = time.time() - t0

@@ -44,6 +44,8 @@ SCENARIOS = {
     "root_mismatch": "mismatch:root",
     "straggler": "straggler",
     "skipped_moe_layer": "timeout",
+    "debug_hang": "timeout",
+    "debug_size_mismatch": "mismatch:splits",
 }
 # A hang inside each CPU algorithm (launch/faults/algorithm_hang.py, FAULT_ALGORITHM=<name>).
 HANG_ALGORITHMS = ("native", "ring", "recursive_doubling", "halving_doubling", "hierarchical", "grid2d", "pairwise",
@@ -89,6 +91,14 @@ def _judge(kind: str, outcomes: dict[int, dict[str, Any]], found: dict[str, Any]
         values: dict[str, list[int]] = {}
         for r, v in sides.items():
             values.setdefault(json.dumps(v), []).append(int(r))
+        if not values and len(outcomes) == world:
+            # A field the recorder does not keep (an all-to-all's splits): the sides every rank
+            # raised with, which must be the same everywhere; the call is the one that failed.
+            raised = {json.dumps(o.get("sides"), sort_keys=True) for o in outcomes.values() if o.get("field") == field}
+            if len(raised) == 1:
+                values = dict(json.loads(raised.pop()))
+            failed = g.get("first_failure") or {}
+            row["seq"], row["op"] = failed.get("seq"), failed.get("op")
         minority = min(values.values(), key=len) if len(values) > 1 else None
         if len(values) == 2 and all(len(v) == 1 for v in values.values()):  # two ranks: both sides are named
             minority = [culprit] if [culprit] in values.values() else minority
