@@ -36,6 +36,7 @@ from .errors import (
     NotInitializedError,
     RankLeft,
     UnsafePathError,
+    SettingsMismatch,
     UnsupportedError,
 )
 from ._wait import call_timeout
@@ -51,7 +52,7 @@ __all__ = [
     "OPS", "DATA_OPS", "REDUCE_OPS",
     "CommopsError", "InvalidArgumentError", "InvalidTypeError", "UnsupportedError",
     "NotInitializedError", "LaunchError", "CollectiveTimeout", "CollectiveMismatch", "RankLeft", "InvalidSettingError",
-    "UnsafePathError", "dump_trace", "call_timeout",
+    "UnsafePathError", "SettingsMismatch", "dump_trace", "call_timeout",
 ]
 
 Group = dist.ProcessGroup | None

@@ -11,6 +11,10 @@ value and what it accepts, where the setting is first read. An empty value count
 default). Design note: a switch used to be on for any value outside a short list of "off"
 words, so ``COMMOPS_RECORDER=disable`` left the recorder on without a word; a setting that
 silently means the opposite of what was written is worse than one that refuses to start.
+
+Those that the ranks of a group act on together (peer bytes, tuned tables, topology override, debug
+mode, calibration) must be the same on every rank: :mod:`collectives._agree` checks them before a
+communicator's first collective.
 """
 
 from __future__ import annotations
@@ -115,7 +119,8 @@ TUNED: EnvVar[str] = EnvVar(
 PEER_BYTES: EnvVar[int] = EnvVar(
     "COMMOPS_PEER_BYTES", 64 << 20,
     "Bytes of each rank's peer-memory slot buffer (collectives/peer), allocated on the first "
-    "peer-memory call of a communicator; larger messages run in pieces of at most this.",
+    "peer-memory call of a communicator; larger messages run in pieces of at most this. Must be the "
+    "same on every rank (collectives/_agree.py raises SettingsMismatch otherwise).",
 )
 PEER_TIMEOUT_S: EnvVar[float] = EnvVar(
     "COMMOPS_PEER_TIMEOUT_S", 60.0,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from weakref import WeakKeyDictionary
 
 import torch
@@ -24,6 +24,9 @@ from .dispatch import Call, dispatch, dispatch_tensors
 from .errors import InvalidTypeError, NotInitializedError
 from .selection import Choice
 from .work import Work
+
+if TYPE_CHECKING:
+    from ._agree import Settings
 
 __all__ = ["Communicator", "get_communicator", "destroy"]
 
@@ -85,6 +88,7 @@ class Communicator:
         self._peer_memory: Any = None  # collectives.peer.PeerMemory, built on first use
         self._fast: dict[Any, Any] = {}  # signature -> (runner, reduce op) of calls already resolved (dispatch_tensors)
         self.debug: bool = _env.DEBUG.get()  # debug check mode (collectives/debug.py)
+        self._settings: Settings | None = None  # what the ranks agreed on at the first call (collectives/_agree.py)
 
     # -- facts -------------------------------------------------------------------------------
     def backend_for(self, device_type: str) -> str | None:

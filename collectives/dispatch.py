@@ -1,6 +1,7 @@
 """The one dispatch point every collective passes through.
 
-``dispatch(call)`` validates the arguments (before anything is sent), resolves the algorithm
+``dispatch(call)`` validates the arguments (before anything is sent), on a communicator's first
+call checks that its ranks' settings agree (:mod:`collectives._agree`), resolves the algorithm
 (an explicit name, or ``auto`` through :mod:`collectives.selection`), records the call in the
 flight recorder (:mod:`collectives.recorder`), in debug check mode compares it across ranks
 (:mod:`collectives.debug`), notifies the trace hooks, labels the call for profilers, and hands
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import _env, _native
+from ._agree import agree
 from ._validate import _current_device, validate
 from ._wait import call_timeout, limit, wait
 from .algos import REGISTRY, Algorithm, ScheduledAlgorithm, for_op
@@ -255,6 +257,8 @@ def dispatch(call: Call) -> Work | None:
         # the worker runs this group's earlier async calls.
         call.comm._drain()
     validate(call)
+    if call.comm.seq == 0:  # the communicator's first call: its ranks' settings must agree (one store round trip)
+        agree(call.comm, call.op)
     algo = _resolve(call)
     if algo.topology_aware:
         algo.check(call)

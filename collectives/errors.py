@@ -21,6 +21,7 @@ __all__ = [
     "CollectiveMismatch",
     "InvalidSettingError",
     "UnsafePathError",
+    "SettingsMismatch",
 ]
 
 
@@ -98,6 +99,27 @@ class CollectiveMismatch(CommopsError, RuntimeError):
                       "the same order")
         super().__init__(f"{op} call #{seq}: the ranks disagree on {field}: {detail + '; ' if detail else ''}"
                          f"{listed}. Fix: {fix}")
+
+
+class SettingsMismatch(CommopsError, ValueError):
+    """Settings that must agree across the ranks of a group differ (peer-buffer bytes, tuned
+    tables, topology override, debug mode, calibration); raised on every rank, with the same text,
+    before the group's first collective is sent (``collectives/_agree.py``).
+
+    Attributes:
+        group: the group's name.
+        setting: the first setting that differs; ``differ`` has them all, each as
+            ``{value: [global ranks]}``.
+    """
+
+    def __init__(self, group: str, differ: dict[str, dict[str, list[int]]]) -> None:
+        self.group, self.differ = group, differ
+        self.setting = next(iter(differ))
+        listed = " | ".join(f"{name}: " + "; ".join(f"rank(s) {ranks} have {value}" for value, ranks in sides.items())
+                            for name, sides in differ.items())
+        super().__init__(f"group {group}: settings that must agree across its ranks differ: {listed}. Fix: give "
+                         "every rank the same value of each (the same COMMOPS_* environment and the same tables "
+                         "passed to set_tuned / set_calibration) before the group's first collective")
 
 
 def _short(value: object) -> str:

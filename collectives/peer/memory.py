@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _env, _native
+from .._agree import agree
 from ..errors import CollectiveTimeout, UnsupportedError
 from . import _launch
 from ._watchdog import SectionWatchdog
@@ -204,7 +205,8 @@ class PeerMemory:
     Args:
         comm: a communicator whose ranks share one node and can access each other's memory
             (:func:`peer_unavailable` says why not).
-        slot_bytes: bytes of this rank's slot buffer (``COMMOPS_PEER_BYTES``), used in two halves
+        slot_bytes: bytes of this rank's slot buffer (default: ``COMMOPS_PEER_BYTES`` as the ranks agreed
+            on it, ``collectives._agree``; a value given here must be the same on every rank), used in two halves
             on alternate calls; the largest piece a call moves at once is a fraction of a half,
             larger messages run in pieces.
         timeout_s: how long a kernel waits for a peer before it gives up (``COMMOPS_PEER_TIMEOUT_S``
@@ -215,6 +217,9 @@ class PeerMemory:
 
     def __init__(self, comm: Communicator, slot_bytes: int | None = None, timeout_s: float | None = None,
                  block_bytes: int = 8 << 10, max_blocks: int = MAX_BLOCKS) -> None:
+        # First, as a communicator's first collective would: this may be built before any call, and
+        # the checks below already exchange (topology discovery, which COMMOPS_TOPOLOGY replaces).
+        agreed = agree(comm, "peer_memory")
         reason = peer_unavailable(comm)
         if reason:
             raise UnsupportedError("group", comm, f"cannot use peer memory: {reason}",
@@ -224,7 +229,8 @@ class PeerMemory:
         self.comm = comm
         self.rank, self.world = comm.rank, comm.size
         self.device = torch.device("cuda", torch.cuda.current_device())
-        size = int(slot_bytes if slot_bytes is not None else _env.PEER_BYTES.get())
+        # the agreed COMMOPS_PEER_BYTES: a rank with a larger value than its peers' would write past their buffers
+        size = int(slot_bytes if slot_bytes is not None else agreed.peer_bytes)
         if size < (1 << 20) or size % 4096:
             raise UnsupportedError("slot_bytes", size, "must be a multiple of 4096 and at least 1 MiB",
                                    f"pass a size such as {64 << 20}")
