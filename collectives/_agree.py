@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _env
 from ._wait import bound_s, store_gather
-from .errors import SettingsMismatch
+from .errors import InvalidSettingError, SettingsMismatch
 from .recorder import _store
 
 if TYPE_CHECKING:
@@ -134,6 +134,27 @@ def _differ(every: list[dict[str, Any]], ranks: tuple[int, ...]) -> dict[str, di
     return differ
 
 
+def _invalid_settings() -> list[str] | None:
+    """Read every ``COMMOPS_`` variable once: [name, value, problem] of the first that does not
+    parse, else None. Read here, before the group's first call sends anything, a bad value cannot
+    surface in the middle of a later call (the NVTX switch is read after a call has started)."""
+    for var in _env.VARIABLES:
+        try:
+            var.get()
+        except InvalidSettingError as exc:
+            return [var.name, str(exc.value), exc.problem]
+    return None
+
+
+def _raise_invalid(reports: list[list[str] | None], ranks: tuple[int, ...]) -> None:
+    bad = [(ranks[r], rep) for r, rep in enumerate(reports) if rep]
+    if bad:
+        name, value, problem = bad[0][1]
+        where = sorted(g for g, rep in bad if rep[0] == name)
+        raise InvalidSettingError(name, value, f"{problem}, on rank(s) {where}",
+                                  f"fix {name} on those ranks (or unset it); every rank raised this before its first call")
+
+
 def agree(comm: Communicator, op: str = "set-up") -> Settings:
     """The settings every rank of ``comm`` agreed on; compared through the default store the first time.
 
@@ -151,8 +172,13 @@ def agree(comm: Communicator, op: str = "set-up") -> Settings:
     done: Settings | None = comm._settings
     if done is not None:
         return done
-    mine = local_settings(comm)
+    invalid = _invalid_settings()
     store = _store()
+    if store is None or comm.size == 1:
+        _raise_invalid([invalid], comm.global_ranks)
+    # A variable this rank cannot parse is reported to every rank (below) instead of raised here,
+    # where the others would wait for this rank's key until their bound.
+    mine = local_settings(comm) if invalid is None else Settings(0, False, {}, {}, "invalid")
     if store is None or comm.size == 1:
         comm._settings = mine
         return mine
@@ -161,9 +187,11 @@ def agree(comm: Communicator, op: str = "set-up") -> Settings:
     # an attempt after a mismatch): every rank makes them in the same order, so counts match.
     _ROUNDS[name] = n = _ROUNDS.get(name, 0) + 1
     raw = store_gather(store, f"commops/agree/{name}/{n}", comm.rank,
-                       json.dumps({"digest": mine.digest, "compared": mine.compared, "described": mine.described}),
+                       json.dumps({"digest": mine.digest, "compared": mine.compared, "described": mine.described,
+                                   "invalid": invalid}),
                        comm.global_ranks, bound_s(comm), op, "settings check before the group's first collective")
     every = [json.loads(v) for v in raw]
+    _raise_invalid([e.get("invalid") for e in every], comm.global_ranks)
     if any(e["digest"] != mine.digest for e in every):
         differ = _differ(every, comm.global_ranks)
         if differ:  # digests differ only where the compared values do, short of a hash collision

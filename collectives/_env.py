@@ -1,7 +1,8 @@
 """Every environment variable commops reads, declared once with its type, default and meaning.
 
-Variables share the ``COMMOPS_`` prefix and are read lazily (never at import) and cached; library
-code never writes ``os.environ``. Launcher variables (``RANK``, ``LOCAL_RANK``, ...) are not here:
+Variables share the ``COMMOPS_`` prefix and are read lazily and cached (only ``COMMOPS_RECORDER``
+at import, by the flight recorder, so a bad value of it makes ``import collectives`` raise);
+library code never writes ``os.environ``. Launcher variables (``RANK``, ``LOCAL_RANK``, ...) are not here:
 only :mod:`collectives.bootstrap` reads them, to start torch.distributed the way the launcher asks.
 
 Values are parsed strictly. A switch takes 1/0, true/false, yes/no, on/off, enable/disable or

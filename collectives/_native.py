@@ -119,13 +119,17 @@ def _private_dir(directory: Path) -> Path:
                               "or may change", f"set COMMOPS_CACHE_DIR to the directory it points to, or {fix}")
     if not stat.S_ISDIR(st.st_mode):
         raise UnsafePathError("cache directory", directory, "is not a directory", fix)
-    if st.st_uid != os.geteuid():
-        raise UnsafePathError("cache directory", directory, f"belongs to uid {st.st_uid}, not to this user "
-                              f"(uid {os.geteuid()}), who could then not tell what was put there", fix)
-    if _writable_by_others(st.st_mode):
-        raise UnsafePathError("cache directory", directory, f"has mode {stat.S_IMODE(st.st_mode):o}: its group or "
-                              "other users can put files there", f"chmod go-w {directory}, or {fix}")
+    _owned("cache directory", directory, st, fix, "put files there", f"chmod go-w {directory}, or {fix}")
     return directory
+
+
+def _owned(what: str, path: Path, st: os.stat_result, fix: str, others_can: str, mode_fix: str) -> None:
+    """Raise UnsafePathError unless ``st`` (of ``path``) is this user's and nobody else may write it."""
+    if st.st_uid != os.geteuid():
+        raise UnsafePathError(what, path, f"belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})", fix)
+    if _writable_by_others(st.st_mode):
+        raise UnsafePathError(what, path, f"has mode {stat.S_IMODE(st.st_mode):o}: its group or other users can "
+                              f"{others_can}", mode_fix)
 
 
 def _open_checked(path: Path) -> int:
@@ -144,12 +148,7 @@ def _open_checked(path: Path) -> int:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise UnsafePathError("compiled object", path, "is not a regular file", fix)
-        if st.st_uid != os.geteuid():
-            raise UnsafePathError("compiled object", path, f"belongs to uid {st.st_uid}, not to this user "
-                                  f"(uid {os.geteuid()})", fix)
-        if _writable_by_others(st.st_mode):
-            raise UnsafePathError("compiled object", path, f"has mode {stat.S_IMODE(st.st_mode):o}: its group or "
-                                  "other users can change it", fix)
+        _owned("compiled object", path, st, fix, "change it", fix)
         digest = hashlib.sha256()
         while chunk := os.read(fd, 1 << 20):
             digest.update(chunk)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from .errors import InvalidArgumentError, InvalidTypeError
 
-__all__ = ["OPS", "REDUCE_OPS", "ReduceOp", "BACKEND_DTYPES", "backend_moves", "normalize_reduce_op", "torch_reduce_op"]
+__all__ = ["OPS", "REDUCE_OPS", "ReduceOp", "BACKEND_DTYPES", "P2P_DTYPES", "backend_moves", "normalize_reduce_op", "torch_reduce_op"]
 
 ReduceOp = dist.ReduceOp
 
@@ -47,24 +47,30 @@ REDUCIBLE_DTYPES = FLOAT_DTYPES | INT_DTYPES
 # Device type each backend moves data on.
 BACKEND_DEVICES = {"gloo": "cpu", "mpi": "cpu", "nccl": "cuda", "hccl": "npu"}
 
-# The dtypes each backend's own collectives take (complex ones as a real view, as torch does).
-# Every algorithm of ours runs over the same backend (its collectives on sub-groups, or its
-# point-to-point ops), so a dtype outside this set is refused for every algorithm before anything
-# is sent, rather than failing inside the backend after some ranks have sent. Gloo: probed with
-# torch 2.13 (tests/test_validate_table.py probes it again); int16, the unsigned 16-64 bit types
-# and float8 raise "Invalid scalar type" there after the call has started. NCCL: the dtypes
-# torch's ProcessGroupNCCL maps to an NCCL type (float8 as bytes: moved, never reduced). A
-# backend missing here (MPI, HCCL) is not checked by dtype.
+# The dtypes each backend's own collectives take (complex ones as a real view, as torch does), and
+# those its point-to-point ops move. Gloo: probed with torch 2.13 (tests/test_validate_fuzz.py
+# probes it again): its collectives raise "Invalid scalar type" for int16, the unsigned 16-64 bit
+# types and float8, after the call has started; its send and receive move any dtype's bytes, so
+# the point-to-point algorithms (ring, recursive doubling, ...) run those. NCCL: the dtypes torch's
+# ProcessGroupNCCL maps to an NCCL type (float8 as bytes: moved, never reduced), for collectives
+# and point-to-point alike (probed on an H200 by tests/test_gpu_dtype_table.py). A backend missing
+# here (MPI, HCCL) is not checked by dtype. ``Algorithm.supports`` applies the row that its kind of
+# algorithm uses, so ``auto`` never picks one that cannot move the dtype, and a dtype no
+# algorithm moves is refused by name before anything is sent.
 _MOVED = FLOAT_DTYPES | frozenset({torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool}) | COMPLEX_DTYPES
 BACKEND_DTYPES: dict[str, frozenset[torch.dtype]] = {
     "gloo": _MOVED,
     "nccl": _MOVED | FLOAT8_DTYPES,
 }
+P2P_DTYPES: dict[str, frozenset[torch.dtype]] = {
+    "nccl": BACKEND_DTYPES["nccl"],
+}
 
 
-def backend_moves(backend: str | None, dtype: torch.dtype) -> bool:
-    """Whether ``backend``'s collectives move tensors of ``dtype`` (True for backends not in the table)."""
-    known = BACKEND_DTYPES.get(backend or "")
+def backend_moves(backend: str | None, dtype: torch.dtype, p2p: bool = False) -> bool:
+    """Whether ``backend``'s collectives (or with ``p2p`` its point-to-point ops) move ``dtype``
+    (True for what the tables do not list)."""
+    known = (P2P_DTYPES if p2p else BACKEND_DTYPES).get(backend or "")
     return known is None or dtype in known
 
 

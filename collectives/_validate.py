@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._types import BACKEND_DTYPES, FLOAT_DTYPES, REDUCIBLE_DTYPES, backend_moves, normalize_reduce_op
+from .algos import for_op
+from ._types import BACKEND_DTYPES, FLOAT_DTYPES, REDUCIBLE_DTYPES, normalize_reduce_op
 from .errors import InvalidArgumentError, InvalidTypeError
 
 if TYPE_CHECKING:
@@ -52,16 +53,26 @@ def _tensor(name: str, t: object, comm: Communicator) -> torch.Tensor:
                 name, t, f"is on {t.device} but this rank's current device is cuda:{torch.cuda.current_device()}",
                 "create the tensor on the rank's device or call torch.cuda.set_device(local_rank) first",
             )
-    elif comm.backend_for(t.device.type) is None:
+    elif comm._backends.get(t.device.type) is None:
         _wrong_device(name, t, comm)
-    backend = comm.backend_for("cuda" if t.is_cuda else t.device.type)
-    if not backend_moves(backend, t.dtype):
-        moved = sorted(str(d).removeprefix("torch.") for d in BACKEND_DTYPES[backend or ""])
+    return t
+
+
+# (op, dtype, backend) -> whether any registered algorithm moves that dtype for that op there
+_MOVABLE: dict[tuple[str, torch.dtype, str | None], bool] = {}
+
+
+def _movable(call: Call, name: str, t: torch.Tensor, backend: str | None) -> None:
+    key = (call.op, t.dtype, backend)
+    ok = _MOVABLE.get(key)
+    if ok is None:
+        ok = _MOVABLE[key] = bool(for_op(call.op, t.dtype, backend))
+    if not ok:
+        moved = sorted(str(d).removeprefix("torch.") for d in BACKEND_DTYPES.get(backend or "", ()))
         raise InvalidArgumentError(
-            name, t, f"has dtype {t.dtype}, which backend {backend!r} does not move",
+            name, t, f"has dtype {t.dtype}, which no algorithm moves for {call.op} on backend {backend!r}",
             f"cast it to one of {', '.join(moved)} (e.g. int16 -> int32), and back after the call",
         )
-    return t
 
 
 def _wrong_device(name: str, t: torch.Tensor, comm: Communicator) -> None:
@@ -200,8 +211,10 @@ class VerbRule:
         output: the argument name of ``Call.output`` (the tensor written), or None (barrier).
         input: the argument name of ``Call.input`` when it is a tensor of its own, else None.
         reduces: whether ``op=`` applies (checked against the reducible dtypes).
-        min_dim: the fewest dimensions each tensor may have (a scatter or gather splits dim 0, or
-            counts elements per rank: a 0-d tensor has no rows; Gloo's reduce-scatter crashes on one).
+        min_dim: the fewest dimensions each tensor may have: an all-to-all splits dim 0 (a 0-d
+            tensor has no rows); Gloo's reduce-scatter crashes on a 0-d tensor and its all-gather
+            refuses one after the call has started, where NCCL takes both.
+        min_dim_on: the backends ``min_dim`` applies to (None: every backend).
         root: the (global, group) argument names of the root, for rooted verbs.
         sizes: the check of the size relation between output and input, if any.
     """
@@ -210,14 +223,17 @@ class VerbRule:
     input: str | None = None
     reduces: bool = False
     min_dim: int = 0
+    min_dim_on: frozenset[str] | None = None
     root: tuple[str, str] | None = None
     sizes: Callable[[Call, torch.Tensor, torch.Tensor], None] | None = None
 
 
+_GLOO = frozenset({"gloo"})
 VERBS: dict[str, VerbRule] = {
     "all_reduce": VerbRule("tensor", reduces=True),
-    "reduce_scatter": VerbRule("output", "input", reduces=True, min_dim=1, sizes=_reduce_scatter_sizes),
-    "all_gather": VerbRule("output_tensor", "input_tensor", min_dim=1, sizes=_all_gather_sizes),
+    "reduce_scatter": VerbRule("output", "input", reduces=True, min_dim=1, min_dim_on=_GLOO,
+                               sizes=_reduce_scatter_sizes),
+    "all_gather": VerbRule("output_tensor", "input_tensor", min_dim=1, min_dim_on=_GLOO, sizes=_all_gather_sizes),
     "all_to_all": VerbRule("output", "input", min_dim=1, sizes=_all_to_all_sizes),
     "broadcast": VerbRule("tensor", root=("src", "group_src")),
     "reduce": VerbRule("tensor", reduces=True, root=("dst", "group_dst")),
@@ -225,9 +241,9 @@ VERBS: dict[str, VerbRule] = {
 }
 
 
-def _min_dim(name: str, t: torch.Tensor, rule: VerbRule, op: str) -> None:
-    if t.dim() < rule.min_dim:
-        raise InvalidArgumentError(name, t, f"is {t.dim()}-dimensional, but {op} splits or gathers it by rank",
+def _min_dim(name: str, t: torch.Tensor, rule: VerbRule, op: str, backend: str | None) -> None:
+    if t.dim() < rule.min_dim and (rule.min_dim_on is None or backend in rule.min_dim_on):
+        raise InvalidArgumentError(name, t, f"is {t.dim()}-dimensional, but {op} on {backend} splits or gathers it by rank",
                                    f"pass {name} with a leading dimension (e.g. {name}.reshape(-1))")
 
 
@@ -244,12 +260,14 @@ def validate(call: Call) -> None:
     if rule.output is None:
         return
     out = _tensor(rule.output, call.output, comm)
-    _min_dim(rule.output, out, rule, call.op)
+    backend = comm._backends.get("cuda" if out.is_cuda else out.device.type)
+    _min_dim(rule.output, out, rule, call.op, backend)
     inp = out
     if rule.input is not None:
         inp = _tensor(rule.input, call.input, comm)
-        _min_dim(rule.input, inp, rule, call.op)
+        _min_dim(rule.input, inp, rule, call.op, backend)
         _same(rule.output, out, rule.input, inp)
+    _movable(call, rule.input or rule.output, inp, backend)
     if rule.reduces:
         _reducible(call, rule.input or rule.output, inp)
     if rule.root is not None:

@@ -10,6 +10,7 @@ nothing, and the process group stays the caller's to destroy.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from . import _env
 from ._types import BACKEND_DEVICES, ReduceOp
 from .dispatch import Call, dispatch, dispatch_tensors
+from ._wait import group_timeout_s
 from .errors import InvalidTypeError, NotInitializedError
 from .selection import Choice
 from .work import Work
@@ -164,26 +166,31 @@ class Communicator:
         if self._derived is None:
             from topology.groups import derive
 
-            self._derived = derive(self.topology, self.rank, self.global_ranks, self.backend, self.group)
+            self._derived = derive(self.topology, self.rank, self.global_ranks, self.backend, self.group,
+                                   self._group_timeout())
         return self._derived
 
     def p2p_group(self, cuda: bool) -> dist.ProcessGroup:
-        """The group our point-to-point schedules send on: on CPU backends a private twin of this
-        group (same ranks, created on first use, collective), so that a program's own
-        ``isend``/``irecv`` on the group, whatever its tags, never matches one of ours (Gloo
-        matches messages by peer and tag); on CUDA the group itself (NCCL ignores tags and orders
-        by stream, in the program's order)."""
+        """The group our point-to-point schedules send on: on Gloo a private twin of this group
+        (same ranks, created on first use, collective), so that a program's own ``isend``/``irecv``
+        on the group, whatever its tags, never matches one of ours (Gloo matches messages by peer
+        and tag); on CUDA the group itself (NCCL ignores tags and orders by stream, in the
+        program's order), and on MPI too (a new MPI group is made by the whole world at once)."""
         if cuda:
             return self.group
         if self._p2p is None:
             backend = self.backend_for("cpu") or self.backend
-            if self.size == 1:
+            if self.size == 1 or backend != "gloo":  # MPI makes a group collectively over the whole world
                 self._p2p = self.group
             else:
                 from topology.groups import private_group
 
-                self._p2p = private_group(self.group, self._group_name, "p2p", self.global_ranks, backend)
+                self._p2p = private_group(self.group, self._group_name, "p2p", self.global_ranks, backend,
+                                          self._group_timeout())
         return self._p2p
+
+    def _group_timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=group_timeout_s(self))
 
     # -- internals used by algorithms -------------------------------------------------------
     def next_tag(self) -> int:

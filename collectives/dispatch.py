@@ -5,8 +5,9 @@ call checks that its ranks' settings agree (:mod:`collectives._agree`), resolves
 (an explicit name, or ``auto`` through :mod:`collectives.selection`), records the call in the
 flight recorder (:mod:`collectives.recorder`), in debug check mode compares it across ranks
 (:mod:`collectives.debug`), notifies the trace hooks, labels the call for profilers, and hands
-it to the algorithm; when the call fails it dumps the recorder and turns a timeout into
-``CollectiveTimeout`` naming the ranks that never entered the call. No verb bypasses it:
+it to the algorithm; when the call fails it dumps the recorder, turns a timeout into
+``CollectiveTimeout`` naming the ranks that never entered the call, and a peer's dropped
+connection into ``RankLeft`` naming the ranks whose heartbeat stopped. No verb bypasses it:
 ``dispatch_tensors`` is its way in for the tensor verbs, with a fast path for repeated calls.
 
 Design note: the call is a small ``__slots__`` object rather than a dataclass and the profiler
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -257,8 +259,9 @@ def dispatch(call: Call) -> Work | None:
         # the worker runs this group's earlier async calls.
         call.comm._drain()
     validate(call)
-    if call.comm.seq == 0:  # the communicator's first call: its ranks' settings must agree (one store round trip)
+    if call.comm._settings is None:  # the communicator's first call: its ranks' settings must agree (one store round trip)
         agree(call.comm, call.op)
+        RECORDER.track(call.comm)  # the heartbeat RankLeft reads, recorder on or off
     algo = _resolve(call)
     if algo.topology_aware:
         algo.check(call)
@@ -337,7 +340,8 @@ def _is_connection_loss(exc: BaseException) -> bool:
 
 def _failed(comm: Communicator, op: str, seq: int, exc: BaseException) -> None:
     """A collective raised: dump the flight recorder; a timeout becomes ``CollectiveTimeout``
-    naming the ranks that never entered this call (from their published progress)."""
+    naming the ranks that never entered this call (from their published progress), a dropped
+    connection ``RankLeft`` naming the ranks that are gone (from their heartbeats)."""
     RECORDER.dump(f"{op} #{seq} on group {comm._group_name} raised: {exc}"[:2000])
     if _is_connection_loss(exc):
         raise RankLeft(op, seq, ranks_gone(comm), str(exc)[:1000]) from exc
@@ -384,10 +388,16 @@ def _run_plain(algo: Algorithm, call: Call) -> Work | None:
         # async one's wait() would pair with a different call on each rank.
         if isinstance(algo, ScheduledAlgorithm):
             call.tag = comm.next_tag()
-        future = comm._submit(_in_order, algo, call, limit())
+        bound = limit()
+        future = comm._submit(_in_order, algo, call, bound)
         if call.async_op:
             return FutureWork(future)
-        future.result()
+        try:
+            future.result(timeout=None if bound is None else bound.total_seconds())
+        except FutureTimeout:
+            raise CollectiveTimeout(call.op, [], f"call #{call.seq} on group {comm._group_name} waited "
+                                    f"{bound.total_seconds() if bound else 0:g} s (its call_timeout) behind this group's earlier "
+                                    "async calls, still running on its worker thread") from None
         return None
     if algo.returns_work:
         work = algo.run(call)
@@ -411,7 +421,11 @@ def _run_plain(algo: Algorithm, call: Call) -> Work | None:
 def _in_order(algo: Algorithm, call: Call, bound: Any) -> None:
     """Run ``call`` to completion on the communicator's worker thread, under the caller's
     ``call_timeout`` bound (thread-local, so carried here) and without autograd (see ``_run``)."""
-    with torch.no_grad(), (call_timeout(bound) if bound is not None else nullcontext()):
-        work = algo.run(call)
-        if work is not None:  # the backend's own Work (an async native call queued here)
-            wait(work)
+    try:
+        with torch.no_grad(), (call_timeout(bound) if bound is not None else nullcontext()):
+            work = algo.run(call)
+            if work is not None:  # the backend's own Work (an async native call queued here)
+                wait(work)
+    except BaseException as exc:
+        _failed(call.comm, call.op, call.seq, exc)  # a timeout or a lost peer, typed as on the caller's thread
+        raise

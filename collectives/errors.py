@@ -19,6 +19,7 @@ __all__ = [
     "LaunchError",
     "CollectiveTimeout",
     "CollectiveMismatch",
+    "RankLeft",
     "InvalidSettingError",
     "UnsafePathError",
     "SettingsMismatch",

@@ -185,6 +185,12 @@ class FlightRecorder:
         return str(path)
 
     # -- progress in the store (for naming the ranks that did not arrive) -------------------------
+    def track(self, comm: Communicator) -> None:
+        """Publish ``comm``'s progress and this process's heartbeat from now on, whether or not
+        the recorder records (the dispatch point asks at a group's first call)."""
+        if comm._group_name not in self._progress:
+            self._track(comm, comm.seq)
+
     def _track(self, comm: Communicator, seq: int) -> None:
         store = _store()
         if store is not None:
@@ -198,6 +204,7 @@ class FlightRecorder:
             self._thread.start()
 
     def _publish_loop(self, stop: threading.Event) -> None:
+        self.publish()  # at once: a rank that dies within its first period has still beaten once
         while not stop.wait(PROGRESS_PERIOD_S):
             self.publish()
 
@@ -405,9 +412,11 @@ def ranks_gone(comm: Communicator, wait_s: float = 3 * PROGRESS_PERIOD_S) -> lis
     before = beats()
     time.sleep(wait_s)
     after = beats()
-    if before is None or after is None:
-        return None
     me = _global_rank()
+    if before is None or after is None or after.get(me, 0) <= before.get(me, 0):
+        return None  # the store is out of reach, or this rank's own heartbeat is not running
+    if any(before[g] == 0 for g in comm.global_ranks):
+        return None  # a rank that never beat (no call of it tracked yet): nothing to tell from
     return [g for g in comm.global_ranks if g != me and after[g] <= before[g]]
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import _env
+from .algos import REGISTRY, for_op
 from .errors import UnsupportedError
 
 if TYPE_CHECKING:
@@ -241,8 +242,6 @@ def _tuned(comm: Communicator, op: str, dtype: str, nbytes: int) -> Choice | Non
 def _modelled(call: Call, backend: str, machine: Any) -> Choice:
     from topology.cost import algorithms_for, predict
 
-    from .algos import REGISTRY
-
     comm, op = call.comm, call.op
     dtype = call.output.dtype if call.output is not None else None
     nodes = comm.topology.nodes()
@@ -267,7 +266,7 @@ def _modelled(call: Call, backend: str, machine: Any) -> Choice:
 def choose(call: Call, backend: str) -> Choice:
     op, comm = call.op, call.comm
     if _is_single_rank(comm.size):
-        return _SINGLE
+        return _movable(_SINGLE, op, call.output.dtype if call.output is not None else None, backend)
     nbytes = call.nbytes
     even = op != "all_to_all" or (len(set(call.in_rows)) <= 1 and len(set(call.out_rows)) <= 1)
     key = (op, call.output.dtype if call.output is not None else None, nbytes, backend, even, call.reduce_op)
@@ -287,8 +286,21 @@ def choose(call: Call, backend: str) -> Choice:
         choice = _rules(op, backend, nbytes)
     if why_not_peer:
         choice = Choice(choice.algorithm, choice.rule, f"{choice.reason}; {why_not_peer}")
+    choice = _movable(choice, op, call.output.dtype if call.output is not None else None, backend)
     comm._choices[key] = choice
     return choice
+
+
+def _movable(choice: Choice, op: str, dtype: Any, backend: str) -> Choice:
+    """``choice``, or where its algorithm cannot move ``dtype`` on ``backend`` (Gloo's collectives
+    lack int16, say), the first registered algorithm that can (validation has made sure one does)."""
+    if dtype is None or REGISTRY[choice.algorithm].supports(op, dtype, backend):
+        return choice
+    usable = for_op(op, dtype, backend)
+    if not usable:
+        return choice
+    return Choice(usable[0], "dtype", f"{choice.algorithm} ({choice.rule}) cannot move {dtype} on {backend}; "
+                  f"{usable[0]} can")
 
 
 def _rules(op: str, backend: str, nbytes: int) -> Choice:

@@ -114,6 +114,17 @@ def _splits_matrix(seed: int) -> list[list[int]]:
     return [[(seed + 3 * s + d) % 3 for d in range(WORLD)] for s in range(WORLD)]
 
 
+def _pair_mutations(m: frozenset[str], dtype: torch.dtype, out: torch.Tensor, inp: torch.Tensor,
+                    mismatch: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two-tensor mutations: the ``mismatch`` one of another dtype; one tensor for both."""
+    other = (lambda t: t.double() if dtype != torch.float64 else t.float())  # noqa: E731
+    if "dtype_mismatch" in m:
+        out, inp = (other(out), inp) if mismatch == "output" else (out, other(inp))
+    if "same_tensor" in m:
+        out, inp = (inp, inp) if mismatch == "input" else (out, out)
+    return out, inp
+
+
 def _build(case: Case, rank: int) -> tuple[dict, object]:
     """The call's arguments on ``rank`` and what checking an accepted call needs."""
     m = case.mutations
@@ -148,20 +159,14 @@ def _build(case: Case, rank: int) -> tuple[dict, object]:
         out, inp = tensor(n), tensor(inp_n, _data(rank, case.seed, inp_n, sg))
         if "zero_dim" in m:
             out, inp = tensor(1, None, ()), tensor(1, mine[:1], ())
-        if "dtype_mismatch" in m:
-            inp = inp.double() if dtype != torch.float64 else inp.float()
-        if "same_tensor" in m:
-            out = inp
+        out, inp = _pair_mutations(m, dtype, out, inp, mismatch="input")
         args = [out, inp]
         check = ("reduce_scatter", out)
     elif verb == "all_gather":
         out_n = w * n + (1 if "size" in m else 0)
         inp = tensor(1, mine[:1], ()) if "zero_dim" in m else tensor(n, mine[:n])
         out = tensor(out_n)
-        if "dtype_mismatch" in m:
-            out = out.double() if dtype != torch.float64 else out.float()
-        if "same_tensor" in m:
-            inp = out
+        out, inp = _pair_mutations(m, dtype, out, inp, mismatch="output")
         args = [out, inp]
         check = ("all_gather", out)
     else:  # all_to_all
@@ -331,6 +336,17 @@ def body_fuzz(rank: int, size: int, batch: list[Case]) -> list[str]:
     return out + ([f"group unusable after it: {usable}"] if usable else [])
 
 
+# dtypes every backend's collectives and every algorithm here move and reduce (torch.distributed
+# takes them on Gloo): a call that gets nothing wrong in them must run
+PLAIN_DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "int8", "uint8")
+
+
+def _must_run(case: Case) -> bool:
+    """A call with nothing wrong: plain dtype, no mutation, and not bruck's uneven all-to-all
+    (bruck takes equal splits only, and the drawn splits are uneven)."""
+    return not case.mutations and case.dtype in PLAIN_DTYPES and case.algorithm != "bruck"
+
+
 def body_usable(rank: int, size: int, seed: int) -> str:
     x = _data(rank, seed, 7)
     C.all_reduce(x)
@@ -351,6 +367,8 @@ def test_random_bad_calls(worlds, batch: list[Case]) -> None:  # noqa: ANN001
         for r, line in enumerate(lines):
             if not (line == "ran" or line.startswith("refused Invalid") or line.startswith("refused Unsupported")):
                 problems.append(f"case {i} {case} rank {r}: {line}")
+        if _must_run(case) and lines[0] != "ran":
+            problems.append(f"case {i} {case}: a valid call was refused: {lines[0]}")
         if len(kinds) > 1:
             problems.append(f"case {i} {case}: the ranks disagree: {lines}")
     assert not problems, "\n".join(problems[:10])
@@ -383,9 +401,35 @@ def test_gloo_dtype_table(worlds) -> None:  # noqa: ANN001
     assert got == {"table_says_moves_but_gloo_fails": [], "table_refuses_but_gloo_moves": []}
 
 
-@pytest.mark.parametrize("dtype", [torch.int16, torch.uint16, torch.float8_e4m3fn])
-def test_dtypes_gloo_lacks_are_refused_by_name(dtype: torch.dtype) -> None:
+def body_dtypes_gloo_lacks(rank: int, size: int) -> dict[str, str]:
+    """int16 and uint16: moved by our point-to-point algorithms (auto routes to them), refused by
+    name for native; float8: moved point to point, never reduced."""
+    out = {}
+    x = torch.full((400_000,), rank + 1, dtype=torch.int16)  # 800 KB: past the small-message rule, so native first
+    C.all_reduce(x)
+    choice = C.last_choice()
+    out["auto int16 all_reduce"] = "" if x.eq(size * (size + 1) // 2).all() and choice.rule == "dtype" \
+        else f"{x.tolist()} by {choice}"
+    y = torch.full((3,), 7 if rank == 0 else 0, dtype=torch.uint16)
+    C.broadcast(y, 0)
+    out["auto uint16 broadcast"] = "" if y.eq(7).all() else str(y.tolist())
+    for name, call in (("native int16", lambda: C.all_reduce(torch.ones(3, dtype=torch.int16), algorithm="native")),
+                       ("float8 sum", lambda: C.all_reduce(torch.ones(3).to(torch.float8_e4m3fn)))):
+        try:
+            call()
+            out[name] = "accepted"
+        except C.InvalidArgumentError as exc:
+            out[name] = "" if ("int16" in str(exc) or "float8" in str(exc)) else str(exc)
+    g = torch.empty(2 * size).to(torch.float8_e4m3fn)
+    C.all_gather_single(g, torch.full((2,), float(rank + 1)).to(torch.float8_e4m3fn))
+    want = torch.tensor([float(r + 1) for r in range(size) for _ in range(2)])
+    out["float8 all_gather"] = "" if torch.equal(g.float(), want) else str(g.float().tolist())
+    return out
+
+
+def test_dtypes_gloo_collectives_lack(worlds) -> None:  # noqa: ANN001
     from collectives._types import backend_moves
 
-    assert not backend_moves("gloo", dtype)
-    assert backend_moves("nccl", torch.float8_e4m3fn)
+    assert not backend_moves("gloo", torch.int16) and backend_moves("gloo", torch.int16, p2p=True)
+    for r, got in enumerate(worlds(2).run(body_dtypes_gloo_lacks)):
+        assert not any(got.values()), (r, got)

@@ -18,7 +18,7 @@ creation (the backend's own rendezvous through the store, under the parent's tim
 two threads making groups at once, or ranks that made different numbers of groups, would pair
 the wrong groups or wait forever; it serves only where torch lacks the helper used here
 (:func:`_named_group`), and there creation takes a lock and first lines up the group counts.
-Their waits use the parent's timeout (:func:`group_timeout`).
+Their waits use the parent's timeout, which the caller passes.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from .model import Topology
 
-__all__ = ["DerivedGroups", "derive", "equal_nodes", "rails_of", "clear", "forget", "private_group", "group_timeout"]
+__all__ = ["DerivedGroups", "derive", "equal_nodes", "rails_of", "clear", "forget", "private_group"]
 
 # (parent group name, role, backend, global ranks) -> process group, created once.
 _CACHE: dict[tuple[str, str, str, tuple[int, ...]], Any] = {}
@@ -58,30 +58,17 @@ def forget(parent: str) -> list[Any]:
         return [_CACHE.pop(k) for k in keys]
 
 
-def group_timeout(group: Any) -> datetime.timedelta | None:
-    """The timeout ``group``'s backend waits under (``init_process_group``/``new_group``'s), or None."""
-    import torch
-
-    for device in ("cpu", "cuda"):
-        try:
-            backend = group._get_backend(torch.device(device))
-            timeout = backend.options._timeout
-        except Exception:  # noqa: BLE001 - no backend for that device, or one without options
-            continue
-        if isinstance(timeout, datetime.timedelta):
-            return timeout
-    return None
-
-
 def equal_nodes(topo: Topology) -> int | None:
     """Ranks per node when every node has the same number, else None."""
     sizes = {len(n) for n in topo.nodes()}
     return sizes.pop() if len(sizes) == 1 else None
 
 
-def private_group(parent: Any, parent_name: str, role: str, global_ranks: tuple[int, ...], backend: str) -> Any:
+def private_group(parent: Any, parent_name: str, role: str, global_ranks: tuple[int, ...], backend: str,
+                  timeout: datetime.timedelta | None = None) -> Any:
     """The process group over ``global_ranks`` that the group named ``parent_name`` keeps for
-    ``role``, created on first use (collective over those ranks only; thread-safe)."""
+    ``role``, created on first use (collective over those ranks only; thread-safe); its waits
+    are bounded by ``timeout`` (the parent's, from the caller; None: torch's default)."""
     key = (parent_name, role, backend, tuple(global_ranks))
     with _LOCK:
         g = _CACHE.get(key)
@@ -93,7 +80,7 @@ def private_group(parent: Any, parent_name: str, role: str, global_ranks: tuple[
             g = _CACHE.get(key)
         if g is None:
             name = f"commops/{parent_name}/{role}/{'_'.join(map(str, sorted(global_ranks)))}"
-            g = _named_group(sorted(global_ranks), backend, name, group_timeout(parent), parent)
+            g = _named_group(sorted(global_ranks), backend, name, timeout, parent)
             with _LOCK:
                 _CACHE[key] = g
     return g
@@ -117,13 +104,18 @@ def _helper() -> Any:
 def _named_group(ranks: list[int], backend: str, name: str, timeout: datetime.timedelta | None, parent: Any) -> Any:
     c10d = dist.distributed_c10d
     helper = _helper()
-    if helper is None:
+    if timeout is None:  # a backend without options (MPI): torch's default for it
+        timeout = getattr(c10d, "_get_default_timeout", lambda b: None)(backend)
+    if helper is None or "mpi" in backend:  # MPI creates every group over the whole world
         with _LEGACY_LOCK:
             _align_group_counts(parent, backend)
             return dist.new_group(ranks, timeout=timeout, backend=backend, use_local_synchronization=True)
     me = dist.get_rank()
     group_name = getattr(c10d, "GroupName", str)(name)
     kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
+    bound = getattr(c10d._get_default_group(), "bound_device_id", None)
+    if bound is not None and "nccl" in backend:  # as new_group does: NCCL communicators split eagerly from the world's
+        kwargs["device_id"] = bound
     pg, _ = helper(len(ranks), ranks.index(me), ranks, backend, c10d._get_default_store(), group_name, **kwargs)
     c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(ranks)}
     return pg
@@ -167,7 +159,7 @@ def _align_group_counts(group: Any, backend: str) -> None:
 
 
 def derive(topo: Topology, rank: int, global_ranks: tuple[int, ...], backend: str,
-           group: Any = None) -> DerivedGroups:
+           group: Any = None, timeout: datetime.timedelta | None = None) -> DerivedGroups:
     """Create (or fetch) this rank's derived groups. Collective over each derived group's members.
 
     Args:
@@ -177,6 +169,7 @@ def derive(topo: Topology, rank: int, global_ranks: tuple[int, ...], backend: st
         backend: the backend string of the communicator's group.
         group: the communicator's process group (default: the world): the derived groups are
             its own (named after it), used by no other communicator.
+        timeout: the bound of the derived groups' waits (the communicator group's timeout).
     """
     if topo.world != len(global_ranks):
         raise ValueError(f"topology has {topo.world} ranks but the group has {len(global_ranks)}")
@@ -187,7 +180,7 @@ def derive(topo: Topology, rank: int, global_ranks: tuple[int, ...], backend: st
     parent_name = str(getattr(parent, "group_name", "") or "world")
 
     def pg(role: str, members: tuple[int, ...]) -> Any:
-        return private_group(parent, parent_name, role, tuple(global_ranks[m] for m in members), backend)
+        return private_group(parent, parent_name, role, tuple(global_ranks[m] for m in members), backend, timeout)
 
     intra_ranks = tuple(nodes[node])
     intra = pg("intra", intra_ranks)

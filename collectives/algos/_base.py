@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from .._types import FLOAT_DTYPES
+from .._types import FLOAT_DTYPES, backend_moves
 from ._executor import execute
 from ._schedule import Layout, Schedule
 
@@ -61,7 +61,13 @@ class Algorithm:
             return False
         if backend is not None and self.backends is not None and backend not in self.backends:
             return False
+        if dtype is not None and not self.moves(dtype, backend):
+            return False
         return True
+
+    def moves(self, dtype: torch.dtype, backend: str | None) -> bool:
+        """Whether the backend ops this algorithm runs on move ``dtype`` (its collectives, here)."""
+        return backend_moves(backend, dtype)
 
     def busbw_factor(self, op: str, world: int) -> float:
         return busbw_factor(op, world)
@@ -96,6 +102,9 @@ class ScheduledAlgorithm(Algorithm):
 
     def __init__(self) -> None:
         self._cached = functools.lru_cache(maxsize=1024)(self.build)
+
+    def moves(self, dtype: torch.dtype, backend: str | None) -> bool:
+        return backend_moves(backend, dtype, p2p=True)  # sends and receives only
 
     def schedule(self, layout: Layout) -> Schedule:
         return self._cached(layout)

@@ -277,8 +277,8 @@ class Hierarchical(Algorithm):
         pack = call.comm._workspace("hier.rs.pack", out.dtype, out.device, p * c)
         torch.index_select(inp.view(p, c), 0, _index(order, out.device), out=pack.view(p, c))
         tmp = call.comm._workspace("hier.rs.tmp", out.dtype, out.device, n * c)
-        wait(_reduce_scatter(tmp, pack, _rop(call), d.intra, True))
-        wait(_reduce_scatter(out, tmp, _rop(call), d.rail, True))
+        wait(_reduce_scatter(tmp, pack, _rop(call), d.intra, True), cuda=tmp.is_cuda)
+        wait(_reduce_scatter(out, tmp, _rop(call), d.rail, True), cuda=out.is_cuda)
 
     def _all_gather(self, call: Call, d: Any) -> None:
         out, inp = call.output.view(-1), call.input.view(-1)
@@ -286,9 +286,9 @@ class Hierarchical(Algorithm):
         if c == 0:
             return
         t1 = call.comm._workspace("hier.ag.rail", out.dtype, out.device, n * c)
-        wait(_all_gather(t1, inp, d.rail, True))
+        wait(_all_gather(t1, inp, d.rail, True), cuda=t1.is_cuda)
         t2 = call.comm._workspace("hier.ag.node", out.dtype, out.device, p * c)
-        wait(_all_gather(t2, t1, d.intra, True))
+        wait(_all_gather(t2, t1, d.intra, True), cuda=t2.is_cuda)
         order = [r for rail in d.rails for r in rail]
         out.view(p, c).index_copy_(0, _index(order, out.device), t2.view(p, c))
 
@@ -303,7 +303,7 @@ class Hierarchical(Algorithm):
         # Every rank of the node learns what the others send where: S[i][q] elements from local i to q.
         mine = torch.tensor(ins, dtype=torch.int64, device=inp.device)
         every = torch.empty(g * p, dtype=torch.int64, device=inp.device)
-        wait(_all_gather(every, mine, d.intra, True))
+        wait(_all_gather(every, mine, d.intra, True), cuda=every.is_cuda)
         S = every.view(g, p).tolist()
         in_off = [0] * (p + 1)
         for q in range(p):
@@ -364,14 +364,14 @@ class Hierarchical(Algorithm):
             return
         big = max(len(x) for x in d.nodes)
         mine = comm._workspace("hier.ag.mine", out.dtype, out.device, len(d.intra_ranks) * c)
-        wait(_all_gather(mine, inp, d.intra, True))
+        wait(_all_gather(mine, inp, d.intra, True), cuda=mine.is_cuda)
         every = comm._workspace("hier.ag.every", out.dtype, out.device, n * big * c)
         if d.leaders is not None:
             padded = comm._workspace("hier.ag.pad", out.dtype, out.device, big * c)
             padded[:mine.numel()].copy_(mine)
             padded[mine.numel():].zero_()
-            wait(_all_gather(every, padded, d.leaders, True))
-        wait(dist.broadcast(every, comm.global_ranks[d.intra_ranks[0]], d.intra, True))
+            wait(_all_gather(every, padded, d.leaders, True), cuda=every.is_cuda)
+        wait(dist.broadcast(every, comm.global_ranks[d.intra_ranks[0]], d.intra, True), cuda=every.is_cuda)
         for k, members in enumerate(d.nodes):
             for i, r in enumerate(members):
                 out[r * c:(r + 1) * c].copy_(every[(k * big + i) * c:(k * big + i + 1) * c])
@@ -432,8 +432,8 @@ def _leader_all_reduce(call: Call, d: Any, x: torch.Tensor) -> None:
         return
     leader = call.comm.global_ranks[d.intra_ranks[0]]
     if len(d.intra_ranks) > 1:
-        wait(dist.reduce(x, leader, _rop(call), d.intra, True))
+        wait(dist.reduce(x, leader, _rop(call), d.intra, True), cuda=x.is_cuda)
     if d.leaders is not None:
-        wait(dist.all_reduce(x, _rop(call), d.leaders, True))
+        wait(dist.all_reduce(x, _rop(call), d.leaders, True), cuda=x.is_cuda)
     if len(d.intra_ranks) > 1:
-        wait(dist.broadcast(x, leader, d.intra, True))
+        wait(dist.broadcast(x, leader, d.intra, True), cuda=x.is_cuda)

@@ -328,7 +328,7 @@ class PeerMemory:
             for blocks, off, a, b in (plan[2] if aligned else plan[3]):
                 k(blocks, stream, base + off, base + off, a, b)
         if average:
-            tensor.div_(self.world)
+            tensor.detach().div_(self.world)  # as the verbs do: in place, unseen by autograd
 
     def _plan(self, algorithm: str, tensor: torch.Tensor) -> Any:
         self._check(tensor)
@@ -616,7 +616,7 @@ class PeerMemory:
         else:
             self._by_shard("reduce_scatter", output, input, output.numel())
         if average:
-            output.div_(self.world)
+            output.detach().div_(self.world)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, algorithm: str = "one_shot") -> None:
         """``output`` ([world * m]) = every rank's ``input`` ([m]) in rank order.
