@@ -427,5 +427,6 @@ def _in_order(algo: Algorithm, call: Call, bound: Any) -> None:
             if work is not None:  # the backend's own Work (an async native call queued here)
                 wait(work)
     except BaseException as exc:
-        _failed(call.comm, call.op, call.seq, exc)  # a timeout or a lost peer, typed as on the caller's thread
+        if call.async_op:  # a synchronous call queued here fails through dispatch's own handler, once
+            _failed(call.comm, call.op, call.seq, exc)  # a timeout or a lost peer, typed as on the caller's thread
         raise
