@@ -30,12 +30,16 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+import torch
+import torch.distributed.distributed_c10d as c10d
+
 from .errors import CollectiveTimeout, InvalidArgumentError
 
 if TYPE_CHECKING:
     from .communicator import Communicator
 
 __all__ = ["call_timeout", "limit", "wait", "bound_s", "store_gather"]
+
 
 class _Local(threading.local):
     # a class default: reading it on a thread that never set one raises nothing (limit() is on
@@ -88,9 +92,6 @@ def bound_s(comm: Communicator) -> float:
 
 def group_timeout_s(comm: Communicator) -> float:
     """The timeout ``comm``'s process group was created with, in seconds."""
-    import torch
-    import torch.distributed.distributed_c10d as c10d
-
     for device_type in comm.device_types:
         try:
             # each backend keeps its options; torch has no public reader of the group's timeout
@@ -154,8 +155,6 @@ def gpu_done(seconds: float, bound: float) -> None:
     """Wait on the host until the current CUDA stream's work so far is done; ``TimeoutError`` after
     ``seconds``. Polls an event (with a growing sleep, at most 1 ms) so that signals are handled
     while it waits."""
-    import torch
-
     event = torch.cuda.Event()
     event.record()
     deadline = time.monotonic() + max(0.0, seconds)

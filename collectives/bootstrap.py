@@ -84,7 +84,7 @@ def select_backend(backend: str | None, *, cuda: bool, npu: bool, mpi_available:
 
 def _npu_present() -> bool:
     try:
-        import torch_npu  # noqa: F401  (registers torch.npu)
+        import torch_npu  # noqa: F401  (deferred: optional, Ascend only; importing it registers torch.npu)
     except ImportError:
         return False
     npu = getattr(torch, "npu", None)
