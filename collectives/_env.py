@@ -103,7 +103,7 @@ MPI_MASTER_ADDR: EnvVar[str] = EnvVar(
 
 TOPOLOGY: EnvVar[str] = EnvVar(
     "COMMOPS_TOPOLOGY", "",
-    "Path of a topology JSON file that replaces discovery (topology.discover).",
+    "Path of a topology JSON file that replaces discovery (Communicator.topology).",
 )
 
 CALIBRATION: EnvVar[str] = EnvVar(

@@ -16,17 +16,17 @@ and unit-tested, but has never run on Ascend hardware.
 from __future__ import annotations
 
 import datetime
-import os
 import socket
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from . import _env
+from ._launcher import LaunchInfo, launcher_environment
 from .communicator import Communicator, get_communicator
 from .errors import InvalidArgumentError, LaunchError
+from .recorder import set_trace_dir
 
 __all__ = ["init", "LaunchInfo", "launcher_environment", "select_backend"]
 
@@ -35,36 +35,6 @@ _HOW_TO_LAUNCH = (
     "`torchrun --nnodes M --node-rank K --rdzv-backend c10d --rdzv-endpoint HOST:PORT ...` (several nodes), "
     "or `mpiexec -n N python script.py`; or call torch.distributed.init_process_group yourself"
 )
-# Variables by which MPI launchers announce the world size (MPICH/Hydra and Intel MPI, Open MPI,
-# PMIx, MVAPICH2).
-_MPI_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE")
-
-
-@dataclass(frozen=True)
-class LaunchInfo:
-    """What the launcher told this process."""
-
-    launcher: str  # "torchrun" or "mpi"
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    group_rank: int | None = None  # torchrun's node rank (GROUP_RANK)
-
-
-def launcher_environment(environ: dict[str, str] | None = None) -> LaunchInfo | None:
-    """Read torchrun's variables; the MPI case is only detected here (mpi4py gives the numbers)."""
-    env = os.environ if environ is None else environ
-    if all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
-        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-        local = int(env.get("LOCAL_RANK", rank))
-        group = int(env["GROUP_RANK"]) if "GROUP_RANK" in env else None
-        return LaunchInfo("torchrun", rank, world, local, int(env.get("LOCAL_WORLD_SIZE", world)), group)
-    if any(k in env for k in _MPI_SIZE_VARS):
-        return LaunchInfo("mpi", -1, -1, -1, -1)
-    return None
-
-
 def select_backend(backend: str | None, *, cuda: bool, npu: bool, mpi_available: bool = False) -> str:
     """The backend ``init`` uses: an explicit one if given, else by device (cuda > npu > cpu)."""
     if backend is not None:
@@ -84,7 +54,8 @@ def select_backend(backend: str | None, *, cuda: bool, npu: bool, mpi_available:
 
 def _npu_present() -> bool:
     try:
-        import torch_npu  # noqa: F401  (deferred: optional, Ascend only; importing it registers torch.npu)
+        # deferred: optional and heavy, Ascend hosts only (importing it registers torch.npu)
+        import torch_npu  # noqa: F401
     except ImportError:
         return False
     npu = getattr(torch, "npu", None)
@@ -93,7 +64,7 @@ def _npu_present() -> bool:
 
 def _from_mpi() -> tuple[LaunchInfo, dist.Store]:
     try:
-        from mpi4py import MPI
+        from mpi4py import MPI  # deferred: optional (commops[mpi]), and importing it initialises MPI
     except ImportError as exc:
         raise LaunchError(f"started by an MPI launcher but mpi4py is missing: pip install 'commops[mpi]' ({exc})") from exc
     world = MPI.COMM_WORLD
@@ -132,9 +103,6 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
     Raises:
         LaunchError: not started by torchrun or an MPI launcher.
     """
-    from . import _env
-    from .recorder import set_trace_dir
-
     if trace_dir or _env.TRACE_DIR.get():
         set_trace_dir(trace_dir or _env.TRACE_DIR.get())
     if dist.is_initialized():

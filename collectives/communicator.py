@@ -11,19 +11,28 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from weakref import WeakKeyDictionary
 
 import torch
 import torch.distributed as dist
 
+from topology import discover, groups
+from topology.cost import Machine
+
 from . import _env
+from ._launcher import launcher_environment
 from ._types import BACKEND_DEVICES, ReduceOp
+from .algos import for_op
 from .dispatch import Call, dispatch, dispatch_tensors
 from ._wait import group_timeout_s
 from .errors import InvalidTypeError, NotInitializedError
+from .peer import close_peer_memory
+from .recorder import RECORDER
 from .selection import Choice
 from .work import Work
 
@@ -102,8 +111,6 @@ class Communicator:
 
     def algorithms(self, op: str, dtype: torch.dtype | None = None, device_type: str | None = None) -> list[str]:
         """Algorithm names usable for ``op`` on this group (and ``dtype`` / ``device_type``)."""
-        from .algos import for_op
-
         backend = self.backend_for(device_type or self.device_types[0])
         return for_op(op, dtype, backend)
 
@@ -113,12 +120,15 @@ class Communicator:
 
         Discovery exchanges a few facts over the group, so the first access is collective: every
         rank must reach it (the topology-aware algorithms and ``auto`` all ask at the same call).
-        ``COMMOPS_TOPOLOGY`` or :meth:`set_topology` replaces discovery.
+        ``COMMOPS_TOPOLOGY`` or :meth:`set_topology` replaces discovery. Under torchrun, its node
+        rank (``GROUP_RANK``) and local rank number the nodes and the ranks in them.
         """
         if self._topology is None:
-            from topology import discover
-
-            self._topology = discover(self.group)
+            launch = launcher_environment()
+            torchrun = launch if launch is not None and launch.launcher == "torchrun" else None
+            self._topology = discover(self.group, override=_env.TOPOLOGY.get() or None,
+                                      group_rank=torchrun.group_rank if torchrun else None,
+                                      local_rank=torchrun.local_rank if torchrun else None)
         return self._topology
 
     def set_topology(self, topo: Any) -> None:
@@ -135,8 +145,6 @@ class Communicator:
         calibration file's path); ``None`` goes back to ``COMMOPS_CALIBRATION`` or a shipped file.
         Local; give every rank the same one."""
         if isinstance(machine, (str, bytes)) or hasattr(machine, "__fspath__"):
-            from topology.cost import Machine
-
             machine = Machine.load(machine)
         self._forget_choices(keep="tuned_table")
         if machine is not None:
@@ -146,9 +154,6 @@ class Communicator:
         """Follow this tuned table (the dict ``bench/cli.py --tune`` writes, or its path) first in
         ``auto``; ``None`` goes back to ``COMMOPS_TUNED``. Local; give every rank the same one."""
         if isinstance(table, (str, bytes)) or hasattr(table, "__fspath__"):
-            import json
-            from pathlib import Path
-
             table = json.loads(Path(table).read_text())
         self._forget_choices(keep="calibration")
         if table is not None:
@@ -164,9 +169,7 @@ class Communicator:
     def derived_groups(self) -> Any:
         """This rank's :class:`topology.groups.DerivedGroups`, created on first use (collective)."""
         if self._derived is None:
-            from topology.groups import derive
-
-            self._derived = derive(self.topology, self.rank, self.global_ranks, self.backend, self.group,
+            self._derived = groups.derive(self.topology, self.rank, self.global_ranks, self.backend, self.group,
                                    self._group_timeout())
         return self._derived
 
@@ -183,9 +186,7 @@ class Communicator:
             if self.size == 1 or backend != "gloo":  # MPI makes a group collectively over the whole world
                 self._p2p = self.group
             else:
-                from topology.groups import private_group
-
-                self._p2p = private_group(self.group, self._group_name, "p2p", self.global_ranks, backend,
+                self._p2p = groups.private_group(self.group, self._group_name, "p2p", self.global_ranks, backend,
                                           self._group_timeout())
         return self._p2p
 
@@ -330,13 +331,8 @@ def destroy(group: dist.ProcessGroup | None = None) -> None:
         if _WORLD and _WORLD[0].group is group:
             comms += _WORLD
             _WORLD.clear()
-    from .peer import close_peer_memory
-    from .recorder import RECORDER
-
     if group is None:  # every group, and with them the default store its progress goes to
         RECORDER.stop_progress()  # no thread may touch a store once it goes
-    from topology import groups
-
     for c in comms:
         close_peer_memory(c)  # collective, like destroy itself
         c.close()

@@ -1,16 +1,19 @@
 """``discover(group)``: which ranks share a node and how their devices are linked.
 
 Each rank contributes what it knows about itself: host name and boot id (ranks with equal
-(host, boot id) share a node), its device, the launcher's node rank and local rank when torchrun
-set them (``GROUP_RANK``, ``LOCAL_RANK``: read by :func:`collectives.bootstrap.launcher_environment`,
-passed in here), and, on NVIDIA GPUs, what NVML reports (``topology/nvml.py``): its PCI bus id,
-NVLinks per peer GPU, P2P support, PCIe link and NUMA node. The facts travel over the group with
-``all_gather_object``; every rank builds the same :class:`Topology` from them.
+(host, boot id) share a node), its device, the launcher's node rank and local rank when the caller
+passes them (torchrun's ``GROUP_RANK`` and ``LOCAL_RANK``: ``Communicator.topology`` reads them
+with ``collectives.bootstrap.launcher_environment``), and, on NVIDIA GPUs, what NVML reports
+(``topology/nvml.py``): its PCI bus id, NVLinks per peer GPU, P2P support, PCIe link and NUMA node.
+The facts travel over the group with ``all_gather_object``; every rank builds the same
+:class:`Topology` from them.
 
 Nodes are numbered by the launcher's node rank when every rank has one, else in order of their
-lowest rank; local ranks follow the launcher's ``LOCAL_RANK`` when given, else rank order. A JSON
-file (``override=`` or ``COMMOPS_TOPOLOGY``) replaces discovery entirely. A CPU-only group gets
-one tier inside a node (shared memory / loopback) and a network tier if it spans hosts.
+lowest rank; local ranks follow the launcher's local rank when given, else rank order. A JSON
+file (``override=``; ``COMMOPS_TOPOLOGY`` through the communicator) replaces discovery entirely. A
+CPU-only group gets one tier inside a node (shared memory / loopback) and a network tier if it
+spans hosts. Launcher facts are arguments, not read here, so that this layer reads no launcher
+variables and imports nothing of ``collectives``.
 """
 
 from __future__ import annotations
@@ -22,9 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from collectives import _env
-
 from .model import RankPlace, Tier, Topology
+from .nvml import gpu_facts
 
 __all__ = ["discover", "local_facts", "from_facts"]
 
@@ -42,8 +44,6 @@ def local_facts(group_rank: int | None = None, local_rank: int | None = None) ->
     if torch.cuda.is_available() and torch.cuda.device_count():
         index = torch.cuda.current_device()
         facts["device"] = f"cuda:{index}"
-        from .nvml import gpu_facts
-
         props = torch.cuda.get_device_properties(index)
         uuid = str(getattr(props, "uuid", "") or "")
         gpu = gpu_facts(uuid=uuid or None)
@@ -92,17 +92,21 @@ def from_facts(facts: list[dict[str, Any]]) -> Topology:
     return Topology(places, tuple(tiers), nvlinks, extra)
 
 
-def discover(group: dist.ProcessGroup | None = None, *, override: str | Path | None = None) -> Topology:
-    """The topology of ``group`` (collective over the group unless a JSON override is given)."""
-    path = override or _env.TOPOLOGY.get()
-    if path:
-        return Topology.load(path)
-    from collectives.bootstrap import launcher_environment
+def discover(group: dist.ProcessGroup | None = None, *, override: str | Path | None = None,
+             group_rank: int | None = None, local_rank: int | None = None) -> Topology:
+    """The topology of ``group``.
 
-    launch = launcher_environment()
-    group_rank = local_rank = None
-    if launch is not None and launch.launcher == "torchrun":
-        group_rank, local_rank = launch.group_rank, launch.local_rank
+    Args:
+        group: the process group (``None``: the default group).
+        override: a topology JSON file that replaces discovery (nothing is exchanged).
+        group_rank: this rank's node rank as the launcher numbers nodes (torchrun's ``GROUP_RANK``), if known.
+        local_rank: this rank's index in its node as the launcher gives it (``LOCAL_RANK``), if known.
+
+    Collective over ``group`` unless ``override`` is given: every rank must call it, each with
+    its own launcher facts.
+    """
+    if override:
+        return Topology.load(override)
     facts: list[dict[str, Any] | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(facts, local_facts(group_rank, local_rank), group=group)
     return from_facts([f for f in facts if f is not None])

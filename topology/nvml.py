@@ -33,7 +33,7 @@ def _numa_of(bus: str) -> int | None:
 def gpu_facts(uuid: str | None = None, bus_id: str | None = None) -> dict[str, Any] | None:
     """NVML facts of the GPU with this UUID (or PCI bus id); None if NVML is unavailable."""
     try:
-        import pynvml
+        import pynvml  # deferred: optional (commops[gpu]); loads the NVIDIA driver's library
     except ImportError:
         return None
     try:
