@@ -12,7 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from topology.cost import Machine, predict
+from collectives.selection import predict
+from topology.cost import Machine
 
 __all__ = ["compare", "format_markdown"]
 

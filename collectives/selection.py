@@ -11,43 +11,60 @@ In order, each a named predicate with its reason:
    choice that follows says why.
 4. ``cost_model``: with a calibration for this machine (``COMMOPS_CALIBRATION``, or a shipped file
    in ``topology/calibrations/`` matching the backend, device and node count), the algorithm with
-   the least predicted time (``topology.cost``) on this group's topology; the reason lists every
-   candidate's predicted time.
+   the least predicted time on this group's topology. Candidates are every registered algorithm
+   that can run the call and describes its cost (``Algorithm.cost``), priced by
+   ``topology.cost.price``; the choice lists every candidate's predicted time (``Choice.predicted``).
 5. Without either, the measured rules of the core issue: ``vendor_tuned`` (NCCL/HCCL: native),
    ``cpu_small_all_reduce`` (Gloo/MPI <= 512 KB: recursive doubling), else ``default`` (native).
 
 Choices are cached per (op, dtype, size) on the communicator: the model costs about a
 millisecond per size, once. Every choice is a :class:`Choice` with the rule that fired and a
-sentence a user can read (``Communicator.last_choice``).
+sentence a user can read (``Communicator.last_choice``). :func:`predict` and
+:func:`predict_many` price a registered algorithm by name (tests, ``bench/model_check.py``).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from topology.calibrate import device_label
+from topology.cost import Machine, price
+
 from . import _env
 from .algos import REGISTRY, for_op
 from .errors import UnsupportedError
+from .peer.memory import DTYPES as PEER_DTYPES, peer_unavailable, two_shot_piece
 
 if TYPE_CHECKING:
     from .communicator import Communicator
     from .dispatch import Call
 
-__all__ = ["Choice", "choose", "calibration_for", "SHIPPED"]
+__all__ = ["Choice", "choose", "calibration_for", "predict", "predict_many", "SHIPPED"]
 
 SHIPPED = Path(__file__).resolve().parent.parent / "topology" / "calibrations"
 
 
 @dataclass(frozen=True, slots=True)
 class Choice:
-    """The algorithm that ran a call and why."""
+    """The algorithm that ran a call and why.
+
+    Attributes:
+        algorithm: the registered name that ran.
+        rule: the rule that fired (see the module's list).
+        reason: a sentence a user can read.
+        predicted: rule ``cost_model``: every candidate's name and predicted seconds, fastest first.
+    """
 
     algorithm: str
     rule: str
     reason: str
+    predicted: tuple[tuple[str, float], ...] = ()
 
 
 def _is_single_rank(world: int) -> bool:
@@ -115,8 +132,6 @@ def _peer_slot_bytes(comm: Any) -> int:
 def _two_shot_in_one_piece(comm: Any, nbytes: int, element_size: int) -> bool:
     """Whether the communicator's peer buffers hold a two-shot all-reduce of ``nbytes`` in one
     piece (``PeerMemory._plan``)."""
-    from .peer.memory import two_shot_piece
-
     return nbytes <= two_shot_piece(_peer_slot_bytes(comm) // 2, comm.size, element_size) * element_size
 
 
@@ -133,9 +148,7 @@ def _peer_memory(call: Call, backend: str, nbytes: int) -> tuple[Choice | None, 
     """The peer-memory algorithm for this call, or None and why not ("" when it does not apply)."""
     if backend != "nccl" or call.op not in _PEER_OPS:
         return None, ""
-    from .peer.memory import DTYPES, peer_unavailable
-
-    if call.output.dtype not in DTYPES or call.reduce_op not in (None, "sum", "avg"):
+    if call.output.dtype not in PEER_DTYPES or call.reduce_op not in (None, "sum", "avg"):
         return None, ""
     reason = peer_unavailable(call.comm)
     if reason:
@@ -180,18 +193,12 @@ def _peer_memory(call: Call, backend: str, nbytes: int) -> tuple[Choice | None, 
                   "(COMMOPS_PEER_BYTES): NCCL measured faster than peer memory")
 
 
-def _device_name(device: Any) -> str:
-    from topology.calibrate import device_label
-
-    return device_label(device)
-
-
 def _matches(meta: dict[str, Any], backend: str, device: str, nodes: int) -> bool:
     return (meta.get("match", True) and meta.get("backend") == backend and meta.get("device") == device
             and meta.get("nodes") == nodes)
 
 
-def calibration_for(comm: Communicator, backend: str, device: Any) -> Any:
+def calibration_for(comm: Communicator, backend: str, device: Any) -> Machine | None:
     """The :class:`topology.cost.Machine` ``auto`` prices with on ``comm``, or None (cached)."""
     cache = comm._choices
     if "calibration" in cache:  # Communicator.set_calibration
@@ -199,8 +206,6 @@ def calibration_for(comm: Communicator, backend: str, device: Any) -> Any:
     key = ("calibration", backend, getattr(device, "type", None))
     if key in cache:
         return cache[key]
-    from topology.cost import Machine
-
     found = None
     path = _env.CALIBRATION.get()
     if path:
@@ -209,7 +214,7 @@ def calibration_for(comm: Communicator, backend: str, device: Any) -> Any:
         nodes = len(comm.topology.nodes())
         for f in sorted(SHIPPED.glob("*.json")):
             m = Machine.load(f)
-            if _matches(m.meta, backend, _device_name(device), nodes):
+            if _matches(m.meta, backend, device_label(device), nodes):
                 found = m
                 break
     cache[key] = found
@@ -239,28 +244,48 @@ def _tuned(comm: Communicator, op: str, dtype: str, nbytes: int) -> Choice | Non
                   f"{path}: measured fastest for {op} {dtype} up to {row['max_bytes']} B ({row.get('note', '')})".rstrip(" ()"))
 
 
-def _modelled(call: Call, backend: str, machine: Any) -> Choice:
-    from topology.cost import algorithms_for, predict
-
+def _modelled(call: Call, backend: str, machine: Machine) -> Choice:
     comm, op = call.comm, call.op
     dtype = call.output.dtype if call.output is not None else None
     nodes = comm.topology.nodes()
     times = {}
-    for name in algorithms_for(op):
-        algo = REGISTRY.get(name)
-        if algo is None or not algo.supports(op, dtype, backend):
+    for name, algo in REGISTRY.items():
+        if not algo.supports(op, dtype, backend):
             continue
-        if algo.topology_aware:
+        if algo.equal_splits_only and op == "all_to_all" and (len(set(call.in_rows)) > 1 or len(set(call.out_rows)) > 1):
+            continue
+        plan = algo.cost(op, nodes, machine)
+        if plan is None:  # the model has no price for it here
+            continue
+        if algo.topology_aware:  # after cost(): check() may create sub-groups (collective)
             try:
                 algo.check(call)
             except UnsupportedError:
                 continue
-        if algo.equal_splits_only and op == "all_to_all" and (len(set(call.in_rows)) > 1 or len(set(call.out_rows)) > 1):
-            continue
-        times[name] = predict(name, op, nodes, machine, call.nbytes)
+        times[name] = float(price(plan, op, nodes, machine, [call.nbytes], anchor=name)[0])
     best = min(times, key=times.__getitem__)
-    listed = ", ".join(f"{a} {t * 1e6:.0f} us" for a, t in sorted(times.items(), key=lambda kv: kv[1]))
-    return Choice(best, "cost_model", f"least predicted time on {machine.name} ({len(nodes)} node(s)): {listed}")
+    ranked = tuple(sorted(times.items(), key=lambda kv: kv[1]))
+    listed = ", ".join(f"{a} {t * 1e6:.0f} us" for a, t in ranked)
+    return Choice(best, "cost_model", f"least predicted time on {machine.name} ({len(nodes)} node(s)): {listed}",
+                  ranked)
+
+
+def predict_many(algorithm: str, op: str, nodes: list[list[int]], machine: Machine,
+                 sizes: Iterable[float]) -> np.ndarray:
+    """Predicted seconds of the registered ``algorithm`` for ``op`` at each nccl-tests size in ``sizes``.
+
+    Raises:
+        KeyError: no algorithm of that name is registered, or it has no price for ``op`` on ``nodes``.
+    """
+    algo = REGISTRY.get(algorithm)
+    if algo is None:
+        raise KeyError(f"no algorithm named {algorithm!r} is registered")
+    return price(algo, op, nodes, machine, sizes)
+
+
+def predict(algorithm: str, op: str, nodes: list[list[int]], machine: Machine, nbytes: float) -> float:
+    """Predicted seconds of the registered ``algorithm`` for one ``op`` of ``nbytes`` (see :func:`predict_many`)."""
+    return float(predict_many(algorithm, op, nodes, machine, [nbytes])[0])
 
 
 def choose(call: Call, backend: str) -> Choice:

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .cost import GLOO_NATIVE, NCCL_NATIVE, LinkCost, Machine
+from .cost import GLOO_NATIVE, NCCL_NATIVE, LinkCost, Links, Machine, flat_plan, price
 from .model import Topology
 
 __all__ = ["fit", "measure", "measure_anchors", "fit_machine", "calibrate", "refit", "exchange_times"]
@@ -245,8 +245,6 @@ def measure(topo: Topology, sizes: Sequence[int], device: torch.device, *, iters
 
 def fit_machine(name: str, raw: dict[str, Any], backend: str, meta: dict[str, Any]) -> Machine:
     """The machine the measurements in ``raw`` describe (pure: refit a calibration file any time)."""
-    from .cost import predict
-
     sizes = raw["sizes"]
     nodes = raw["nodes"]
     p = sum(len(n) for n in nodes)
@@ -268,9 +266,11 @@ def fit_machine(name: str, raw: dict[str, Any], backend: str, meta: dict[str, An
     a2a = fit(sizes, raw["native_all_to_all"]) if "native_all_to_all" in raw else None
     machine = Machine(name, intra or inter or LinkCost(0.0, 0.0), inter, nics, raw["gamma_s_per_byte"], dict(table),
                       native_intra, native_inter, intra_x, inter_x, uplink, uplink_x, 0.0, a2a, meta)
-    # What our ring all-reduce took beyond what the links explain, per round: the executor's host time.
+    # What our ring all-reduce took beyond what the links explain, per round: the executor's host
+    # time. The measured call is collectives' "ring", which runs the ring pattern step by step.
     rounds = 2 * (p - 1)
-    extra = [(t - predict("ring", "all_reduce", nodes, machine, n)) / rounds
+    ring_plan = flat_plan("ring", "all_reduce", nodes, Links.EXECUTOR)
+    extra = [(t - float(price(ring_plan, "all_reduce", nodes, machine, [n])[0])) / rounds
              for t, n in zip(raw["ring_all_reduce"], raw["ring_sizes"])]
     return dataclasses.replace(machine, step=max(0.0, statistics.median(extra)), anchors=raw.get("anchors", {}),
                                anchor_bytes=raw.get("anchor_bytes", 0))

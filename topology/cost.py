@@ -1,8 +1,8 @@
-"""The alpha-beta-gamma cost model: predicted time of every algorithm for every op, size and topology.
+"""The alpha-beta-gamma cost model: the predicted time of a communication plan on a calibrated machine.
 
 Each tier is a link with a per-message latency ``a`` (alpha, seconds) and a per-byte time ``b``
 (beta, seconds per byte); ``g`` (gamma) is the time to reduce one byte locally (Hockney 1994;
-Thakur, Rabenseifner & Gropp 2005). An algorithm is described as *rounds*: in a round every rank
+Thakur, Rabenseifner & Gropp 2005). A plan is described as *rounds*: in a round every rank
 sends at most one message per destination, all at once. A round costs::
 
     max( a_intra + b_intra * (largest bytes a rank sends inside its node),
@@ -12,11 +12,23 @@ sends at most one message per destination, all at once. A round costs::
 
 so ranks of one node that cross to other nodes at the same time share the node's NICs: that is
 what makes a flat ring across nodes slower than a hierarchy on nodes with one uplink, and what a
-rail-optimised cluster (one NIC per GPU) does not suffer. Rounds are built from the algorithm's
-pattern on the real rank-to-node map, so they hold for any placement.
+rail-optimised cluster (one NIC per GPU) does not suffer. Rounds are built from a pattern on the
+real rank-to-node map, so they hold for any placement.
 
-Closed forms (``p`` ranks, ``n`` bytes, one tier; Thakur et al. 2005, secs. 4.1-4.3; Chan et
-al. 2007), which the rounds reproduce on one node::
+Design note: this module knows no algorithm by name. Every algorithm describes its own
+communication as a :class:`CostPlan` (``Algorithm.cost`` in ``collectives/algos/``): stages of
+rounds, which links each runs on (:class:`Links`), stages that run at the same time (grid2d's
+two halves) and pipelining in chunks (:class:`Pipeline`, hierarchical's all-reduce), as data.
+:func:`price` evaluates whatever plan it is handed; ``collectives.selection`` prices every
+registered algorithm that returns one. Tried first and replaced: a table of algorithm names here
+(``algorithms_for``) whose patterns were rebuilt by name, with special cases for hierarchical
+pipelining and grid2d's halves; every new algorithm meant an edit here, and reading
+hierarchical's phases made ``topology`` import ``collectives``, which imports ``topology``.
+
+What stays here is the pattern library (:func:`flat_rounds`): the flat patterns the backends'
+own collectives run (``Machine.native`` names one per op) and that our point-to-point schedules
+follow. Closed forms (``p`` ranks, ``n`` bytes, one tier; Thakur et al. 2005, secs. 4.1-4.3; Chan
+et al. 2007), which the rounds reproduce on one node::
 
     ring             all-reduce 2(p-1)a + 2(p-1)/p n b + (p-1)/p n g;  RS, AG: (p-1)a + (p-1)/p n b (+ g)
     recursive_doubling  all-reduce log2(p)(a + n b + n g);   AG: log2(p) a + (p-1)/p n b
@@ -24,28 +36,29 @@ al. 2007), which the rounds reproduce on one node::
     binomial_tree    broadcast, reduce ceil(log2 p)(a + n b)
     pairwise         all-to-all (p-1)(a + n/p b);   bruck: ceil(log2 p)(a + n/2 b)
     direct           all-to-all (every message at once, Gloo's): a + (p-1)/p n b
-    hierarchical     all-reduce T_RS(g; intra) + T_AR(n_nodes, n/g; inter) + T_AG(g; intra)
-    grid2d           all-reduce sum over 3 phases of max(rows-first half, columns-first half)
-    native           the backend's own algorithm (``Machine.native``), optionally with its own links
 
 Non-power-of-two ``p`` adds the fold's two rounds of ``n`` bytes (``collectives/algos/_fold.py``).
-The model is evaluated vectorised over message sizes, so the simulator can sweep thousands of ranks.
+Composite algorithms are sums of these on sub-groups (hierarchical all-reduce: ``T_RS(g; intra) +
+T_AR(n_nodes, n/g; inter) + T_AG(g; intra)``), see each algorithm's module. The model is
+evaluated vectorised over message sizes, so the simulator can sweep thousands of ranks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["LinkCost", "Machine", "Round", "predict", "predict_many", "algorithms_for", "rounds"]
+__all__ = ["LinkCost", "Machine", "Round", "Links", "Stage", "Pipeline", "CostPlan", "Priced", "price", "stage",
+           "flat_plan", "flat_rounds", "GLOO_NATIVE", "NCCL_NATIVE"]
 
 
 @dataclass(frozen=True)
@@ -155,6 +168,7 @@ class Machine:
             anchors={}, anchor_bytes=0)
 
     def for_native(self) -> Machine:
+        """This machine as the backend's own collectives see it: their links where they were fitted."""
         if self.native_intra is None and self.native_inter is None:
             return self
         # Links fitted from the backend's whole all-reduce already include its reduction: no gamma.
@@ -165,18 +179,95 @@ class Machine:
                        uplink=None if self.native_inter else self.uplink,
                        uplink_exchange=None if self.native_inter else self.uplink_exchange)
 
+    def calibrated_on(self, nodes: Sequence[Sequence[int]]) -> bool:
+        """Whether ``nodes`` has the shape this machine was calibrated on (``meta["ranks_per_node"]``):
+        where its whole-call measurements (``anchors``, ``native_all_to_all``) apply."""
+        return [len(n) for n in nodes] == self.meta.get("ranks_per_node")
+
+    def measured_call(self, op: str) -> LinkCost | None:
+        """The backend's whole ``op`` as measured on the calibrated topology, or None."""
+        return {"all_to_all": self.native_all_to_all}.get(op)
+
 
 @dataclass(frozen=True)
 class Round:
     """One round: rank ``r`` sends ``frac * n`` bytes to each ``dst[r, k] >= 0``; ``reduce``: it reduces them.
 
-    ``dst`` is ``[ranks, k]``; ``count`` repeats the round; ``tier`` "intra"/"inter" only labels it.
+    ``dst`` is ``[ranks, k]`` (global ranks, ``-1`` pads); ``n`` is the op's nccl-tests size in
+    bytes; ``count`` repeats the round.
     """
 
     dst: np.ndarray
     frac: float
     reduce: bool
     count: int = 1
+
+
+# -- plans: what an algorithm hands the model ----------------------------------------------------
+class Links(enum.Enum):
+    """Which of a machine's link costs a stage is priced on."""
+
+    EXECUTOR = "executor"  # our point-to-point executor's steps: the plain links plus Machine.step per round
+    PLAIN = "plain"        # the plain links alone: a few batched sends outside the executor (hierarchical's)
+    NATIVE = "native"      # the backend's own collective: Machine.for_native(), no host time per round
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Rounds run one after another on one kind of links (``links``)."""
+
+    rounds: tuple[Round, ...]
+    links: Links = Links.NATIVE
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A plan run in ``k`` chunks that flow through its phases: ``k`` = ``nbytes // chunk_bytes``,
+    between 1 and ``max_chunks``. Time: every phase once on a chunk, plus the slowest ``k - 1``
+    more times (the others hide behind it)."""
+
+    chunk_bytes: int
+    max_chunks: int
+
+    def chunks(self, nbytes: int) -> int:
+        """How many chunks a call of ``nbytes`` is cut into."""
+        return max(1, min(self.max_chunks, nbytes // self.chunk_bytes))
+
+
+@dataclass(frozen=True)
+class CostPlan:
+    """An algorithm's communication for one op on one topology, as the cost model prices it.
+
+    Attributes:
+        phases: run one after another. A phase is one or more stages that run at the same time
+            (grid2d's two halves); it takes its slowest stage's time.
+        pipeline: None, or how the phases are pipelined in chunks.
+        backend_call: the plan is the backend's own collective for this op on the whole group:
+            where the machine holds a measurement of that whole call on this topology
+            (:meth:`Machine.measured_call`), the measurement is the price.
+    """
+
+    phases: tuple[tuple[Stage, ...], ...]
+    pipeline: Pipeline | None = None
+    backend_call: str | None = None
+
+    @classmethod
+    def sequence(cls, stages: Iterable[Stage], pipeline: Pipeline | None = None) -> CostPlan:
+        """Stages run one after another, each its own phase."""
+        return cls(tuple((st,) for st in stages), pipeline)
+
+
+class Priced(Protocol):
+    """What :func:`price` needs of an algorithm (``collectives.algos.Algorithm`` fills it)."""
+
+    @property
+    def name(self) -> str:
+        """The key of the algorithm's measured calls in ``Machine.anchors``."""
+        ...
+
+    def cost(self, op: str, nodes: list[list[int]], machine: Machine) -> CostPlan | None:
+        """The algorithm's plan for ``op`` on ``nodes``, or None where the model has no price for it."""
+        ...
 
 
 # -- flat patterns on q ranks (local indices); n = nccl-tests size in bytes ------------------------
@@ -332,133 +423,96 @@ def _place(rds: Iterable[Round], groups: list[tuple[int, ...]], p: int, scale: f
     return out
 
 
-# Our point-to-point schedules (priced on the plain links); everything else runs the backend's own
-# collectives (priced on the backend's links).
-_POINT_TO_POINT = ("ring", "recursive_doubling", "halving_doubling", "binomial_tree", "pairwise", "bruck", "direct")
+# -- plans from patterns, and their price -------------------------------------------------------
+def stage(pattern: str, op: str, groups: Sequence[Sequence[int]], world: int, scale: float = 1.0,
+          links: Links = Links.NATIVE) -> Stage:
+    """The flat ``pattern`` of ``op`` run on every rank set in ``groups`` at once, as one stage.
 
-
-def algorithms_for(op: str) -> list[str]:
-    """Algorithm names the model prices for ``op`` (the registry's, see ``collectives.algos``)."""
-    table = {
-        "all_reduce": ["native", "ring", "recursive_doubling", "halving_doubling", "hierarchical", "grid2d"],
-        "reduce_scatter": ["native", "ring", "halving_doubling", "hierarchical"],
-        "all_gather": ["native", "ring", "recursive_doubling", "hierarchical"],
-        "all_to_all": ["native", "pairwise", "bruck", "hierarchical"],
-        "broadcast": ["native", "binomial_tree"],
-        "reduce": ["native", "binomial_tree"],
-    }
-    return table.get(op, ["native"])
-
-
-def rounds(algorithm: str, op: str, nodes: list[list[int]], machine: Machine) -> list[list[Round]]:
-    """The phases of ``algorithm`` as rounds in global ranks; phases in one inner list run one after
-    another, and the outer list's entries are run concurrently (grid2d's two halves) per phase."""
-    p = sum(len(n) for n in nodes)
-    world = [tuple(range(p))]
-    if algorithm == "native" or algorithm in _POINT_TO_POINT:
-        pattern = machine.native.get(op, "ring") if algorithm == "native" else algorithm
-        return [_place(flat_rounds(pattern, op, p), world, p, 1.0)]
-    if algorithm != "grid2d":
-        return [[rd for rds, _ in _phases(algorithm, op, nodes, machine) for rd in rds]]
-    from .model import Topology
-
-    topo = Topology.from_nodes([list(n) for n in nodes])
-    native = machine.native
-    # grid2d: half A rows-first (hierarchical all-reduce of n/2), half B columns-first.
-    from topology.groups import equal_nodes, rails_of
-
-    from collectives.algos.hierarchical import single_tier
-
-    g = equal_nodes(topo)
-    if g is None or single_tier([list(n) for n in nodes], p):
-        return [_place(flat_rounds(native.get(op, "ring"), op, p), world, p, 1.0)]
-    rails = rails_of([list(n) for n in nodes])
-    rows = [tuple(n) for n in nodes]
-    nn = len(nodes)
-
-    def three(first: list[tuple[int, ...]], second: list[tuple[int, ...]], a: int, b: int) -> list[list[Round]]:
-        return [_place(flat_rounds(native["reduce_scatter"], "reduce_scatter", a), first, p, 0.5),
-                _place(flat_rounds(native["all_reduce"], "all_reduce", b), second, p, 0.5 / a),
-                _place(flat_rounds(native["all_gather"], "all_gather", a), first, p, 0.5)]
-
-    half_a = three(rows, rails, g, nn)
-    half_b = three(rails, rows, nn, g)
-    return [[*ra] for ra in half_a] + [[*rb] for rb in half_b]  # 6 lists: phases 0-2 of A, then of B
-
-
-def _phases(algorithm: str, op: str, nodes: list[list[int]], machine: Machine) -> list[tuple[list[Round], Machine]]:
-    """A plan-based algorithm's rounds, one list per phase, each with the links it runs on: the
-    backend's (``Machine.for_native``) for the backend's collectives, the plain ones for our
-    point-to-point phases (those with a ``pattern``)."""
-    from collectives.algos import REGISTRY
-
-    from .model import Topology
-
-    algo = REGISTRY.get(algorithm)
-    if algo is None or not hasattr(algo, "plan"):
-        raise KeyError(f"the cost model has no formula for {algorithm}")
-    p = sum(len(n) for n in nodes)
-    topo = Topology.from_nodes([list(n) for n in nodes])
-    out = []
-    for ph in algo.plan(op, topo, 1 << 20):
-        pattern = ph.pattern or machine.native.get(ph.op, "ring")
-        rds = _place(flat_rounds(pattern, ph.op, len(ph.groups[0])), list(ph.groups), p, ph.elements / float(1 << 20))
-        out.append((rds, machine if ph.pattern else machine.for_native()))
-    return out
-
-
-def predict_many(algorithm: str, op: str, nodes: list[list[int]], machine: Machine, sizes: Iterable[float]) -> np.ndarray:
-    """Predicted seconds of ``algorithm`` for ``op`` at each nccl-tests size in ``sizes`` (bytes).
-
-    Where the machine holds an anchor for this op and algorithm on this topology, the time is
-    anchored on it: ``T(n) = anchor + B(max(n, n0)) - B(n0)``, with ``n0`` the anchor's size and
-    ``B`` the rounds below with every latency set to zero (bytes and reductions only). The
-    measured small call carries the algorithm's whole fixed cost (NCCL's tuner keeps a base
-    latency per algorithm for the same reason); the links carry how the time grows with size.
+    Args:
+        pattern: a name :func:`flat_rounds` knows (``Machine.native`` holds such names).
+        op: the op whose rounds the pattern gives.
+        groups: rank sets of equal size, in global ranks (e.g. the nodes, or the rails).
+        world: ranks in all.
+        scale: bytes of this stage per byte of the whole op's nccl-tests size.
+        links: what the stage runs on.
     """
+    rounds = flat_rounds(pattern, op, len(groups[0]))
+    return Stage(tuple(_place(rounds, [tuple(g) for g in groups], world, scale)), links)
+
+
+def flat_plan(pattern: str, op: str, nodes: Sequence[Sequence[int]], links: Links, *,
+              backend_call: str | None = None) -> CostPlan:
+    """A plan of one stage: ``pattern`` over the whole group (``nodes`` only count its ranks)."""
+    p = sum(len(n) for n in nodes)
+    return CostPlan(((stage(pattern, op, [range(p)], p, 1.0, links),),), backend_call=backend_call)
+
+
+def price(subject: CostPlan | Priced, op: str, nodes: list[list[int]], machine: Machine, sizes: Iterable[float], *,
+          anchor: str | None = None) -> np.ndarray:
+    """Predicted seconds of ``subject`` for ``op`` at each nccl-tests size in ``sizes`` (bytes).
+
+    Args:
+        subject: a plan, or an algorithm whose :meth:`Priced.cost` gives the plan.
+        op: the op (for the machine's anchors and the algorithm's plan).
+        nodes: global ranks per node.
+        machine: the calibrated link costs.
+        sizes: message sizes in bytes.
+        anchor: the name the machine's anchors are keyed by; default the algorithm's name, none for a plan.
+
+    Returns:
+        ``[len(sizes)]`` float64 seconds.
+
+    Raises:
+        KeyError: the algorithm has no plan for ``op`` on ``nodes``.
+
+    Where the machine holds an anchor for this op and name on this topology, the time is
+    anchored on it: ``T(n) = anchor + B(max(n, n0)) - B(n0)``, with ``n0`` the anchor's size and
+    ``B`` the plan with every latency set to zero (bytes and reductions only). The measured small
+    call carries the algorithm's whole fixed cost (NCCL's tuner keeps a base latency per algorithm
+    for the same reason); the links carry how the time grows with size.
+    """
+    if isinstance(subject, CostPlan):
+        plan = subject
+    else:
+        found = subject.cost(op, nodes, machine)
+        if found is None:
+            raise KeyError(f"the cost model has no price for {subject.name} {op} on nodes of {[len(n) for n in nodes]}")
+        plan, anchor = found, subject.name if anchor is None else anchor
     s = np.asarray(list(sizes), dtype=float)
-    anchor = machine.anchors.get(op, {}).get(algorithm)
-    if anchor is not None and machine.anchor_bytes > 0 \
-            and [len(n) for n in nodes] == machine.meta.get("ranks_per_node"):
+    measured = machine.anchors.get(op, {}).get(anchor) if anchor is not None else None
+    if measured is not None and machine.anchor_bytes > 0 and machine.calibrated_on(nodes):
         n0 = float(machine.anchor_bytes)
-        b = _links_many(algorithm, op, nodes, machine.bandwidth_only(), np.concatenate([[n0], np.maximum(s, n0)]))
-        return anchor + b[1:] - b[0]
-    return _links_many(algorithm, op, nodes, machine, s)
+        b = _evaluate(plan, nodes, machine.bandwidth_only(), np.concatenate([[n0], np.maximum(s, n0)]))
+        return measured + b[1:] - b[0]
+    return _evaluate(plan, nodes, machine, s)
 
 
-def _links_many(algorithm: str, op: str, nodes: list[list[int]], machine: Machine, s: np.ndarray) -> np.ndarray:
+def _evaluate(plan: CostPlan, nodes: list[list[int]], machine: Machine, s: np.ndarray) -> np.ndarray:
     p = sum(len(n) for n in nodes)
     if p <= 1:
         return np.zeros_like(s)
+    whole = machine.measured_call(plan.backend_call) if plan.backend_call is not None else None
+    if whole is not None and machine.calibrated_on(nodes):
+        return whole.alpha + whole.beta * s
     node_of = np.empty(p, dtype=np.int64)
     for k, members in enumerate(nodes):
         node_of[list(members)] = k
-    fitted = machine.native_all_to_all
-    if algorithm == "native" and op == "all_to_all" and fitted is not None \
-            and [len(n) for n in nodes] == machine.meta.get("ranks_per_node"):
-        return fitted.alpha + fitted.beta * s
-    if algorithm not in ("native", "grid2d") and algorithm not in _POINT_TO_POINT:
-        # Plan-based: each phase priced on the links it runs on (see _phases).
-        stages = _phases(algorithm, op, nodes, machine)
-        if algorithm == "hierarchical" and op == "all_reduce" and 1 < len(nodes) < p:
-            # Pipelined in k chunks (collectives/algos/hierarchical.py): the phases of one chunk
-            # once, plus the slowest phase k-1 more times.
-            from collectives.algos.hierarchical import pipeline_chunks
+    if not plan.phases:
+        return np.zeros_like(s)
+    native = machine.for_native()
 
-            chunks = np.array([pipeline_chunks(int(x)) for x in s], dtype=float)
-            per = [_time([_coef(rd, node_of) for rd in st], mm, s / chunks) for st, mm in stages]
-            return np.sum(per, axis=0) + (chunks - 1) * np.maximum.reduce(per)
-        return np.sum([_time([_coef(rd, node_of) for rd in st], mm, s) for st, mm in stages], axis=0)
-    # The backend's own collectives run on the backend's links; our point-to-point schedules on
-    # the plain ones, plus the executor's host time per round.
-    m = machine.for_native() if algorithm in ("native", "grid2d") else machine
-    parts = rounds(algorithm, op, nodes, machine)
-    step = machine.step if algorithm in _POINT_TO_POINT else 0.0
-    times = [_time([_coef(rd, node_of) for rd in ph], m, s, step) for ph in parts]
-    if algorithm == "grid2d" and len(times) == 6:
-        return np.sum([np.maximum(times[i], times[i + 3]) for i in range(3)], axis=0)
-    return np.sum(times, axis=0)
+    def phase(stages: tuple[Stage, ...], sizes: np.ndarray) -> np.ndarray:
+        return np.maximum.reduce([_stage_time(st, node_of, machine, native, sizes) for st in stages])
+
+    if plan.pipeline is not None:
+        chunks = np.array([plan.pipeline.chunks(int(x)) for x in s], dtype=float)
+        per = [phase(ph, s / chunks) for ph in plan.phases]
+        return np.sum(per, axis=0) + (chunks - 1) * np.maximum.reduce(per)
+    return np.sum([phase(ph, s) for ph in plan.phases], axis=0)
 
 
-def predict(algorithm: str, op: str, nodes: list[list[int]], machine: Machine, nbytes: float) -> float:
-    return float(predict_many(algorithm, op, nodes, machine, [nbytes])[0])
+def _stage_time(st: Stage, node_of: np.ndarray, machine: Machine, native: Machine, s: np.ndarray) -> np.ndarray:
+    coefs = [_coef(rd, node_of) for rd in st.rounds]
+    if st.links is Links.NATIVE:
+        return _time(coefs, native, s)
+    return _time(coefs, machine, s, machine.step if st.links is Links.EXECUTOR else 0.0)

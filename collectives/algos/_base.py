@@ -3,7 +3,10 @@
 An algorithm declares, as class attributes, which ops it runs (``ops``), which dtypes
 (``dtypes``; ``None`` means any dtype the op accepts), which backends (``backends``; ``None``
 means any backend with point-to-point support) and, through :meth:`Algorithm.schedule`, the steps
-it takes. :meth:`Algorithm.run` does the work of one validated call.
+it takes. :meth:`Algorithm.cost` describes its communication as the cost model prices it (a
+:class:`topology.cost.CostPlan`), so that ``auto`` weighs every registered algorithm that has one,
+a new one included, without an edit to the model. :meth:`Algorithm.run` does the work of one
+validated call.
 
 Bus bandwidth follows nccl-tests (``PERFORMANCE.md``): the factor that turns algorithm bandwidth
 (bytes / time) into the per-link bandwidth a ring would need, so that numbers compare across
@@ -16,6 +19,8 @@ import functools
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+
+from topology.cost import CostPlan, Machine
 
 from .._types import FLOAT_DTYPES, backend_moves
 from ._executor import execute
@@ -79,6 +84,21 @@ class Algorithm:
 
     def check(self, call: Call) -> None:
         """Raise a typed error if this algorithm cannot run ``call`` (only if ``topology_aware``)."""
+
+    def cost(self, op: str, nodes: list[list[int]], machine: Machine) -> CostPlan | None:
+        """What ``op`` on ``nodes`` communicates, as the cost model prices it (``topology.price``).
+
+        Args:
+            op: one of :attr:`ops`.
+            nodes: the group's ranks per node (``Topology.nodes()``).
+            machine: the calibration; a plan may read which patterns the backend runs
+                (``machine.native``), never link costs (the model applies those).
+
+        Returns:
+            The plan, or None where the model has no price for it: ``auto`` then never picks this
+            algorithm by the model. Pure: nothing is sent.
+        """
+        return None
 
     def schedule(self, layout: Layout) -> Schedule:
         """The steps rank ``layout.rank`` takes; backends' own collectives have none to show."""

@@ -13,6 +13,8 @@ Non-root ranks of a reduce accumulate in scratch: their tensors are left as they
 
 from __future__ import annotations
 
+from topology.cost import CostPlan, Links, Machine, flat_plan
+
 from ._base import ScheduledAlgorithm
 from ._schedule import Copy, Layout, Recv, Region, Schedule, Send, Step
 
@@ -23,6 +25,10 @@ class BinomialTree(ScheduledAlgorithm):
     name = "binomial_tree"
     ops = frozenset({"broadcast", "reduce"})
     summary = "ceil(log2 p) steps rooted tree"
+
+    def cost(self, op: str, nodes: list[list[int]], machine: Machine) -> CostPlan | None:
+        """The tree's ``ceil(log2 p)`` rounds rooted at rank 0, one executor step each."""
+        return flat_plan("binomial_tree", op, nodes, Links.EXECUTOR) if op in self.ops else None
 
     def build(self, layout: Layout) -> Schedule:
         p, r, n, root = layout.world, layout.rank, layout.count, layout.root

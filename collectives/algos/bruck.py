@@ -14,6 +14,8 @@ Only equal splits: uneven ones need pairwise.
 
 from __future__ import annotations
 
+from topology.cost import CostPlan, Links, Machine, flat_plan
+
 from ._base import ScheduledAlgorithm
 from ._schedule import Copy, Layout, Recv, Region, Schedule, Send, Step
 
@@ -25,6 +27,10 @@ class Bruck(ScheduledAlgorithm):
     ops = frozenset({"all_to_all"})
     equal_splits_only = True
     summary = "ceil(log2 p) steps; equal splits only"
+
+    def cost(self, op: str, nodes: list[list[int]], machine: Machine) -> CostPlan | None:
+        """Its ``ceil(log2 p)`` rounds of the blocks whose index has bit ``k`` set, one executor step each."""
+        return flat_plan("bruck", op, nodes, Links.EXECUTOR) if op in self.ops else None
 
     def build(self, layout: Layout) -> Schedule:
         p, r = layout.world, layout.rank

@@ -29,6 +29,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from topology.cost import CostPlan, Links, Machine, Stage, flat_plan, stage
+from topology.groups import equal_nodes, rails_of
+from topology.model import Topology
+
 from ..errors import UnsupportedError
 from ._base import Algorithm, _divide
 from .hierarchical import _equal, _rop, padded, run_flat, single_tier
@@ -47,6 +51,27 @@ class Grid2D(Algorithm):
     ops = frozenset({"all_reduce"})
     topology_aware = True
     summary = "2D grid all-reduce: half rows-first, half columns-first, concurrently"
+
+    def cost(self, op: str, nodes: list[list[int]], machine: Machine) -> CostPlan | None:
+        """Three phases of the backend's collectives, each the two halves at once (the slower
+        counts); with one node, one rank per node or unequal nodes, the backend's all-reduce."""
+        if op not in self.ops:
+            return None
+        p = sum(len(n) for n in nodes)
+        g = equal_nodes(Topology.from_nodes([list(n) for n in nodes]))
+        if g is None or single_tier(nodes, p):
+            return flat_plan(machine.native.get(op, "ring"), op, nodes, Links.NATIVE)
+        native, rows, rails, nn = machine.native, [tuple(n) for n in nodes], rails_of(nodes), len(nodes)
+
+        def three(first: list[tuple[int, ...]], second: list[tuple[int, ...]], a: int) -> tuple[Stage, ...]:
+            # Half of the bytes: reduce-scatter over `first` (a ranks each), all-reduce the 1/a shard
+            # over `second`, all-gather over `first`.
+            return (stage(native["reduce_scatter"], "reduce_scatter", first, p, 0.5),
+                    stage(native["all_reduce"], "all_reduce", second, p, 0.5 / a),
+                    stage(native["all_gather"], "all_gather", first, p, 0.5))
+
+        half_a, half_b = three(rows, rails, g), three(rails, rows, nn)
+        return CostPlan(tuple(zip(half_a, half_b)))
 
     def unavailable(self, comm: Communicator, op: str) -> str:
         nodes = comm.topology.nodes()

@@ -16,6 +16,8 @@ chunks of the ranks it stands for, and reduce-scatter still gives every real ran
 
 from __future__ import annotations
 
+from topology.cost import CostPlan, Links, Machine, flat_plan
+
 from ._base import ScheduledAlgorithm
 from ._fold import Fold
 from ._schedule import Copy, Layout, Recv, Region, Schedule, Send, Step, balanced_chunks, with_copies
@@ -27,6 +29,10 @@ class HalvingDoubling(ScheduledAlgorithm):
     name = "halving_doubling"
     ops = frozenset({"all_reduce", "reduce_scatter"})
     summary = "Rabenseifner: recursive halving reduce-scatter + recursive doubling all-gather"
+
+    def cost(self, op: str, nodes: list[list[int]], machine: Machine) -> CostPlan | None:
+        """Its halving exchanges, then (all-reduce) the doubling ones, one executor step each."""
+        return flat_plan("halving_doubling", op, nodes, Links.EXECUTOR) if op in self.ops else None
 
     def build(self, layout: Layout) -> Schedule:
         p, r, n = layout.world, layout.rank, layout.count

@@ -47,6 +47,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from topology.cost import CostPlan, Links, Machine, Pipeline, stage
+from topology.groups import rails_of
+from topology.model import Topology
+
 from .._types import torch_reduce_op
 from ..errors import UnsupportedError
 from ._base import Algorithm, _divide
@@ -55,8 +59,6 @@ from .native import Native, _all_gather, _reduce_scatter
 from .._wait import wait
 
 if TYPE_CHECKING:
-    from topology import Topology
-
     from ..communicator import Communicator
     from ..dispatch import Call
 
@@ -85,10 +87,13 @@ def _equal(nodes: list[list[int]]) -> bool:
     return len({len(n) for n in nodes}) == 1
 
 
+def _needs_equal_nodes(op: str, nodes: list[list[int]], world: int) -> bool:
+    """Whether ``op`` cannot run on ``nodes``: the two-level all-to-all needs rails (equal nodes)."""
+    return op == "all_to_all" and not single_tier(nodes, world) and not _equal(nodes)
+
+
 def plan(op: str, topo: Topology, elements: int) -> list[Phase]:
     """The sub-collectives ``hierarchical`` runs for ``op`` on ``elements`` (nccl-tests' size)."""
-    from topology.groups import rails_of
-
     nodes = topo.nodes()
     n, p = len(nodes), topo.world
     intra = tuple(tuple(x) for x in nodes)
@@ -128,11 +133,12 @@ def plan(op: str, topo: Topology, elements: int) -> list[Phase]:
 # 1 MB 95 ms, 512 KB 98 ms; at 8 MB all three 188 ms.
 PIPELINE_CHUNK_BYTES = 1 << 20
 MAX_CHUNKS = 8
+PIPELINE = Pipeline(PIPELINE_CHUNK_BYTES, MAX_CHUNKS)  # what the run and the cost model both follow
 
 
 def pipeline_chunks(nbytes: int) -> int:
     """How many chunks the two-level all-reduce of ``nbytes`` is pipelined in (same on every rank)."""
-    return max(1, min(MAX_CHUNKS, nbytes // PIPELINE_CHUNK_BYTES))
+    return PIPELINE.chunks(nbytes)
 
 
 def _pair_peer(call: Call, d: Any) -> int | None:
@@ -169,9 +175,25 @@ class Hierarchical(Algorithm):
         """The sub-collectives this algorithm runs (what the cost model prices)."""
         return plan(op, topo, elements)
 
+    def cost(self, op: str, nodes: list[list[int]], machine: Machine) -> CostPlan | None:
+        """The plan's phases one after another: the backend's collectives on its own links, the
+        point-to-point phases (those with a ``pattern``) on the plain ones; the two-level
+        all-reduce pipelined in chunks (:data:`PIPELINE`). None where it cannot run (all-to-all on
+        nodes of unequal size)."""
+        p = sum(len(n) for n in nodes)
+        if op not in self.ops or _needs_equal_nodes(op, nodes, p):
+            return None
+        stages = [stage(ph.pattern or machine.native.get(ph.op, "ring"), ph.op, ph.groups, p,
+                        ph.elements / float(1 << 20), Links.PLAIN if ph.pattern else Links.NATIVE)
+                  for ph in plan(op, Topology.from_nodes([list(n) for n in nodes]), 1 << 20)]
+        # Two tiers: _all_reduce runs in chunks. (Unequal nodes run the leaders' all-reduce in one
+        # piece, but the model has always priced them pipelined too.)
+        pipelined = op == "all_reduce" and 1 < len(nodes) < p
+        return CostPlan.sequence(stages, PIPELINE if pipelined else None)
+
     def unavailable(self, comm: Communicator, op: str) -> str:
         nodes = comm.topology.nodes()
-        if op != "all_to_all" or single_tier(nodes, comm.size) or _equal(nodes):
+        if not _needs_equal_nodes(op, nodes, comm.size):
             return ""
         return f"all-to-all needs nodes of equal size; this group's nodes have {[len(n) for n in nodes]} ranks"
 

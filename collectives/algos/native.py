@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from .._types import OPS, torch_reduce_op
+from topology.cost import CostPlan, Links, Machine, flat_plan
+
+from .._types import DATA_OPS, OPS, torch_reduce_op
 from .._wait import limit, wait
 from ._base import Algorithm
 
@@ -29,6 +31,14 @@ class Native(Algorithm):
     ops = frozenset(OPS)
     summary = "the backend's own collective"
     returns_work = True
+
+    def cost(self, op: str, nodes: list[list[int]], machine: Machine) -> CostPlan | None:
+        """The pattern the backend runs for ``op`` (``machine.native``; ring where it names none) on
+        the backend's own links, or the backend's whole call where the machine measured it on this
+        topology. A barrier moves no data: no price."""
+        if op not in DATA_OPS:
+            return None
+        return flat_plan(machine.native.get(op, "ring"), op, nodes, Links.NATIVE, backend_call=op)
 
     def run(self, call: Call) -> dist.Work | None:
         if not call.async_op and limit() is not None:

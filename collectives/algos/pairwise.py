@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from itertools import accumulate
 
+from topology.cost import CostPlan, Links, Machine, flat_plan
+
 from ._base import ScheduledAlgorithm
 from ._schedule import Copy, Layout, Recv, Region, Schedule, Send, Step
 
@@ -21,6 +23,10 @@ class Pairwise(ScheduledAlgorithm):
     name = "pairwise"
     ops = frozenset({"all_to_all"})
     summary = "p-1 shifted exchanges; any splits"
+
+    def cost(self, op: str, nodes: list[list[int]], machine: Machine) -> CostPlan | None:
+        """Its ``p - 1`` shifted exchanges of ``n/p`` bytes, one executor step each."""
+        return flat_plan("pairwise", op, nodes, Links.EXECUTOR) if op in self.ops else None
 
     def build(self, layout: Layout) -> Schedule:
         p, r = layout.world, layout.rank

@@ -14,6 +14,8 @@ every rank ends with identical bits.
 
 from __future__ import annotations
 
+from topology.cost import CostPlan, Links, Machine, flat_plan
+
 from ._base import ScheduledAlgorithm
 from ._fold import Fold
 from ._schedule import Copy, Layout, Recv, Region, Schedule, Send, Step, with_copies
@@ -25,6 +27,10 @@ class RecursiveDoubling(ScheduledAlgorithm):
     name = "recursive_doubling"
     ops = frozenset({"all_reduce", "all_gather"})
     summary = "log2(p) exchange steps; latency-optimal for small messages"
+
+    def cost(self, op: str, nodes: list[list[int]], machine: Machine) -> CostPlan | None:
+        """Its ``log2 p`` exchanges (two more where ``p`` is folded), one executor step each."""
+        return flat_plan("recursive_doubling", op, nodes, Links.EXECUTOR) if op in self.ops else None
 
     def build(self, layout: Layout) -> Schedule:
         if layout.op == "all_reduce":

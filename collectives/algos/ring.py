@@ -15,6 +15,8 @@ Chunk indices at step ``s`` (rank ``r``, neighbours ``r-1 -> r -> r+1``)::
 
 from __future__ import annotations
 
+from topology.cost import CostPlan, Links, Machine, flat_plan
+
 from ._base import ScheduledAlgorithm
 from ._schedule import Copy, Layout, Recv, Region, Schedule, Send, Step, balanced_chunks, with_copies
 
@@ -51,6 +53,10 @@ class Ring(ScheduledAlgorithm):
     name = "ring"
     ops = frozenset({"all_reduce", "reduce_scatter", "all_gather"})
     summary = "bandwidth-optimal ring; 2(p-1) steps for all-reduce"
+
+    def cost(self, op: str, nodes: list[list[int]], machine: Machine) -> CostPlan | None:
+        """The ring pattern of ``topology.cost.flat_rounds``: ``p - 1`` rounds per phase, one executor step each."""
+        return flat_plan("ring", op, nodes, Links.EXECUTOR) if op in self.ops else None
 
     def build(self, layout: Layout) -> Schedule:
         p, r, n = layout.world, layout.rank, layout.count

@@ -1,10 +1,12 @@
 """Predict collectives at scale: ``python -m topology.simulate [--preset NAME | --machine FILE] ...``.
 
 For each GPU count (8 to 4096 by default), collective and message size, the cost model
-(``topology/cost.py``) predicts every algorithm's time and bus bandwidth on ``gpus / per_node``
-nodes laid out as torchrun does (node-major ranks), and names what ``algorithm="auto"`` would pick
-(the least predicted time). A table goes to stdout; ``--json`` and ``--plot`` write the numbers
-and a busbw-vs-GPUs plot.
+(``topology/cost.py``) predicts the time and bus bandwidth of every algorithm it is handed on
+``gpus / per_node`` nodes laid out as torchrun does (node-major ranks), and names what
+``algorithm="auto"`` would pick (the least predicted time). The algorithms are an argument
+(:func:`simulate`), anything with ``cost()`` and ``supports()``; the command line
+(``topology/simulate/__main__.py``, a program) passes ``collectives``' registry. A table goes to
+stdout; ``--json`` and ``--plot`` write the numbers and a busbw-vs-GPUs plot.
 
 Presets are named hardware, with link figures from vendor data sheets (per GPU and direction):
 
@@ -30,17 +32,16 @@ file of :class:`topology.cost.Machine` fields (``--machine``), e.g. a calibratio
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from .cost import NCCL_NATIVE, LinkCost, Machine, algorithms_for, predict_many
+from ..cost import NCCL_NATIVE, CostPlan, LinkCost, Machine, price
 
-__all__ = ["PRESETS", "simulate", "main"]
+__all__ = ["PRESETS", "OPS", "Simulated", "simulate", "machine_named", "format_rows", "plot", "parse_size",
+           "preset_names"]
 
-CALIBRATIONS = Path(__file__).resolve().parent / "calibrations"
+CALIBRATIONS = Path(__file__).resolve().parent.parent / "calibrations"
 
 # Host time our point-to-point executor adds per round on a GPU host, as fitted on 2xH200
 # (topology/calibrations/h200x2_nccl.json, 2026-11-30); the backend's own collectives do not pay it.
@@ -58,9 +59,38 @@ PRESETS: dict[str, tuple[Machine, int]] = {
 _MEASURED = {"h200x2-measured": ("h200x2_nccl.json", 2), "emu-2x2-measured": ("emu_2x2_400mbit.json", 2)}
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+# Algorithms that need equal all-to-all splits (Bruck) are left out above this many ranks.
+EQUAL_SPLITS_MAX_RANKS = 512
+
+
+class Simulated(Protocol):
+    """What the simulator needs of an algorithm (``collectives.algos.Algorithm`` fills it)."""
+
+    @property
+    def equal_splits_only(self) -> bool:
+        """Whether its all-to-all needs equal splits."""
+        ...
+
+    def supports(self, op: str) -> bool:
+        """Whether it runs ``op``."""
+        ...
+
+    def cost(self, op: str, nodes: list[list[int]], machine: Machine) -> CostPlan | None:
+        """Its plan for ``op`` on ``nodes`` (``topology.cost.Priced``), or None: not priced."""
+        ...
+
+
+def preset_names() -> list[str]:
+    """Every name :func:`machine_named` knows."""
+    return sorted(PRESETS) + sorted(_MEASURED)
 
 
 def machine_named(name: str) -> tuple[Machine, int]:
+    """The preset or shipped calibration ``name`` and its ranks per node.
+
+    Raises:
+        SystemExit: an unknown name, or a shipped calibration file that is missing.
+    """
     if name in PRESETS:
         return PRESETS[name]
     if name in _MEASURED:
@@ -69,7 +99,7 @@ def machine_named(name: str) -> tuple[Machine, int]:
         if not path.exists():
             raise SystemExit(f"--preset {name}: calibration {path} is missing")
         return Machine.load(path), per_node
-    raise SystemExit(f"--preset {name!r} is not known; use one of {sorted(PRESETS) + sorted(_MEASURED)} or --machine FILE")
+    raise SystemExit(f"--preset {name!r} is not known; use one of {preset_names()} or --machine FILE")
 
 
 def _busbw_factor(op: str, p: int) -> float:
@@ -78,15 +108,33 @@ def _busbw_factor(op: str, p: int) -> float:
     return (p - 1) / p
 
 
-def simulate(machine: Machine, per_node: int, gpus: list[int], ops: list[str], sizes: list[int]) -> list[dict[str, Any]]:
-    """One row per (gpus, op, algorithm, size): predicted seconds, busbw GB/s, and whether auto picks it."""
+def simulate(machine: Machine, per_node: int, gpus: list[int], ops: list[str], sizes: list[int],
+             algorithms: Mapping[str, Simulated]) -> list[dict[str, Any]]:
+    """One row per (gpus, op, algorithm, size): predicted seconds, busbw GB/s, and whether auto picks it.
+
+    Args:
+        machine: the link costs.
+        per_node: ranks per node.
+        gpus: world sizes to predict.
+        ops: op names (see :data:`OPS`).
+        sizes: message sizes in bytes (nccl-tests' sizes).
+        algorithms: name -> algorithm; those that run the op and price it (``cost()`` returns a
+            plan) are predicted, in this order (ties go to the first).
+    """
     rows = []
     for p in gpus:
         g = min(per_node, p)
         nodes = [list(range(k * g, min((k + 1) * g, p))) for k in range((p + g - 1) // g)]
         for op in ops:
-            names = [a for a in algorithms_for(op) if not (a == "bruck" and p > 512)]  # Bruck: equal splits, small p
-            table = {a: predict_many(a, op, nodes, machine, sizes) for a in names}
+            plans = {}
+            for a, algo in algorithms.items():
+                if not algo.supports(op) or (algo.equal_splits_only and p > EQUAL_SPLITS_MAX_RANKS):
+                    continue
+                plan = algo.cost(op, nodes, machine)
+                if plan is not None:
+                    plans[a] = plan
+            names = list(plans)
+            table = {a: price(plan, op, nodes, machine, sizes, anchor=a) for a, plan in plans.items()}
             for i, size in enumerate(sizes):
                 best = min(names, key=lambda a: table[a][i])
                 for a in names:
@@ -98,6 +146,7 @@ def simulate(machine: Machine, per_node: int, gpus: list[int], ops: list[str], s
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
+    """The rows of :func:`simulate` as a table: one line per (gpus, op, size), a column per algorithm."""
     out = []
     keyed: dict[tuple[int, str, int], list[dict[str, Any]]] = {}
     for r in rows:
@@ -120,17 +169,19 @@ def _size(n: int) -> str:
     return str(n)
 
 
-def _parse_size(text: str) -> int:
+def parse_size(text: str) -> int:
+    """``"64K"`` -> 65536 (suffixes K, M, G: powers of 1024)."""
     text = text.strip().upper()
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
     return int(float(text[:-1] if text[-1:] in "KMG" else text) * mult)
 
 
 def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
-    import matplotlib
+    """Predicted busbw against GPUs at the largest size, one panel per op, to ``path``."""
+    import matplotlib  # deferred: optional (commops[plot]) and slow to import
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: as above, after choosing the headless backend
 
     ops = sorted({r["op"] for r in rows})
     size = max(r["bytes"] for r in rows)
@@ -148,44 +199,3 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m topology.simulate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="hgx-h100-ndr400",
-                   help=f"one of {', '.join(sorted(PRESETS) + sorted(_MEASURED))}")
-    p.add_argument("--machine", help="a machine or calibration JSON file (overrides --preset)")
-    p.add_argument("--per-node", type=int, help="ranks per node (default: the preset's)")
-    p.add_argument("--gpus", default="8,16,64,256,1024,4096")
-    p.add_argument("--op", default=",".join(OPS))
-    p.add_argument("--sizes", default="64K,1M,16M,256M,1G")
-    p.add_argument("--json", metavar="PATH")
-    p.add_argument("--plot", metavar="PATH")
-    args = p.parse_args(argv)
-    if args.machine:
-        machine, per_node = Machine.load(args.machine), 8
-    else:
-        machine, per_node = machine_named(args.preset)
-    per_node = args.per_node or per_node
-    gpus = [int(x) for x in args.gpus.split(",")]
-    bad = [g for g in gpus if g < 1]
-    if bad:
-        p.error(f"--gpus must be positive, got {bad}")
-    ops = [o.strip() for o in args.op.split(",")]
-    unknown = [o for o in ops if o not in OPS]
-    if unknown:
-        p.error(f"--op {unknown} not simulated; use {', '.join(OPS)}")
-    sizes = [_parse_size(s) for s in args.sizes.split(",")]
-    rows = simulate(machine, per_node, gpus, ops, sizes)
-    print(f"# {machine.name}: {per_node} ranks per node; predicted time per algorithm, auto = least predicted")
-    print(format_rows(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"machine": machine.to_dict(), "per_node": per_node, "rows": rows},
-                                              indent=1) + "\n")
-    if args.plot:
-        plot(rows, args.plot, f"{machine.name}, {per_node} per node (predicted)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
