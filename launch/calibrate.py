@@ -1,8 +1,8 @@
 """Calibrate the cost model on this cluster: ``torchrun --nproc-per-node N launch/calibrate.py --name NAME --out FILE``.
 
-Measures each tier's latency and bandwidth (``topology/calibrate.py``), prints the fit and writes
-a calibration file (the fitted machine plus the measured points) that ``COMMOPS_CALIBRATION``
-points ``algorithm="auto"`` at.
+Measures each tier's latency and bandwidth (``bench/calibrate.py``), fits them
+(``topology/calibrate.py``), prints the fit and writes a calibration file (the fitted machine plus
+the measured points) that ``COMMOPS_CALIBRATION`` points ``algorithm="auto"`` at.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import collectives as C  # noqa: E402
 from bench.cli import parse_size, sizes  # noqa: E402
-from topology.calibrate import calibrate  # noqa: E402
+from bench.calibrate import calibrate  # noqa: E402
 
 
 def main() -> int:

@@ -2,9 +2,15 @@
 
 ``discover(group)`` builds a :class:`Topology` from facts the ranks exchange (or loads one from
 JSON); ``python -m topology`` prints it under torchrun. ``topology.groups`` derives the intra-node
-and rail sub-groups, ``topology.cost`` prices every algorithm on a topology with a calibrated
-:class:`~topology.cost.Machine` (``topology.calibrate``, files in ``topology/calibrations/``), and
-``python -m topology.simulate`` predicts 8 to 4096 GPUs.
+and rail sub-groups, ``topology.cost`` prices the communication plan an algorithm describes
+(``CostPlan``) on a topology with a calibrated :class:`~topology.cost.Machine` (fitted by
+``topology.calibrate``, files in ``topology/calibrations/``), and ``python -m topology.simulate``
+predicts 8 to 4096 GPUs.
+
+This is the bottom layer: it imports nothing of ``collectives``, ``overlap``, ``bench`` or
+``launch``. What it needs from above comes in as arguments (the launcher's node and local ranks
+for ``discover``, the algorithms for ``topology.simulate.simulate``); the ``__main__`` modules are
+programs and may use any layer.
 """
 
 from .discover import discover
