@@ -301,3 +301,17 @@ def test_compiler_choice(monkeypatch) -> None:  # noqa: ANN001
     real = sysconfig.get_config_var
     monkeypatch.setattr(sysconfig, "get_config_var", lambda name: "no-such-cc-anywhere -pthread" if name == "CC" else real(name))
     assert _native._compiler() == ["cc"]  # Python's own compiler is not on this machine
+
+
+def body_host_cost(rank: int, world: int) -> list:  # type: ignore[type-arg]
+    from bench.fastpath_host import fastpath_host_cost
+
+    return [(r.entry, r.base_us, r.head_us, r.ratio, r.rounds, r.calls)
+            for r in fastpath_host_cost(C.get_communicator(), "HEAD", calls=20, rounds=3)]
+
+
+def test_host_cost_benchmark_runs(worlds) -> None:  # noqa: ANN001
+    """The smallest run of ``launch/bench_fastpath_host.py``: HEAD's build against the working tree's."""
+    [r] = worlds(1).run(body_host_cost)
+    assert [e[0] for e in r] == ["fast_verb", "fast_dispatch"]
+    assert all(e[1] > 0 and e[2] > 0 and e[3] > 0 and e[4:] == (3, 20) for e in r)
