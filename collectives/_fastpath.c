@@ -56,10 +56,15 @@ static PyObject *a_timeout, *a_debug, *a_fast, *a_seq, *a_is_device, *a_dtype, *
     *a_get_device, *a_data_ptr, *a_shape, *a_group_name, *a_global_ranks, *a_enabled, *a_next, *a_ring,
     *a_progress, *a_track, *a_params, *a_world, *a_default_pg, *a_group;
 
-#define NFIELDS 14 /* recorder.FIELDS */
-#define T_ENQUEUE 11
-#define T_END 12
-#define STATE 13
+/* What an entry of the flight recorder holds, by the names of recorder.FIELDS: record_start
+   fills each of these, at the position configure() finds that name at in FIELDS (``slot``). */
+enum { F_GROUP, F_GROUP_RANKS, F_SEQ, F_OP, F_ALGORITHM, F_IN_SHAPE, F_OUT_SHAPE, F_DTYPE, F_REDUCE_OP, F_ROOT,
+       F_CALLSITE, F_T_ENQUEUE, F_T_END, F_STATE, F_COUNT };
+static const char *const field_names[F_COUNT] = {"group", "group_ranks", "seq", "op", "algorithm", "in_shape",
+                                                 "out_shape", "dtype", "reduce_op", "root", "callsite",
+                                                 "t_enqueue", "t_end", "state"};
+static Py_ssize_t slot[F_COUNT];   /* FIELDS.index(field_names[k]) */
+static Py_ssize_t progress_seq;    /* where recorder._progress[group] holds the last sequence number */
 
 static PyTypeObject RunnerType;
 
@@ -336,7 +341,7 @@ static PyObject *record_start(PyObject *comm, PyObject *op, PyObject *algorithm,
     if (n < 0 || (after = PyLong_FromLongLong(n + 1)) == NULL || PyObject_SetAttr(recorder, a_next, after) < 0)
         goto done;
     entry = PyList_GET_ITEM(ring, n % PyList_GET_SIZE(ring)); /* the ring has ``capacity`` slots */
-    if (!PyList_Check(entry) || PyList_GET_SIZE(entry) != NFIELDS) {
+    if (!PyList_Check(entry) || PyList_GET_SIZE(entry) != F_COUNT) {
         entry = NULL;
         goto done;
     }
@@ -352,18 +357,28 @@ static PyObject *record_start(PyObject *comm, PyObject *op, PyObject *algorithm,
         entry = NULL;
         goto done;
     }
-    PyObject *values[NFIELDS] = {group, ranks, seq, op, algorithm, in_shape, out_shape, dtype, reduce_op, Py_None,
-                                 site, t, Py_None, s_started};
-    for (int k = 0; k < NFIELDS; k++) {
-        if (k == 2 || k == 3 || k == 4 || k == 7 || k == 8 || k == 9 || k == 12 || k == 13) Py_INCREF(values[k]);
-        PyList_SetItem(entry, k, values[k]); /* steals */
-    }
-    /* the progress the recorder publishes: [store, rank, last seq] per group */
+    PyObject *values[F_COUNT]; /* new references, one per field (in this file's order) */
+    values[F_GROUP] = group;
+    values[F_GROUP_RANKS] = ranks;
+    values[F_SEQ] = Py_NewRef(seq);
+    values[F_OP] = Py_NewRef(op);
+    values[F_ALGORITHM] = Py_NewRef(algorithm);
+    values[F_IN_SHAPE] = in_shape;
+    values[F_OUT_SHAPE] = out_shape;
+    values[F_DTYPE] = Py_NewRef(dtype);
+    values[F_REDUCE_OP] = Py_NewRef(reduce_op);
+    values[F_ROOT] = Py_NewRef(Py_None);
+    values[F_CALLSITE] = site;
+    values[F_T_ENQUEUE] = t;
+    values[F_T_END] = Py_NewRef(Py_None);
+    values[F_STATE] = Py_NewRef(s_started);
+    for (int k = 0; k < F_COUNT; k++) PyList_SetItem(entry, slot[k], values[k]); /* steals */
+    /* the progress the recorder publishes per group (recorder._PROGRESS_SEQ holds the last seq) */
     PyObject *progress = PyObject_GetAttr(recorder, a_progress);
     PyObject *mine = progress ? PyDict_GetItemWithError(progress, group) : NULL; /* borrowed */
-    if (mine != NULL && PyList_Check(mine) && PyList_GET_SIZE(mine) >= 3) {
+    if (mine != NULL && PyList_Check(mine) && PyList_GET_SIZE(mine) > progress_seq) {
         Py_INCREF(seq);
-        PyList_SetItem(mine, 2, seq);
+        PyList_SetItem(mine, progress_seq, seq);
     } else if (progress != NULL && !PyErr_Occurred()) {
         PyObject *r = PyObject_CallMethodObjArgs(recorder, a_track, comm, seq, NULL);
         Py_XDECREF(r);
@@ -383,9 +398,9 @@ static void record_end(PyObject *entry, PyObject *state) {
         PyErr_Clear();
         return;
     }
-    PyList_SetItem(entry, T_END, t);
+    PyList_SetItem(entry, slot[F_T_END], t);
     Py_INCREF(state);
-    PyList_SetItem(entry, STATE, state);
+    PyList_SetItem(entry, slot[F_STATE], state);
 }
 
 /* 1: the checks of dispatch_tensors' fast branch pass for ``t``; 0: they do not; -1: error. */
@@ -556,20 +571,56 @@ static PyObject *fast_verb(PyObject *module, PyObject *const *args, Py_ssize_t n
     return fast_dispatch(module, call, 6);
 }
 
+/* ``fields`` (recorder.FIELDS) into ``out``: each name's position, every name this file fills
+   present once and no other; 0, or -1 with ValueError naming the field (nothing is changed). */
+static int read_fields(PyObject *fields, Py_ssize_t out[F_COUNT]) {
+    if (!PyTuple_Check(fields)) {
+        PyErr_SetString(PyExc_TypeError, "fields must be recorder.FIELDS, a tuple of str");
+        return -1;
+    }
+    for (int k = 0; k < F_COUNT; k++) out[k] = -1;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(fields); i++) {
+        PyObject *name = PyTuple_GET_ITEM(fields, i);
+        int k = 0;
+        while (k < F_COUNT && !(PyUnicode_Check(name) && PyUnicode_CompareWithASCIIString(name, field_names[k]) == 0)) k++;
+        if (k == F_COUNT || out[k] != -1) {
+            PyErr_Format(PyExc_ValueError, "recorder.FIELDS[%zd] is %R, %s: the compiled fast path cannot write "
+                         "this layout; teach record_start in collectives/_fastpath.c to fill it (or set "
+                         "COMMOPS_NATIVE=0)", i, name, k == F_COUNT ? "a field it does not fill" : "a second time");
+            return -1;
+        }
+        out[k] = i;
+    }
+    for (int k = 0; k < F_COUNT; k++) {
+        if (out[k] == -1) {
+            PyErr_Format(PyExc_ValueError, "recorder.FIELDS has no %s, which the compiled fast path fills: remove "
+                         "it from record_start in collectives/_fastpath.c (or set COMMOPS_NATIVE=0)", field_names[k]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 static PyObject *configure(PyObject *module, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"tensor_type", "hooks", "local", "open_bounds", "profiling", "nvtx",
                             "current_device", "current_stream", "recorder", "skipped", "fail", "py_launch",
                             "launch_address", "threads", "device_flag", "comms", "world", "c10d",
-                            "graph_launch_address", "capturing_address", NULL};
-    PyObject *o[11], *flag, *cm, *wc, *cd; /* comms: a dict */
+                            "fields", "progress_seq", "graph_launch_address", "capturing_address", NULL};
+    PyObject *o[11], *flag, *cm, *wc, *cd, *fields; /* comms: a dict */
     unsigned long long addr, graph_addr = 0, capturing_addr = 0;
     unsigned t;
     int nvtx;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OO!OpOOOO!OOKIUO!O!O|KK", names, &o[0], &PyList_Type, &o[1],
+    Py_ssize_t p_seq, new_slot[F_COUNT];
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OO!OpOOOO!OOKIUO!O!OOn|KK", names, &o[0], &PyList_Type, &o[1],
                                      &o[2], &PyList_Type, &o[3], &o[4], &nvtx, &o[5], &o[6], &o[7], &PyTuple_Type,
                                      &o[8], &o[9], &o[10], &addr, &t, &flag, &PyDict_Type, &cm, &PyList_Type, &wc, &cd,
-                                     &graph_addr, &capturing_addr))
+                                     &fields, &p_seq, &graph_addr, &capturing_addr))
         return NULL;
+    if (read_fields(fields, new_slot) < 0) return NULL;
+    if (p_seq < 0) {
+        PyErr_SetString(PyExc_ValueError, "progress_seq must be recorder._PROGRESS_SEQ, an index");
+        return NULL;
+    }
     Py_INCREF(cm);
     Py_INCREF(wc);
     Py_INCREF(cd);
@@ -599,6 +650,8 @@ static PyObject *configure(PyObject *module, PyObject *args, PyObject *kwargs) {
         Py_XSETREF(*slots[i], o[i]);
     }
     for (int i = 0; i < INSIDE_SLOTS; i++) Py_CLEAR(inside_cache[i].code); /* judged against the old ``skipped`` */
+    for (int k = 0; k < F_COUNT; k++) slot[k] = new_slot[k];
+    progress_seq = p_seq;
     cu_launch = (launch_t)(uintptr_t)addr;
     /* graphs only with both: a graph cannot be launched into a capture, which must be asked first */
     cu_graph_launch = graph_addr && capturing_addr ? (graph_launch_t)(uintptr_t)graph_addr : NULL;
@@ -609,8 +662,27 @@ static PyObject *configure(PyObject *module, PyObject *args, PyObject *kwargs) {
 
 static PyObject *last_miss(PyObject *module, PyObject *unused) { return PyLong_FromLong(miss_line); }
 
+/* What configure() read off the Python definitions, for tests and diagnosis. */
+static PyObject *layout(PyObject *module, PyObject *unused) {
+    if (tensor_type == NULL) Py_RETURN_NONE; /* not configured */
+    PyObject *fields = PyDict_New();
+    if (fields == NULL) return NULL;
+    for (int k = 0; k < F_COUNT; k++) {
+        PyObject *i = PyLong_FromSsize_t(slot[k]);
+        if (i == NULL || PyDict_SetItemString(fields, field_names[k], i) < 0) {
+            Py_XDECREF(i);
+            Py_DECREF(fields);
+            return NULL;
+        }
+        Py_DECREF(i);
+    }
+    return Py_BuildValue("{sNsn}", "fields", fields, "progress_seq", progress_seq);
+}
+
 static PyMethodDef methods[] = {
     {"last_miss", (PyCFunction)last_miss, METH_NOARGS, "the source line of the last check that sent a call to Python"},
+    {"layout", (PyCFunction)layout, METH_NOARGS,
+     "what configure() read: {'fields': {recorder field name: index}, 'progress_seq': index}"},
     {"fast_dispatch", (PyCFunction)(void (*)(void))fast_dispatch, METH_FASTCALL,
      "fast_dispatch(comm, op, output, input, reduce_op, algorithm) -> None (ran) or NotImplemented"},
     {"fast_verb", (PyCFunction)(void (*)(void))fast_verb, METH_FASTCALL,

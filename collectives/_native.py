@@ -263,13 +263,17 @@ def load() -> ModuleType | None:
                 _STATE["module"] = _build_and_import()
                 _STATE["why"] = "loaded"
             except (OSError, RuntimeError, ImportError, subprocess.SubprocessError) as exc:
-                _STATE["why"] = f"not available: {exc}"
-                warnings.warn(f"commops: the compiled fast path is not available ({str(exc)[:300]}); repeated "
-                              "small GPU collectives take the Python path, a few microseconds slower each. "
-                              "COMMOPS_NATIVE=0 asks for the Python path and silences this.", RuntimeWarning,
-                              stacklevel=2)
+                _unavailable(exc)
         _STATE["tried"] = True
     return _STATE["module"]
+
+
+def _unavailable(exc: BaseException) -> None:
+    """No compiled fast path in this process, because of ``exc``: say so (:func:`status`, a warning)."""
+    _STATE["module"], _STATE["why"] = None, f"not available: {exc}"
+    warnings.warn(f"commops: the compiled fast path is not available ({str(exc)[:300]}); repeated small GPU "
+                  "collectives take the Python path, a few microseconds slower each. COMMOPS_NATIVE=0 asks for "
+                  "the Python path and silences this.", RuntimeWarning, stacklevel=3)
 
 
 def status() -> str:
@@ -293,14 +297,15 @@ def configure(module: ModuleType, *, current_device: Any, current_stream: Any, l
     from .communicator import _COMMS, _WORLD
     from .dispatch import _HOOKS, _failed, _profiling
     from ._wait import _LOCAL, _OPEN
-    from .recorder import _SKIPPED, RECORDER
+    from .recorder import _PROGRESS_SEQ, _SKIPPED, FIELDS, RECORDER
 
     module.configure(tensor_type=torch.Tensor, hooks=_HOOKS, local=_LOCAL, open_bounds=_OPEN, profiling=_profiling,
                      nvtx=_env.nvtx_enabled(), current_device=current_device, current_stream=current_stream,
                      recorder=RECORDER, skipped=tuple(_SKIPPED), fail=_failed, py_launch=py_launch,
                      launch_address=launch_address, threads=threads, device_flag=device_flag,
                      comms=_COMMS.data,  # type: ignore[attr-defined]  # weak reference -> communicator
-                     world=_WORLD, c10d=c10d, graph_launch_address=graph_launch_address,
+                     world=_WORLD, c10d=c10d, fields=FIELDS, progress_seq=_PROGRESS_SEQ,
+                     graph_launch_address=graph_launch_address,
                      capturing_address=capturing_address)
 
 
@@ -323,8 +328,12 @@ def configure_cuda() -> ModuleType | None:
             graph_launch, capturing = _launch.graph_addresses()
         except (OSError, AttributeError):  # a driver without them: kernel launches
             pass
-    configure(module, current_device=_current_device, current_stream=_launch.current_stream,
-              launch_address=int(address or 0), py_launch=_launch.launch, threads=_launch.THREADS,
-              graph_launch_address=graph_launch, capturing_address=capturing)
+    try:
+        configure(module, current_device=_current_device, current_stream=_launch.current_stream,
+                  launch_address=int(address or 0), py_launch=_launch.launch, threads=_launch.THREADS,
+                  graph_launch_address=graph_launch, capturing_address=capturing)
+    except ValueError as exc:  # a definition the compiled module cannot follow (the message says which)
+        _unavailable(exc)
+        return None
     _STATE["configured"] = True
     return module

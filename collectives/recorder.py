@@ -53,6 +53,8 @@ __all__ = ["FlightRecorder", "RECORDER", "dump", "set_trace_dir", "missing_ranks
 FIELDS = ("group", "group_ranks", "seq", "op", "algorithm", "in_shape", "out_shape", "dtype", "reduce_op", "root",
           "callsite", "t_enqueue", "t_end", "state")
 T_END, STATE = FIELDS.index("t_end"), FIELDS.index("state")  # what ending an entry writes
+# ``_progress[group]`` is [store, rank, last seq entered]; a call writes this index of it
+_PROGRESS_SEQ = 2
 _now = time.time
 CAPACITY = 4096
 PROGRESS_PERIOD_S = 0.5
@@ -130,7 +132,7 @@ class FlightRecorder:
         if progress is None:
             self._track(comm, seq)
         else:
-            progress[2] = seq
+            progress[_PROGRESS_SEQ] = seq
         return e
 
     def _fill(self, comm: Communicator, seq: int, op: str, algorithm: str, in_shape: Any, out_shape: Any, dtype: Any,
@@ -146,7 +148,7 @@ class FlightRecorder:
         if progress is None:
             self._track(comm, seq)
         else:
-            progress[2] = seq
+            progress[_PROGRESS_SEQ] = seq
         return e
 
     @staticmethod

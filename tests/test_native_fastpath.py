@@ -204,6 +204,73 @@ def test_compiled_fast_path_matches_the_python_one(worlds) -> None:  # noqa: ANN
     assert r["refcounts"]
 
 
+def body_layout(rank: int, world: int) -> dict:  # type: ignore[type-arg]
+    from collectives import recorder
+
+    out: dict = {}  # type: ignore[type-arg]
+    with tempfile.TemporaryDirectory() as tmp:
+        module, cb, launches, py_launches, rc = _setup(tmp)
+        out["layout"] = module.layout()
+        comm = C.get_communicator()
+        x, sum_op = torch.randn(5), C.ReduceOp.SUM
+        ready = {x.data_ptr(): (0xF00D, 7, Params(0xBEEF), "one_shot_all_reduce")}
+        err = torch.zeros(8, dtype=torch.int32)
+        comm._fast.clear()
+        comm._fast[("all_reduce", "auto", id(sum_op), x.dtype, x.numel())] = \
+            (module.Runner(ready, err.data_ptr(), 3, lambda o, i: None, True), sum_op)
+
+        def configure(fields: tuple[str, ...]) -> None:
+            saved = recorder.FIELDS
+            recorder.FIELDS = fields  # what _native.configure hands over, and nothing else
+            try:
+                _native.configure(module, current_device=lambda: -1, current_stream=lambda device: STREAM,
+                                  launch_address=ctypes.cast(cb, ctypes.c_void_p).value,
+                                  py_launch=lambda *a: None, threads=512, device_flag="is_cpu")
+            finally:
+                recorder.FIELDS = saved
+
+        # the entry follows FIELDS' order: reversed, each value lands under its own name
+        configure(FIELDS[::-1])
+        out["reversed_layout"] = module.layout()["fields"]
+        nxt = RECORDER._next
+        out["reversed_ran"] = module.fast_dispatch(comm, "all_reduce", x, x, sum_op, "auto") is None
+        e = dict(zip(FIELDS[::-1], RECORDER._ring[nxt % RECORDER.capacity]))
+        out["reversed_entry"] = (e["op"], e["algorithm"], list(e["in_shape"]), e["root"], e["state"],
+                                 e["seq"] == comm.seq, e["t_enqueue"] <= e["t_end"])
+        RECORDER._ring[nxt % RECORDER.capacity][:] = [None] * len(FIELDS)
+        refused = {}
+        for what, fields in {"unknown": (*FIELDS, "nbytes"), "missing": tuple(f for f in FIELDS if f != "root"),
+                             "twice": (*FIELDS, "op")}.items():
+            try:
+                configure(fields)
+                refused[what] = None
+            except ValueError as exc:
+                refused[what] = str(exc)
+        out["refused"] = refused
+        out["refused_keeps_layout"] = module.layout()["fields"] == out["reversed_layout"]
+        configure(FIELDS)
+        out["restored"] = module.layout()["fields"]
+        comm._fast.clear()
+        del cb
+    return out
+
+
+def test_compiled_entry_follows_recorder_fields(worlds) -> None:  # noqa: ANN001
+    """The compiled path writes the flight recorder's entry where ``recorder.FIELDS`` says, and
+    refuses a layout it cannot fill."""
+    from collectives.recorder import _PROGRESS_SEQ
+
+    [r] = worlds(1).run(body_layout)
+    assert r["layout"] == {"fields": {name: i for i, name in enumerate(FIELDS)}, "progress_seq": _PROGRESS_SEQ}
+    assert r["reversed_layout"] == {name: len(FIELDS) - 1 - i for i, name in enumerate(FIELDS)}
+    assert r["reversed_ran"] and r["reversed_entry"] == ("all_reduce", "auto", [5], None, "completed", True, True)
+    assert "'nbytes', a field it does not fill" in r["refused"]["unknown"]
+    assert "has no root" in r["refused"]["missing"]
+    assert "'op', a second time" in r["refused"]["twice"]
+    assert r["refused_keeps_layout"]
+    assert r["restored"] == r["layout"]["fields"]
+
+
 GRAPH_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
 IS_CAPTURING = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))
 
