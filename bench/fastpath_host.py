@@ -40,6 +40,7 @@ import torch
 
 import collectives as C
 from collectives import _native
+from collectives.dispatch import _fast_key
 
 from .harness import paired_ratio
 
@@ -101,12 +102,6 @@ def _noop_launch(where: Path) -> tuple[ctypes.CDLL, int]:
     return dll, int(ctypes.cast(dll.noop_launch, ctypes.c_void_p).value or 0)
 
 
-def _fast_key(op: str, algorithm: str, reduce_op: Any, x: torch.Tensor) -> tuple[Any, ...]:
-    """``comm._fast``'s key for an in-place call on ``x``, as ``dispatch_tensors`` builds it."""
-    rop = reduce_op if reduce_op is None or type(reduce_op) is str else id(reduce_op)
-    return (op, algorithm, rop, x.dtype, x.numel())
-
-
 def _percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1] if len(values) > 1 \
         else values[0]
@@ -128,7 +123,7 @@ def fastpath_host_cost(comm: C.Communicator, base: str, *, calls: int = 1000, ro
     x = torch.randn(37)
     sum_op = C.ReduceOp.SUM
     err = torch.zeros(8, dtype=torch.int32)
-    key = _fast_key("all_reduce", "auto", sum_op, x)
+    key = _fast_key("all_reduce", "auto", sum_op, x, x)  # the working tree's: a base keyed otherwise misses, loudly
 
     def slow(o: torch.Tensor, i: torch.Tensor) -> None:
         raise RuntimeError("the prepared runner missed its ready launch")

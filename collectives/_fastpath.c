@@ -66,6 +66,16 @@ static const char *const field_names[F_COUNT] = {"group", "group_ranks", "seq", 
 static Py_ssize_t slot[F_COUNT];   /* FIELDS.index(field_names[k]) */
 static Py_ssize_t progress_seq;    /* where recorder._progress[group] holds the last sequence number */
 
+/* comm._fast's key, as dispatch._FAST_KEY (in place) and _FAST_KEY_OUT_OF_PLACE lay it out: the
+   facts of a call it may hold, by the names those tuples use; configure() reads their order. */
+enum { K_OP, K_ALGORITHM, K_REDUCE_OP, K_DTYPE, K_NUMEL, K_INPUT_NUMEL, K_COUNT };
+static const char *const fact_names[K_COUNT] = {"op", "algorithm", "reduce_op", "dtype", "numel", "input_numel"};
+#define KEY_MAX 16
+static int key_in[KEY_MAX], key_out[KEY_MAX];
+static Py_ssize_t n_key_in, n_key_out;
+static PyObject *by_value;      /* dispatch._FAST_BY_VALUE: reduce ops of these types are keyed by value, others by id */
+static Py_ssize_t runner_index; /* dispatch._FAST_RUNNER: the runner's place in comm._fast's values */
+
 static PyTypeObject RunnerType;
 
 typedef struct {
@@ -415,6 +425,39 @@ static int tensor_ok(PyObject *t, long long device) {
     return d == device;
 }
 
+/* comm._fast's key for the call (dispatch._fast_key); NULL where it has none: the input is not
+   a tensor (no exception), or something could not be read (an exception). Sets ``*dtype`` to
+   output.dtype (a new reference) on success. */
+static PyObject *build_key(PyObject *op, PyObject *output, PyObject *input, PyObject *reduce_op,
+                           PyObject *algorithm, PyObject **dtype) {
+    PyObject *facts[K_COUNT] = {op, algorithm, NULL, NULL, NULL, NULL};
+    PyObject *key = NULL;
+    long long n, m;
+    const int *spec = input == output ? key_in : key_out;
+    Py_ssize_t len = input == output ? n_key_in : n_key_out;
+    int in_place = input == output;
+    if (!in_place && Py_TYPE(input) != (PyTypeObject *)tensor_type) return NULL;
+    int keep = 0; /* by value: the reduce op as given; else its id (a ReduceOp member hashes slowly) */
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(by_value) && !keep; i++)
+        keep = Py_TYPE(reduce_op) == (PyTypeObject *)PyTuple_GET_ITEM(by_value, i);
+    if ((facts[K_REDUCE_OP] = keep ? Py_NewRef(reduce_op) : PyLong_FromVoidPtr(reduce_op)) == NULL) goto done;
+    if ((facts[K_DTYPE] = PyObject_GetAttr(output, a_dtype)) == NULL) goto done;
+    n = long_call(output, a_numel);
+    if ((n == -1 && PyErr_Occurred()) || (facts[K_NUMEL] = PyLong_FromLongLong(n)) == NULL) goto done;
+    if (in_place) {
+        facts[K_INPUT_NUMEL] = Py_NewRef(facts[K_NUMEL]);
+    } else {
+        m = long_call(input, a_numel);
+        if ((m == -1 && PyErr_Occurred()) || (facts[K_INPUT_NUMEL] = PyLong_FromLongLong(m)) == NULL) goto done;
+    }
+    if ((key = PyTuple_New(len)) == NULL) goto done;
+    for (Py_ssize_t i = 0; i < len; i++) PyTuple_SET_ITEM(key, i, Py_NewRef(facts[spec[i]]));
+    *dtype = Py_NewRef(facts[K_DTYPE]);
+done:
+    for (int k = K_REDUCE_OP; k < K_COUNT; k++) Py_XDECREF(facts[k]);
+    return key;
+}
+
 static int miss_line;
 #define MISS_IF(cond) do { if (cond) { miss_line = __LINE__; goto miss; } } while (0)
 
@@ -426,7 +469,7 @@ static PyObject *fast_dispatch(PyObject *module, PyObject *const *args, Py_ssize
     if (tensor_type == NULL) Py_RETURN_NOTIMPLEMENTED;
     PyObject *comm = args[0], *op = args[1], *output = args[2], *input = args[3], *reduce_op = args[4],
              *algorithm = args[5];
-    PyObject *key = NULL, *rop = NULL, *dtype = NULL, *fast = NULL, *hit = NULL, *seq = NULL;
+    PyObject *key = NULL, *dtype = NULL, *fast = NULL, *hit = NULL, *seq = NULL;
     int r;
 
     MISS_IF(Py_TYPE(output) != (PyTypeObject *)tensor_type || PyList_GET_SIZE(hooks) != 0);
@@ -439,27 +482,12 @@ static PyObject *fast_dispatch(PyObject *module, PyObject *const *args, Py_ssize
     }
     MISS_IF((r = truthy_attr(output, a_is_device)) != 1);
 
-    rop = (reduce_op == Py_None || PyUnicode_CheckExact(reduce_op)) ? (Py_INCREF(reduce_op), reduce_op)
-                                                                     : PyLong_FromVoidPtr(reduce_op);
-    dtype = PyObject_GetAttr(output, a_dtype);
-    long long n = long_call(output, a_numel);
-    MISS_IF(rop == NULL || dtype == NULL || PyErr_Occurred());
-    PyObject *count = PyLong_FromLongLong(n);
-    MISS_IF(count == NULL);
-    if (input == output) {
-        key = PyTuple_Pack(5, op, algorithm, rop, dtype, count);
-        Py_DECREF(count);
-    } else {
-        long long m = Py_TYPE(input) == (PyTypeObject *)tensor_type ? long_call(input, a_numel) : -1;
-        PyObject *in_count = m < 0 ? NULL : PyLong_FromLongLong(m);
-        key = in_count == NULL ? NULL : PyTuple_Pack(6, op, algorithm, rop, dtype, count, in_count);
-        Py_DECREF(count);
-        Py_XDECREF(in_count);
-    }
+    key = build_key(op, output, input, reduce_op, algorithm, &dtype);
+    MISS_IF(key == NULL);
     fast = PyObject_GetAttr(comm, a_fast);
-    MISS_IF(key == NULL || fast == NULL || !PyDict_Check(fast));
+    MISS_IF(fast == NULL || !PyDict_Check(fast));
     PyObject *found = PyDict_GetItemWithError(fast, key); /* borrowed */
-    MISS_IF(found == NULL || !PyTuple_Check(found) || PyTuple_GET_SIZE(found) < 1);
+    MISS_IF(found == NULL || !PyTuple_Check(found) || PyTuple_GET_SIZE(found) <= runner_index);
     hit = Py_NewRef(found); /* the runner's call may clear comm._fast */
 
     PyObject *cur = PyObject_CallNoArgs(current_device);
@@ -477,7 +505,7 @@ static PyObject *fast_dispatch(PyObject *module, PyObject *const *args, Py_ssize
     MISS_IF(nvtx_on || (r = truthy_call(profiling)) != 0);
 
     /* from here on the call is ours: count it, record it, run it */
-    PyObject *runner = PyTuple_GET_ITEM(hit, 0);
+    PyObject *runner = PyTuple_GET_ITEM(hit, runner_index);
     PyObject *last = PyObject_GetAttr(comm, a_seq);
     PyObject *one = PyLong_FromLong(1);
     seq = (last && one) ? PyNumber_Add(last, one) : NULL;
@@ -513,16 +541,16 @@ static PyObject *fast_dispatch(PyObject *module, PyObject *const *args, Py_ssize
     }
     record_end(entry, s_completed);
     Py_DECREF(entry);
-    Py_XDECREF(key); Py_XDECREF(rop); Py_XDECREF(dtype); Py_XDECREF(fast); Py_XDECREF(hit); Py_XDECREF(seq);
+    Py_XDECREF(key); Py_XDECREF(dtype); Py_XDECREF(fast); Py_XDECREF(hit); Py_XDECREF(seq);
     Py_RETURN_NONE;
 
 miss:
     /* not a call this path takes (or something it reads is missing): the Python path runs it */
     PyErr_Clear();
-    Py_XDECREF(key); Py_XDECREF(rop); Py_XDECREF(dtype); Py_XDECREF(fast); Py_XDECREF(hit); Py_XDECREF(seq);
+    Py_XDECREF(key); Py_XDECREF(dtype); Py_XDECREF(fast); Py_XDECREF(hit); Py_XDECREF(seq);
     Py_RETURN_NOTIMPLEMENTED;
 error:
-    Py_XDECREF(key); Py_XDECREF(rop); Py_XDECREF(dtype); Py_XDECREF(fast); Py_XDECREF(hit); Py_XDECREF(seq);
+    Py_XDECREF(key); Py_XDECREF(dtype); Py_XDECREF(fast); Py_XDECREF(hit); Py_XDECREF(seq);
     return NULL;
 }
 
@@ -601,32 +629,65 @@ static int read_fields(PyObject *fields, Py_ssize_t out[F_COUNT]) {
     return 0;
 }
 
+/* ``spec`` (dispatch._FAST_KEY or _FAST_KEY_OUT_OF_PLACE, named ``what``) into ``out``/``n``: each
+   name's fact; 0, or -1 with ValueError naming one this file does not build (nothing is changed). */
+static int read_key(PyObject *spec, const char *what, int out[KEY_MAX], Py_ssize_t *n) {
+    if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) > KEY_MAX) {
+        PyErr_Format(PyExc_TypeError, "dispatch.%s must be a tuple of at most %d str", what, KEY_MAX);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(spec); i++) {
+        PyObject *name = PyTuple_GET_ITEM(spec, i);
+        int k = 0;
+        while (k < K_COUNT && !(PyUnicode_Check(name) && PyUnicode_CompareWithASCIIString(name, fact_names[k]) == 0)) k++;
+        if (k == K_COUNT) {
+            PyErr_Format(PyExc_ValueError, "dispatch.%s[%zd] is %R, a fact of a call the compiled fast path does "
+                         "not read: teach build_key in collectives/_fastpath.c to (or set COMMOPS_NATIVE=0)", what,
+                         i, name);
+            return -1;
+        }
+        out[i] = k;
+    }
+    *n = PyTuple_GET_SIZE(spec);
+    return 0;
+}
+
 static PyObject *configure(PyObject *module, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"tensor_type", "hooks", "local", "open_bounds", "profiling", "nvtx",
                             "current_device", "current_stream", "recorder", "skipped", "fail", "py_launch",
                             "launch_address", "threads", "device_flag", "comms", "world", "c10d",
-                            "fields", "progress_seq", "graph_launch_address", "capturing_address", NULL};
-    PyObject *o[11], *flag, *cm, *wc, *cd, *fields; /* comms: a dict */
+                            "fields", "progress_seq", "fast_key", "fast_key_out_of_place", "by_value",
+                            "runner_index", "graph_launch_address", "capturing_address", NULL};
+    PyObject *o[11], *flag, *cm, *wc, *cd, *fields, *spec_in, *spec_out, *bv; /* comms: a dict */
     unsigned long long addr, graph_addr = 0, capturing_addr = 0;
     unsigned t;
-    int nvtx;
-    Py_ssize_t p_seq, new_slot[F_COUNT];
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OO!OpOOOO!OOKIUO!O!OOn|KK", names, &o[0], &PyList_Type, &o[1],
-                                     &o[2], &PyList_Type, &o[3], &o[4], &nvtx, &o[5], &o[6], &o[7], &PyTuple_Type,
-                                     &o[8], &o[9], &o[10], &addr, &t, &flag, &PyDict_Type, &cm, &PyList_Type, &wc, &cd,
-                                     &fields, &p_seq, &graph_addr, &capturing_addr))
+    int nvtx, new_in[KEY_MAX], new_out[KEY_MAX];
+    Py_ssize_t p_seq, r_index, new_slot[F_COUNT], new_n_in, new_n_out;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OO!OpOOOO!OOKIUO!O!OOnOOO!n|KK", names, &o[0], &PyList_Type,
+                                     &o[1], &o[2], &PyList_Type, &o[3], &o[4], &nvtx, &o[5], &o[6], &o[7],
+                                     &PyTuple_Type, &o[8], &o[9], &o[10], &addr, &t, &flag, &PyDict_Type, &cm,
+                                     &PyList_Type, &wc, &cd, &fields, &p_seq, &spec_in, &spec_out, &PyTuple_Type, &bv,
+                                     &r_index, &graph_addr, &capturing_addr))
         return NULL;
-    if (read_fields(fields, new_slot) < 0) return NULL;
-    if (p_seq < 0) {
-        PyErr_SetString(PyExc_ValueError, "progress_seq must be recorder._PROGRESS_SEQ, an index");
+    /* the definitions first: a refused one leaves the module as it was */
+    if (read_fields(fields, new_slot) < 0 || read_key(spec_in, "_FAST_KEY", new_in, &new_n_in) < 0 ||
+        read_key(spec_out, "_FAST_KEY_OUT_OF_PLACE", new_out, &new_n_out) < 0)
+        return NULL;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(bv); i++) {
+        if (!PyType_Check(PyTuple_GET_ITEM(bv, i))) {
+            PyErr_SetString(PyExc_TypeError, "by_value must be dispatch._FAST_BY_VALUE, a tuple of types");
+            return NULL;
+        }
+    }
+    if (p_seq < 0 || r_index < 0) {
+        PyErr_SetString(PyExc_ValueError, "progress_seq and runner_index must be indices (recorder._PROGRESS_SEQ, "
+                        "dispatch._FAST_RUNNER)");
         return NULL;
     }
-    Py_INCREF(cm);
-    Py_INCREF(wc);
-    Py_INCREF(cd);
-    Py_XSETREF(comms, cm);
-    Py_XSETREF(world_comm, wc);
-    Py_XSETREF(c10d, cd);
+    if (addr == 0) {
+        PyErr_SetString(PyExc_ValueError, "launch_address is 0: pass the address of cuLaunchKernel");
+        return NULL;
+    }
     PyObject *r = PyObject_GetAttr(o[7], a_ring);
     if (r == NULL) return NULL;
     if (!PyList_Check(r) || PyList_GET_SIZE(r) == 0 || PyList_GET_SIZE(o[3]) != 1) {
@@ -635,14 +696,16 @@ static PyObject *configure(PyObject *module, PyObject *args, PyObject *kwargs) {
         return NULL;
     }
     Py_XSETREF(ring, r);
+    Py_INCREF(cm);
+    Py_INCREF(wc);
+    Py_INCREF(cd);
+    Py_XSETREF(comms, cm);
+    Py_XSETREF(world_comm, wc);
+    Py_XSETREF(c10d, cd);
     nvtx_on = nvtx;
     Py_INCREF(flag);
     PyUnicode_InternInPlace(&flag);
     Py_XSETREF(a_is_device, flag);
-    if (addr == 0) {
-        PyErr_SetString(PyExc_ValueError, "launch_address is 0: pass the address of cuLaunchKernel");
-        return NULL;
-    }
     PyObject **slots[11] = {&tensor_type, &hooks, &local, &open_bounds, &profiling, &current_device,
                             &current_stream, &recorder, &skipped, &fail, &py_launch};
     for (int i = 0; i < 11; i++) {
@@ -652,6 +715,13 @@ static PyObject *configure(PyObject *module, PyObject *args, PyObject *kwargs) {
     for (int i = 0; i < INSIDE_SLOTS; i++) Py_CLEAR(inside_cache[i].code); /* judged against the old ``skipped`` */
     for (int k = 0; k < F_COUNT; k++) slot[k] = new_slot[k];
     progress_seq = p_seq;
+    for (Py_ssize_t i = 0; i < new_n_in; i++) key_in[i] = new_in[i];
+    for (Py_ssize_t i = 0; i < new_n_out; i++) key_out[i] = new_out[i];
+    n_key_in = new_n_in;
+    n_key_out = new_n_out;
+    Py_INCREF(bv);
+    Py_XSETREF(by_value, bv);
+    runner_index = r_index;
     cu_launch = (launch_t)(uintptr_t)addr;
     /* graphs only with both: a graph cannot be launched into a capture, which must be asked first */
     cu_graph_launch = graph_addr && capturing_addr ? (graph_launch_t)(uintptr_t)graph_addr : NULL;
@@ -676,13 +746,47 @@ static PyObject *layout(PyObject *module, PyObject *unused) {
         }
         Py_DECREF(i);
     }
-    return Py_BuildValue("{sNsn}", "fields", fields, "progress_seq", progress_seq);
+    PyObject *specs[2] = {PyTuple_New(n_key_in), PyTuple_New(n_key_out)};
+    for (int j = 0; j < 2; j++) {
+        const int *spec = j == 0 ? key_in : key_out;
+        for (Py_ssize_t i = 0; specs[j] != NULL && i < PyTuple_GET_SIZE(specs[j]); i++) {
+            PyObject *name = PyUnicode_FromString(fact_names[spec[i]]);
+            if (name == NULL) Py_CLEAR(specs[j]);
+            else PyTuple_SET_ITEM(specs[j], i, name);
+        }
+    }
+    if (specs[0] == NULL || specs[1] == NULL) {
+        Py_DECREF(fields);
+        Py_XDECREF(specs[0]);
+        Py_XDECREF(specs[1]);
+        return NULL;
+    }
+    return Py_BuildValue("{sNsnsNsNsOsn}", "fields", fields, "progress_seq", progress_seq, "fast_key", specs[0],
+                         "fast_key_out_of_place", specs[1], "by_value", by_value, "runner_index", runner_index);
+}
+
+/* comm._fast's key as the compiled path builds it for a call, or None where it has none. */
+static PyObject *fast_key(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "fast_key(op, output, input, reduce_op, algorithm)");
+        return NULL;
+    }
+    if (tensor_type == NULL) Py_RETURN_NONE;
+    PyObject *dtype = NULL;
+    PyObject *key = build_key(args[0], args[1], args[2], args[3], args[4], &dtype);
+    Py_XDECREF(dtype);
+    if (key == NULL && !PyErr_Occurred()) Py_RETURN_NONE;
+    return key;
 }
 
 static PyMethodDef methods[] = {
     {"last_miss", (PyCFunction)last_miss, METH_NOARGS, "the source line of the last check that sent a call to Python"},
     {"layout", (PyCFunction)layout, METH_NOARGS,
-     "what configure() read: {'fields': {recorder field name: index}, 'progress_seq': index}"},
+     "what configure() read off recorder.py and dispatch.py (None before it): {'fields': {recorder field name: "
+     "index}, 'progress_seq', 'fast_key', 'fast_key_out_of_place', 'by_value', 'runner_index'}"},
+    {"fast_key", (PyCFunction)(void (*)(void))fast_key, METH_FASTCALL,
+     "fast_key(op, output, input, reduce_op, algorithm): comm._fast's key for the call as fast_dispatch builds "
+     "it, or None where it has none (for tests and diagnosis)"},
     {"fast_dispatch", (PyCFunction)(void (*)(void))fast_dispatch, METH_FASTCALL,
      "fast_dispatch(comm, op, output, input, reduce_op, algorithm) -> None (ran) or NotImplemented"},
     {"fast_verb", (PyCFunction)(void (*)(void))fast_verb, METH_FASTCALL,

@@ -295,7 +295,7 @@ def configure(module: ModuleType, *, current_device: Any, current_stream: Any, l
     import torch.distributed.distributed_c10d as c10d
 
     from .communicator import _COMMS, _WORLD
-    from .dispatch import _HOOKS, _failed, _profiling
+    from .dispatch import _FAST_BY_VALUE, _FAST_KEY, _FAST_KEY_OUT_OF_PLACE, _FAST_RUNNER, _HOOKS, _failed, _profiling
     from ._wait import _LOCAL, _OPEN
     from .recorder import _PROGRESS_SEQ, _SKIPPED, FIELDS, RECORDER
 
@@ -304,7 +304,8 @@ def configure(module: ModuleType, *, current_device: Any, current_stream: Any, l
                      recorder=RECORDER, skipped=tuple(_SKIPPED), fail=_failed, py_launch=py_launch,
                      launch_address=launch_address, threads=threads, device_flag=device_flag,
                      comms=_COMMS.data,  # type: ignore[attr-defined]  # weak reference -> communicator
-                     world=_WORLD, c10d=c10d, fields=FIELDS, progress_seq=_PROGRESS_SEQ,
+                     world=_WORLD, c10d=c10d, fields=FIELDS, progress_seq=_PROGRESS_SEQ, fast_key=_FAST_KEY,
+                     fast_key_out_of_place=_FAST_KEY_OUT_OF_PLACE, by_value=_FAST_BY_VALUE, runner_index=_FAST_RUNNER,
                      graph_launch_address=graph_launch_address,
                      capturing_address=capturing_address)
 

@@ -168,6 +168,19 @@ _native_tried = False
 _now = time.time
 _FAST_MAX = 512  # call signatures kept per communicator (dispatch_tensors); a full table starts again
 
+# What keys a repeat's fast path, defined here once: the compiled fast path is handed these by
+# collectives/_native.py's configure and builds its key from them (collectives/_fastpath.c).
+# comm._fast's key is the facts of a call, in this order: the arguments op, algorithm and
+# reduce_op (by value where its type is one of _FAST_BY_VALUE, else by id: a ReduceOp member
+# hashes slowly, ~0.2 us), the output's dtype and numel, and out of place the input's numel.
+# _fast_key builds it.
+_FAST_KEY = ("op", "algorithm", "reduce_op", "dtype", "numel")
+_FAST_KEY_OUT_OF_PLACE = (*_FAST_KEY, "input_numel")
+_FAST_BY_VALUE = (type(None), str)
+# comm._fast's values are (runner, the reduce op itself): the entry holds the op so that the id
+# its key holds cannot be reused while the entry lives.
+_FAST_RUNNER = 0
+
 # True while torch.profiler (or the legacy autograd profiler) records; a C call, cheap enough
 # to ask on every collective.
 _profiling = torch._C._autograd._profiler_enabled
@@ -193,22 +206,15 @@ def dispatch_tensors(comm: Communicator, op: str, output: torch.Tensor, input: t
         return None  # the compiled fast path ran it (the same checks, tables and record as below)
     if not async_op and type(output) is torch.Tensor and output.is_cuda and not _HOOKS and not comm.debug \
             and limit() is None:
-        # A ReduceOp member hashes slowly (~0.2 us); the key holds its id, and the entry holds the
-        # object itself so that the id cannot be reused while the entry lives.
-        rop = reduce_op if reduce_op is None or type(reduce_op) is str else id(reduce_op)
+        key = _fast_key(op, algorithm, reduce_op, output, input)
+        hit = comm._fast.get(key)  # None (no key) is never one
         if output is input:  # all_reduce: one tensor to check
-            key: tuple[Any, ...] | None = (op, algorithm, rop, output.dtype, output.numel())
-            hit = comm._fast.get(key)
             fast = hit is not None and output.is_contiguous() and output.get_device() == _current_device()
-        elif type(input) is torch.Tensor:
-            key = (op, algorithm, rop, output.dtype, output.numel(), input.numel())
-            hit = comm._fast.get(key)
+        else:
             fast = hit is not None and input.dtype is output.dtype and output.is_contiguous() \
                 and input.is_contiguous() and output.get_device() == _current_device() == input.get_device()
-        else:
-            key, fast = None, False
         if fast and not _profiling() and not _env.nvtx_enabled():
-            runner = hit[0]  # type: ignore[index]
+            runner = hit[_FAST_RUNNER]  # type: ignore[index]
             comm.seq += 1
             entry = RECORDER.start_fast(comm, op, algorithm, output, input, reduce_op)
             try:
@@ -231,8 +237,19 @@ def dispatch_tensors(comm: Communicator, op: str, output: torch.Tensor, input: t
             _use_native()
         if len(comm._fast) >= _FAST_MAX:
             comm._fast.clear()
-        comm._fast[key] = (call.fast, reduce_op)
+        comm._fast[key] = (call.fast, reduce_op)  # the runner at _FAST_RUNNER
     return result
+
+
+def _fast_key(op: str, algorithm: str, reduce_op: Any, output: torch.Tensor, input: Any) -> tuple[Any, ...] | None:
+    """``comm._fast``'s key for a call: ``_FAST_KEY``'s facts (``_FAST_KEY_OUT_OF_PLACE``'s where
+    ``input`` is not ``output``), in that order; None where the input is not a tensor."""
+    rop = reduce_op if type(reduce_op) in _FAST_BY_VALUE else id(reduce_op)
+    if output is input:
+        return (op, algorithm, rop, output.dtype, output.numel())
+    if type(input) is torch.Tensor:
+        return (op, algorithm, rop, output.dtype, output.numel(), input.numel())
+    return None
 
 
 @contextmanager

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import collectives as C  # noqa: E402
 from bench.reference import rank_data  # noqa: E402
-from collectives import _env, _native  # noqa: E402
+from collectives import _env, _native, dispatch as _dispatch  # noqa: E402
 from collectives.peer import PeerMemory, peer_memory  # noqa: E402
 from collectives.peer import memory as M  # noqa: E402
 from collectives.peer.memory import CE_PUSHED  # noqa: E402
@@ -200,7 +200,8 @@ class Checker:
         for rep in range(3):  # the first call resolves the signature, the others repeat it
             self.all_reduce("one_shot", n, dtype, compare_nccl=False)
         self.checks += 1
-        keys = [k for k in self.comm._fast if k[0] == "all_reduce" and k[1] == "one_shot" and k[4] == n]
+        named = [dict(zip(_dispatch._FAST_KEY, k)) for k in self.comm._fast]
+        keys = [k for k in named if (k["op"], k["algorithm"], k["numel"]) == ("all_reduce", "one_shot", n)]
         if not keys:
             self.failures.append(f"rank {self.r}: no fast-path entry after repeated one_shot calls")
         seq = self.comm.seq

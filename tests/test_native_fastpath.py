@@ -261,7 +261,8 @@ def test_compiled_entry_follows_recorder_fields(worlds) -> None:  # noqa: ANN001
     from collectives.recorder import _PROGRESS_SEQ
 
     [r] = worlds(1).run(body_layout)
-    assert r["layout"] == {"fields": {name: i for i, name in enumerate(FIELDS)}, "progress_seq": _PROGRESS_SEQ}
+    assert (r["layout"]["fields"], r["layout"]["progress_seq"]) \
+        == ({name: i for i, name in enumerate(FIELDS)}, _PROGRESS_SEQ)
     assert r["reversed_layout"] == {name: len(FIELDS) - 1 - i for i, name in enumerate(FIELDS)}
     assert r["reversed_ran"] and r["reversed_entry"] == ("all_reduce", "auto", [5], None, "completed", True, True)
     assert "'nbytes', a field it does not fill" in r["refused"]["unknown"]
@@ -269,6 +270,56 @@ def test_compiled_entry_follows_recorder_fields(worlds) -> None:  # noqa: ANN001
     assert "'op', a second time" in r["refused"]["twice"]
     assert r["refused_keeps_layout"]
     assert r["restored"] == r["layout"]["fields"]
+
+
+def test_compiled_key_follows_dispatch(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """The compiled path keys ``comm._fast`` as ``dispatch._fast_key`` does, from the tables
+    ``dispatch`` defines, and refuses a key fact it does not read."""
+    from collectives import dispatch
+
+    module, cb, *_ = _setup(str(tmp_path))
+    layout = module.layout()
+    assert (layout["fast_key"], layout["fast_key_out_of_place"], layout["by_value"], layout["runner_index"]) \
+        == (dispatch._FAST_KEY, dispatch._FAST_KEY_OUT_OF_PLACE, dispatch._FAST_BY_VALUE, dispatch._FAST_RUNNER)
+    x, small, big = torch.randn(37), torch.randn(37), torch.randn(74)
+    sum_op = C.ReduceOp.SUM
+    calls = [("all_reduce", x, x, sum_op, "auto"), ("all_reduce", x, x, "sum", "one_shot"),
+             ("all_gather", big, small, None, "auto"), ("reduce_scatter", small, big, "avg", "one_shot"),
+             ("reduce_scatter", small, big.double(), sum_op, "auto"), ("all_gather", big, [small], None, "auto")]
+
+    def facts(op, out, inp, rop, algorithm):  # noqa: ANN001, ANN202 - what each name of the tables means
+        by_value = rop is None or type(rop) is str
+        return {"op": op, "algorithm": algorithm, "reduce_op": rop if by_value else id(rop), "dtype": out.dtype,
+                "numel": out.numel(), "input_numel": inp.numel() if isinstance(inp, torch.Tensor) else None}
+
+    for op, out, inp, rop, algorithm in calls:
+        python = dispatch._fast_key(op, algorithm, rop, out, inp)
+        assert module.fast_key(op, out, inp, rop, algorithm) == python
+        spec = dispatch._FAST_KEY if out is inp else dispatch._FAST_KEY_OUT_OF_PLACE
+        f = facts(op, out, inp, rop, algorithm)
+        assert python == (tuple(f[n] for n in spec) if isinstance(inp, torch.Tensor) else None)
+
+    def configure() -> None:
+        _native.configure(module, current_device=lambda: -1, current_stream=lambda device: STREAM,
+                          launch_address=ctypes.cast(cb, ctypes.c_void_p).value, py_launch=lambda *a: None,
+                          threads=512, device_flag="is_cpu")
+
+    # another order, another by-value rule: the compiled key follows what configure hands it
+    monkeypatch.setattr(dispatch, "_FAST_KEY", ("numel", "dtype", "op"))
+    monkeypatch.setattr(dispatch, "_FAST_KEY_OUT_OF_PLACE", ("input_numel", "algorithm", "reduce_op"))
+    monkeypatch.setattr(dispatch, "_FAST_BY_VALUE", (type(None),))
+    configure()
+    assert module.fast_key("all_reduce", x, x, "sum", "auto") == (37, x.dtype, "all_reduce")
+    s = "sum"
+    assert module.fast_key("reduce_scatter", small, big, s, "one_shot") == (74, "one_shot", id(s))
+    monkeypatch.setattr(dispatch, "_FAST_KEY", (*dispatch._FAST_KEY, "device"))
+    with pytest.raises(ValueError, match=r"_FAST_KEY\[3\] is 'device', a fact of a call the compiled fast path"):
+        configure()
+    assert module.layout()["fast_key"] == ("numel", "dtype", "op")  # refused: left as it was
+    monkeypatch.undo()
+    configure()
+    assert module.fast_key("all_reduce", x, x, sum_op, "auto") == dispatch._fast_key("all_reduce", "auto", sum_op, x, x)
+    del cb
 
 
 GRAPH_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
