@@ -28,7 +28,34 @@
    No CUDA headers: the driver's cuLaunchKernel, cuGraphLaunch and cuStreamIsCapturing come in as
    addresses (configure()). Every Python object it touches is reached through the C API, so a
    torch or Python without some attribute makes the call fall back to Python rather than
-   misbehave. */
+   misbehave.
+
+   Where a change goes. What is data is defined once, in Python, and handed over by configure()
+   (collectives/_native.py), which refuses with a ValueError naming it what this file cannot
+   follow (the module is then left as it was, and configure_cuda falls back to Python, warning):
+
+     recorder.FIELDS          the flight recorder's entry: record_start writes each value at its
+                              name's position (field_names: the names it fills)
+     recorder._PROGRESS_SEQ   where a group's progress list holds its last sequence number
+     dispatch._FAST_KEY, dispatch._FAST_KEY_OUT_OF_PLACE
+                              comm._fast's key: which facts of a call, in which order (build_key;
+                              fact_names: the facts it reads)
+     dispatch._FAST_BY_VALUE  the reduce ops keyed by value (the others by id)
+     dispatch._FAST_RUNNER    the runner's place in comm._fast's values
+
+   A change to any of these is made there alone. Only a field or a fact that this file has no
+   name for needs code here as well (record_start, build_key), and configure() says so until it
+   has it; layout() reports what configure() read. The rest of dispatch_tensors' fast branch is
+   code, here as there, on the same objects (configure() hands them over): async_op false (the
+   caller's check for fast_dispatch), the output's type torch.Tensor (tensor_type), no trace hook
+   (dispatch._HOOKS), not comm.debug, no call_timeout bound on this thread (_wait._OPEN,
+   _wait._LOCAL), output.is_cuda (device_flag), a hit in comm._fast, an input of the output's
+   type and dtype, both contiguous and on the current device (current_device), no profiler
+   recording (dispatch._profiling) and no NVTX (nvtx: _env.nvtx_enabled(), read once per
+   process on both paths); then comm.seq += 1, the entry, the runner, and on an error the
+   entry marked failed and dispatch._failed. A change to one of those is made in
+   dispatch_tensors and in fast_dispatch below alike; tests/test_native_fastpath.py checks
+   that each sends a call to Python, and that both paths key calls alike. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -427,9 +454,11 @@ static int tensor_ok(PyObject *t, long long device) {
 
 /* comm._fast's key for the call (dispatch._fast_key); NULL where it has none: the input is not
    a tensor (no exception), or something could not be read (an exception). Sets ``*dtype`` to
-   output.dtype (a new reference) on success. */
-static PyObject *build_key(PyObject *op, PyObject *output, PyObject *input, PyObject *reduce_op,
-                           PyObject *algorithm, PyObject **dtype) {
+   output.dtype (a new reference) on success. Inlined into fast_dispatch: called, it cost about
+   1% of a call (CPU, launch/bench_fastpath_host.py). */
+static inline __attribute__((always_inline)) PyObject *build_key(PyObject *op, PyObject *output, PyObject *input,
+                                                                 PyObject *reduce_op, PyObject *algorithm,
+                                                                 PyObject **dtype) {
     PyObject *facts[K_COUNT] = {op, algorithm, NULL, NULL, NULL, NULL};
     PyObject *key = NULL;
     long long n, m;
