@@ -8,8 +8,23 @@ attribute reads and calls. ``_fastpath.c`` runs the same reads and calls from C,
 tables (``Communicator._fast``, the runners' prepared launches, the flight recorder's ring), so
 it needs no bookkeeping of its own and either path can serve any call. Most of what is left is
 torch's and Python's own attribute machinery, which C reaches through the same C API: on a 2-core
-CPU the verb's cost over a launch fell from 2.0 to 1.25 us (a launch stand-in doing nothing; a
-timing script, not kept), not to nothing.
+CPU the verb's cost over a launch fell from 2.0 to 1.25 us (a launch stand-in doing nothing; that
+timing script was not kept), not to nothing. ``launch/bench_fastpath_host.py`` times one build of
+``_fastpath.c`` against another's (a base revision's and the working tree's) in one process.
+
+What it reads is defined once, in Python: :func:`configure` hands the C the objects and tables
+the Python fast path uses, and the C builds from them rather than from copies of its own. The
+recorder's entry is laid out by ``recorder.FIELDS`` (the C looks up each value's position by
+name), a group's progress by ``recorder._PROGRESS_SEQ``, ``comm._fast``'s key by
+``dispatch._FAST_KEY`` and ``_FAST_KEY_OUT_OF_PLACE`` (which facts of a call, in which order),
+``_FAST_BY_VALUE`` (the reduce ops keyed by value) and ``_FAST_RUNNER``; a change to one of them
+is made there alone. The C refuses (ValueError, naming it) a field or fact it has no code to
+fill or read, and :func:`configure_cuda` then falls back to Python, warning. The checks that are
+code (attribute reads and calls: contiguity, device, dtype, ``comm.debug``, ...) are written in
+both ``dispatch_tensors`` and ``fast_dispatch``, on the same objects; ``_fastpath.c``'s header
+lists them. Tried and rejected: generating a C header from ``FIELDS`` at build time (the layout
+would then be fixed per compiled object, a second thing for the build's hash to cover, while a
+tuple read at configure costs nothing per call).
 
 It is a plain CPython extension (no torch or CUDA headers: the driver's ``cuLaunchKernel`` is
 passed in as an address), compiled with the C compiler Python was built with, the way Triton

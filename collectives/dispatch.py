@@ -204,6 +204,8 @@ def dispatch_tensors(comm: Communicator, op: str, output: torch.Tensor, input: t
     if _native_dispatch is not None and not async_op and not native_tried \
             and _native_dispatch(comm, op, output, input, reduce_op, algorithm) is None:
         return None  # the compiled fast path ran it (the same checks, tables and record as below)
+    # The compiled fast_dispatch (collectives/_fastpath.c) makes these checks too, in this order,
+    # from the tables above and on the same objects: a check changed here is changed there.
     if not async_op and type(output) is torch.Tensor and output.is_cuda and not _HOOKS and not comm.debug \
             and limit() is None:
         key = _fast_key(op, algorithm, reduce_op, output, input)
