@@ -107,7 +107,7 @@ def _percentile(values: list[float], q: float) -> float:
         else values[0]
 
 
-def fastpath_host_cost(comm: C.Communicator, base: str, *, calls: int = 1000, rounds: int = 401,
+def fastpath_host_cost(comm: C.Communicator, base: str, *, calls: int = 200, rounds: int = 2001,
                        repo: Path | None = None) -> list[HostCostRecord]:
     """Per-call host time of the compiled fast path built from ``base``'s source and from the
     working tree's, for a repeated in-place all-reduce of 37 float32 elements (CPU tensors,

@@ -1,6 +1,6 @@
 """The compiled fast path's host cost per call, a base revision's build against the working tree's.
 
-    python launch/bench_fastpath_host.py --base 24865b6 [--calls 1000 --rounds 401 --json out.json]
+    python launch/bench_fastpath_host.py --base 24865b6 [--calls 200 --rounds 2001 --json out.json]
 
 One process, one rank (a Gloo group of one, through a FileStore in a temporary directory), CPU
 tensors and stand-ins for the GPU (``bench/fastpath_host.py`` says which and why): prints, for
@@ -13,6 +13,7 @@ import datetime
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 from dataclasses import asdict
@@ -26,11 +27,21 @@ import collectives as C  # noqa: E402
 from bench.fastpath_host import fastpath_host_cost, format_host_cost  # noqa: E402
 
 
+def _head() -> str:
+    """The working tree's commit, with "+changes" where its fast-path sources differ from it."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    git = ["git", "-C", root]
+    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    changed = subprocess.run([*git, "status", "--porcelain", "collectives/_fastpath.c", "collectives/_native.py"],
+                             capture_output=True, text=True).stdout.strip()
+    return f"{commit}+changes" if changed else commit
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--base", required=True, help="the git revision whose _fastpath.c and _native.py are the base")
-    p.add_argument("--calls", type=int, default=1000, help="calls per block")
-    p.add_argument("--rounds", type=int, default=401, help="rounds (one block of each build per round)")
+    p.add_argument("--calls", type=int, default=200, help="calls per block (short: fewer of them hit a context switch)")
+    p.add_argument("--rounds", type=int, default=2001, help="rounds (one block of each build per round)")
     p.add_argument("--json")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -41,14 +52,17 @@ def main() -> int:
             records = fastpath_host_cost(C.get_communicator(), args.base, calls=args.calls, rounds=args.rounds)
         finally:
             C.destroy()
-    print(f"# compiled fast path, host cost per call: {args.base} against the working tree "
+    head, load = _head(), os.getloadavg()[0]
+    print(f"# compiled fast path, host cost per call: {args.base} against the working tree ({head}) "
           f"({platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-          f"load average {os.getloadavg()[0]:.2f})")
+          f"load average {load:.2f})")
     print(format_host_cost(records))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"base": args.base, "torch": torch.__version__, "python": platform.python_version(),
-                       "cpus": os.cpu_count(), "records": [asdict(r) for r in records]}, f, indent=1)
+            json.dump({"base": args.base, "head": head, "torch": torch.__version__,
+                       "python": platform.python_version(), "cpus": os.cpu_count(), "load_average": load,
+                       "command": " ".join(["python", *sys.argv]), "records": [asdict(r) for r in records]}, f,
+                      indent=1)
     return 0
 
 
