@@ -10,6 +10,8 @@ checked on the GPUs (``tests/gpu_peer_check.py``, ``prepared_repeats``).
 from __future__ import annotations
 
 import gc
+import sys
+import types
 import weakref
 from types import SimpleNamespace
 from typing import Any
@@ -43,7 +45,7 @@ def pm(monkeypatch: pytest.MonkeyPatch) -> Any:
     p.world, p.rank, p.closed, p._index, p.device = 2, 0, False, -1, torch.device("cpu")
     p._plans, p._ready, p._block_bytes, p._max_blocks = {}, weakref.WeakSet(), 8 << 10, M.MAX_BLOCKS
     p._set_bytes, p.ll_max_bytes, p.timeout_s = 1 << 20, M.ONE_SHOT_LL_MAX_BYTES, 1.0
-    p._err_np = np.zeros(8, dtype=np.int32)  # the host-mapped record (kernels.cu, struct Ctx)
+    p._err_np = np.zeros(8, dtype=np.int32)  # the host-mapped record (peer.cuh, struct Ctx)
     p._sections = 0
     p.comm = SimpleNamespace(global_ranks=(0, 1))
 
@@ -216,10 +218,50 @@ def test_a_dropped_runner_takes_its_blocks_with_it(pm: Any) -> None:
     assert len(pm._ready) == 0
 
 
-def test_first_launch_takes_cupys_launcher_or_falls_back_to_ctypes(monkeypatch: pytest.MonkeyPatch) -> None:
-    import sys
-    import types
+def test_a_module_is_the_header_then_one_source_compiled_once_per_device_and_sources(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    compiled: list[tuple[int, str]] = []
+    current = [0]
 
+    class Device:
+        def __init__(self, index: int) -> None:
+            self.index = index
+
+        def __enter__(self) -> None:
+            current[0] = self.index
+
+        def __exit__(self, *exc: Any) -> None:
+            pass
+
+    class RawModule:
+        def __init__(self, code: str, options: tuple[str, ...]) -> None:
+            compiled.append((current[0], code))
+
+        def get_function(self, name: str) -> Any:
+            return SimpleNamespace(kernel=SimpleNamespace(name=name))
+
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = SimpleNamespace(Device=Device)  # type: ignore[attr-defined]
+    cupy.RawModule = RawModule  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    _launch._module.cache_clear()
+    _launch._function.cache_clear()
+    rows = tmp_path / "rows.cu"
+    rows.write_text("// rows\n")
+    try:
+        for device, name, source in ((0, "ce_fence", None), (0, "ce_wait", None), (0, "rows_post", rows),
+                                     (1, "ce_fence", None), (0, "rows_ids", rows)):
+            assert _launch._function(name, device, _launch.sources_of(source)).name == name
+    finally:
+        _launch._module.cache_clear()
+        _launch._function.cache_clear()
+    header, kernels = _launch.HEADER.read_text(), _launch.KERNELS.read_text()
+    collectives = f'#line 1 "peer.cuh"\n{header}\n#line 1 "kernels.cu"\n{kernels}\n'
+    assert compiled == [(0, collectives), (0, f'#line 1 "peer.cuh"\n{header}\n#line 1 "rows.cu"\n// rows\n\n'),
+                        (1, collectives)]
+
+
+def test_first_launch_takes_cupys_launcher_or_falls_back_to_ctypes(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
     cupy, cuda = types.ModuleType("cupy"), types.ModuleType("cupy.cuda")
     driver = types.ModuleType("cupy.cuda.driver")

@@ -20,8 +20,8 @@ Design note.
   number from a counter in device memory (so CUDA graphs replay correctly). Calls alternate
   between two halves of the slots, which makes a "done" barrier unnecessary: a rank starting
   call e knows every peer has finished call e - 2. Stores, then ``fence.sys``, then the flag;
-  waits are acquire loads bounded by ``%globaltimer``. See ``kernels.cu`` for the timeline and
-  the argument.
+  waits are acquire loads bounded by ``%globaltimer``. See ``peer.cuh`` (the header every kernel
+  module is compiled after) for the timeline and the argument.
 * **Host cost.** A small call's budget is a few microseconds of host time: launches go through
   ``cuLaunchKernel`` with prebuilt parameter blocks (``_launch.py``), the pieces of each
   (algorithm, dtype, size) are planned once, and the dispatch point keeps a fast path for

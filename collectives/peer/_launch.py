@@ -1,10 +1,16 @@
-"""Compiling and launching ``kernels.cu``: pointers, sizes and a stream in, nothing else.
+"""Compiling and launching the peer-memory kernels: pointers, sizes and a stream in, nothing else.
 
-The module is compiled by NVRTC (through CuPy) on first use for the current device, never at
-import. commops writes no file for it; CuPy keeps the compiled binary in its own cache
-(``CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``, which should be private to the user;
-``CUPY_CACHE_IN_MEMORY=1`` keeps it in memory). Launches go to torch's current stream, so they
-order with the caller's work and are captured by ``torch.cuda.graph`` like any other kernel.
+A module is one source compiled after the common header ``peer.cuh`` (types, flags, the
+barrier, packs, ``struct Ctx``): ``kernels.cu`` for the collectives, or another source that
+ships its own kernels against the same context (``overlap/_moe_rows.cu``, the MoE row kernels).
+The header and the source are concatenated into one text, each behind a ``#line`` directive
+that names its file (an ``#include`` would need an include path that NVRTC resolves the same
+way wherever the package is installed). Each module is compiled by NVRTC (through CuPy) on first
+use for the current device, never at import, and kept per (device, sources). commops writes no
+file for it; CuPy keeps the compiled binary in its own cache (``CUPY_CACHE_DIR``, default
+``~/.cupy/kernel_cache``, which should be private to the user; ``CUPY_CACHE_IN_MEMORY=1`` keeps
+it in memory). Launches go to torch's current stream, so they order with the caller's work and
+are captured by ``torch.cuda.graph`` like any other kernel.
 
 Design note: a launch is on the path of every small collective, whose whole budget is a few
 microseconds of host time. CuPy's ``RawKernel.__call__`` converts its arguments on every call
@@ -36,20 +42,31 @@ from typing import Any
 
 import torch
 
-__all__ = ["Kernel", "OneKernelGraph", "THREADS", "current_stream", "copy_async", "write_value", "launch"]
+__all__ = ["Kernel", "OneKernelGraph", "THREADS", "HEADER", "KERNELS", "sources_of", "current_stream", "copy_async",
+           "write_value", "launch"]
 
 _INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT: no context is current on this thread
 
-THREADS = 512  # must match __launch_bounds__ in kernels.cu
-_SOURCE = Path(__file__).with_name("kernels.cu")
+THREADS = 512  # must match __launch_bounds__ in the sources
+HEADER = Path(__file__).with_name("peer.cuh")  # compiled in front of every source
+KERNELS = Path(__file__).with_name("kernels.cu")  # the collectives' kernels
+
+
+def sources_of(source: Path | None = None) -> tuple[Path, ...]:
+    """The texts of one module, in order: the header, then ``source`` (default ``kernels.cu``)."""
+    return (HEADER, KERNELS if source is None else source)
+
+
+def _code(sources: tuple[Path, ...]) -> str:
+    return "".join(f'#line 1 "{f.name}"\n{f.read_text()}\n' for f in sources)
 
 
 @functools.cache
-def _module(device: int) -> Any:
-    import cupy
+def _module(device: int, sources: tuple[Path, ...]) -> Any:
+    import cupy  # deferred: CuPy (and its CUDA libraries) loads on first use, never at import
 
     with cupy.cuda.Device(device):
-        return cupy.RawModule(code=_SOURCE.read_text(), options=("--std=c++17",))
+        return cupy.RawModule(code=_code(sources), options=("--std=c++17",))
 
 
 @functools.cache
@@ -103,7 +120,7 @@ def _first_launch(*args: int) -> None:
     """Pick the launcher on first use (CuPy's compiled ``launchKernel``, else ctypes), then launch."""
     global _launch_fn, _launch_errors
     try:
-        from cupy.cuda import driver
+        from cupy.cuda import driver  # deferred: as in _module
 
         _launch_fn, _launch_errors = driver.launchKernel, (_DriverError, driver.CUDADriverError)
     except (ImportError, AttributeError):  # both or neither
@@ -147,11 +164,11 @@ current_stream = _raw_stream_fn()
 
 
 @functools.cache
-def _function(name: str, device: int) -> Any:
-    import cupy
+def _function(name: str, device: int, sources: tuple[Path, ...]) -> Any:
+    import cupy  # deferred: as in _module
 
     with cupy.cuda.Device(device):
-        return _module(device).get_function(name).kernel  # the loaded CUfunction (compiles on first use)
+        return _module(device, sources).get_function(name).kernel  # the loaded CUfunction (compiles on first use)
 
 
 class Prepared:
@@ -166,7 +183,8 @@ class Prepared:
 
 
 class Kernel:
-    """One entry point of ``kernels.cu`` bound to one context: launched with its other arguments on a stream.
+    """One entry point of a module (``sources``: the header, then the source that defines it)
+    bound to one context: launched with its other arguments on a stream.
 
     The context (``struct Ctx``, passed by value) is copied into the parameter block once; a launch
     writes the ``nargs`` 8-byte arguments that follow it and calls ``cuLaunchKernel``. Not
@@ -176,10 +194,11 @@ class Kernel:
 
     __slots__ = ("name", "_device", "_fn", "fn", "_ctx", "_args", "_params", "params", "_n")
 
-    def __init__(self, name: str, device: int, ctx: bytes, nargs: int = 4) -> None:
+    def __init__(self, name: str, device: int, ctx: bytes, nargs: int = 4,
+                 sources: tuple[Path, ...] = (HEADER, KERNELS)) -> None:
         self.name = name
         self._device = device
-        self._fn = _function(name, device)
+        self._fn = _function(name, device, sources)
         self.fn = int(self._fn.ptr)
         self._ctx = ctypes.create_string_buffer(ctx, len(ctx))
         self._n = nargs

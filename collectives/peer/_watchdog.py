@@ -30,7 +30,7 @@ from typing import Any
 
 __all__ = ["SectionWatchdog"]
 
-# the host-mapped record's words (kernels.cu, struct Ctx): failed, stage, block, peer, opened, closed
+# the host-mapped record's words (peer.cuh, struct Ctx): failed, stage, block, peer, opened, closed
 FAILED, OPENED, CLOSED = 0, 4, 5
 
 

@@ -19,6 +19,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 __all__ = ["PeerMemory", "peer_memory", "close_peer_memory", "peer_unavailable", "two_shot_piece", "MAX_RANKS",
            "DTYPES"]
 
-# Must match kernels.cu.
+# Must match peer.cuh.
 MAX_RANKS = 8
 MAX_BLOCKS = 128
 N_STAGES = 2
@@ -55,6 +56,8 @@ _STAGES = {0: "data pushed", 1: "reduced shard pushed", 2: "low-latency words pu
            10: "chunk pushed (copy engine)", 11: "chunk reduced (copy engine)", 12: "chunk pulled (copy engine)",
            _STREAM_WAIT: "copy-engine section, stream waits"}
 _TAGS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+# transitional: the MoE row kernels' source, for overlap/_moe_peer.py's launches that do not pass it
+_ROWS_SOURCE = Path(__file__).resolve().parents[2] / "overlap" / "_moe_rows.cu"
 DTYPES = frozenset(_TAGS)
 PACK_BYTES = 16
 ONE_SHOT_LL_MAX_BYTES = 256 << 10
@@ -882,18 +885,22 @@ class PeerMemory:
                                    "use algorithm='native' for other dtypes")
 
     def _kernel(self, kind: str, dtype: torch.dtype | None, vec: bool, nargs: int = 4,
-                bases: tuple[int, ...] | None = None) -> _launch.Kernel:
+                bases: tuple[int, ...] | None = None, source: Path | None = None) -> _launch.Kernel:
         """``kind``'s entry point for ``dtype``; with ``bases``, one whose context names, as rank q's
         slot buffer, this rank's own buffer moved by ``bases[q]`` bytes (a kernel written to read
-        the peers' buffers then reads copies of them that the copy engines put in this one)."""
+        the peers' buffers then reads copies of them that the copy engines put in this one).
+        ``source``: the ``.cu`` file that defines it, compiled after ``peer.cuh`` (default
+        ``kernels.cu``)."""
+        if source is None and kind.startswith("rows_"):
+            source = _ROWS_SOURCE  # transitional: overlap/_moe_peer.py still calls this without source=
         if self._err_np[0]:
             self.check()
-        key = (kind, dtype, vec, bases)
+        key = (kind, dtype, vec, bases, source)
         k = self._kernels.get(key)
         if k is None:
             name = kind if dtype is None else f"{kind}_{_TAGS[dtype]}_{'vec' if vec else 'scalar'}"
             k = self._kernels[key] = _launch.Kernel(name, self._index, self._ctx if bases is None else
-                                                    self._local_ctx(bases), nargs)
+                                                    self._local_ctx(bases), nargs, _launch.sources_of(source))
         return k
 
     def _local_ctx(self, bases: tuple[int, ...]) -> bytes:
