@@ -2,7 +2,7 @@
 of one node by copy engines, so the collective takes no SMs from the GEMMs.
 
 Design note. This is the decomposition AsyncTP and Flux use, over the peer buffers of
-``collectives.peer`` (``PeerMemory``'s copy-engine channels: pushes by ``cudaMemcpyAsync`` into a
+``collectives.peer`` (a ``PeerMemory``'s ``CopyEngines``: pushes by ``cudaMemcpyAsync`` into a
 peer's slot buffer, flags written by stream memory operations; the copy streams wait by stream
 memory operations too, which take no SM from the GEMMs and are bounded by the section's watchdog
 (``collectives/peer/_watchdog.py``), the compute stream by a bounded one-block kernel).
@@ -33,7 +33,7 @@ reuses a ring slot (chunk j + ring) is issued right after the consumption of chu
 signalled, not with the first pushes, and the all-reduce's pull of chunk j right after its own
 push of chunk j, not after the whole loop. (Issued all up front, a call whose ring wrapped hung
 on the GPUs until the peer-memory timeout; the CPU stand-in, whose hosts never blocked, passed.) The whole call
-sits between ``ce_open`` and ``ce_close`` barriers, so nothing else uses the slots meanwhile.
+sits in a copy-engine section (its ``open`` and ``close`` barriers), so nothing else uses the slots meanwhile.
 Everything is ordered on streams: nothing on the path waits on the host. Every rank splits every
 block into the same number of chunks (some possibly empty), so that flags and slots line up
 across ranks. ``tests/test_overlap_copy_engine_sim.py`` runs this bookkeeping on CPU threads.
@@ -46,7 +46,8 @@ from typing import Any
 import torch
 
 from collectives.errors import UnsupportedError
-from collectives.peer.memory import CE_PULLED, CE_PUSHED, CE_RING, DTYPES, PeerMemory
+from collectives.peer import (CE_PULLED, CE_PUSHED, CE_RING, DTYPES, PeerMemory, has_peer_memory, peer_memory,
+                              peer_unavailable)
 
 __all__ = ["all_gather_gemm", "gemm_reduce_scatter", "gemm_all_reduce", "unavailable"]
 
@@ -55,8 +56,6 @@ _ALIGN = 256  # bytes: every slot region starts on a 256-byte boundary (vector l
 
 def unavailable(comm: Any, device: torch.device, dtype: torch.dtype) -> str:
     """Why the copy-engine strategy cannot run here, or ``""``."""
-    from collectives.peer import peer_unavailable
-
     if device.type != "cuda":
         return f"it moves data between GPUs of one node; these tensors are on {device.type}"
     if dtype not in DTYPES:
@@ -68,18 +67,14 @@ def prepare(comm: Any) -> None:
     """Build what a CUDA-graph capture of this strategy needs but cannot build itself: the
     communicator's peer buffers (collective), the kernels it launches and the tensor over its
     slots. Called eagerly, before a capture may choose the strategy."""
-    from collectives.peer import peer_memory
-
     pm = peer_memory(comm)
-    pm._kernel("ce_fence", None, False, 1)
-    pm._kernel("ce_wait", None, False, 3)  # the compute stream's waits
+    pm.copy_engines.prepare()  # the sections' barriers and the compute stream's waits
     pm.slot_view(0, (1,), torch.uint8)
 
 
 def ready(comm: Any) -> bool:
     """Whether ``prepare`` has run for this communicator (its peer buffers are open)."""
-    pm = comm._peer_memory
-    return pm is not None and not pm.closed
+    return has_peer_memory(comm)
 
 
 def _split(n: int, chunks: int) -> list[tuple[int, int]]:
@@ -114,7 +109,7 @@ class _Streams:
 
     def __init__(self, pm: PeerMemory) -> None:
         self.main = torch.cuda.current_stream(pm.device)
-        self.push, self.pull = pm.copy_streams
+        self.push, self.pull = pm.copy_engines.streams
         self.ms, self.ps, self.ls = self.main.cuda_stream, self.push.cuda_stream, self.pull.cuda_stream
         # One event for every "after the compute stream's work so far": a wait takes the record
         # that is current when it is issued, so recording again later leaves earlier waits alone.
@@ -144,8 +139,9 @@ def all_gather_gemm(pm: PeerMemory, rows: torch.Tensor, b: torch.Tensor, chunks:
     region = _region(max(hi - lo for lo, hi in bounds), k, es)
     ring = _ring(pm, region, pm.slot_bytes, CE_RING)
     peers = [(r + d) % w for d in range(1, w)]
+    ce = pm.copy_engines
     st = _Streams(pm)
-    pm.ce_open()
+    ce.open()
     st.after_main(st.push)
     base = rows.data_ptr()
 
@@ -153,11 +149,11 @@ def all_gather_gemm(pm: PeerMemory, rows: torch.Tensor, b: torch.Tensor, chunks:
         lo, hi = bounds[j]
         s, u = j % ring, j // ring
         if u:
-            pm.ce_wait(st.ps, s, CE_PULLED, u)  # every peer has multiplied what it got in this slot last time
+            ce.wait(st.ps, s, CE_PULLED, u)  # every peer has multiplied what it got in this slot last time
         for q in peers:
             if hi > lo:
-                pm.ce_push(st.ps, q, (s * w + r) * region, base + lo * k * es, (hi - lo) * k * es)
-            pm.ce_signal(st.ps, q, s, CE_PUSHED, u + 1)
+                ce.push(st.ps, q, (s * w + r) * region, base + lo * k * es, (hi - lo) * k * es)
+            ce.signal(st.ps, q, s, CE_PUSHED, u + 1)
 
     for j in range(min(ring, len(bounds))):
         push(j)
@@ -166,18 +162,18 @@ def all_gather_gemm(pm: PeerMemory, rows: torch.Tensor, b: torch.Tensor, chunks:
         full[r].copy_(rows)
     for j, (lo, hi) in enumerate(bounds):
         s, u = j % ring, j // ring
-        pm.ce_wait(st.ms, s, CE_PUSHED, u + 1, kernel=True)
+        ce.wait(st.ms, s, CE_PUSHED, u + 1, kernel=True)
         for q in peers:
             if hi > lo:
                 got = pm.slot_view((s * w + q) * region, (hi - lo, k), rows.dtype)
                 torch.matmul(got, b, out=out[q, lo:hi])
                 if full is not None:
                     full[q, lo:hi].copy_(got)
-            pm.ce_signal(st.ms, q, s, CE_PULLED, u + 1)
+            ce.signal(st.ms, q, s, CE_PULLED, u + 1)
         if j + ring < len(bounds):
             push(j + ring)  # issued only now: see "Issue order" in the module's note
     st.join(st.push)  # `rows` is read by the push stream: the caller may free it after this call
-    pm.ce_close()
+    ce.close()
     return out.view(w * m, n), full
 
 
@@ -192,6 +188,7 @@ def _reduce_scatter_phase(pm: PeerMemory, st: _Streams, rows: torch.Tensor, b: t
     w, r, es = pm.world, pm.rank, rows.element_size()
     n = b.shape[1]
     peers = [(r + d) % w for d in range(1, w)]
+    ce = pm.copy_engines
     staging = []
     splits = {q: _split(blocks[q][1] - blocks[q][0], chunks) for q in peers}
 
@@ -204,24 +201,24 @@ def _reduce_scatter_phase(pm: PeerMemory, st: _Streams, rows: torch.Tensor, b: t
             part = torch.matmul(rows[blocks[q][0] + lo:blocks[q][0] + hi], b) if hi > lo else None
             st.after_main(st.push)
             if u and q == peers[0]:
-                pm.ce_wait(st.ps, s, CE_PULLED, u)  # every peer has consumed this slot's last use
+                ce.wait(st.ps, s, CE_PULLED, u)  # every peer has consumed this slot's last use
             if part is not None:
-                pm.ce_push(st.ps, q, (s * w + r) * region, part.data_ptr(), (hi - lo) * n * es)
+                ce.push(st.ps, q, (s * w + r) * region, part.data_ptr(), (hi - lo) * n * es)
                 staging.append(part)
-            pm.ce_signal(st.ps, q, s, CE_PUSHED, u + 1)
+            ce.signal(st.ps, q, s, CE_PUSHED, u + 1)
 
     for j in range(min(ring, chunks)):
         send(j)
     r_lo, r_hi = blocks[r]
     for j, (lo, hi) in enumerate(_split(r_hi - r_lo, chunks)):
         s, u = slot0 + j % ring, j // ring
-        pm.ce_wait(st.ms, s, CE_PUSHED, u + 1, kernel=True)
+        ce.wait(st.ms, s, CE_PUSHED, u + 1, kernel=True)
         if hi > lo:
             got = [pm.slot_view((s * w + q) * region, (hi - lo, n), rows.dtype) for q in peers]
             acc = got[0] if len(got) == 1 else torch.stack(got).sum(0)
             torch.addmm(acc, rows[r_lo + lo:r_lo + hi], b, out=out[lo:hi])
         for q in peers:
-            pm.ce_signal(st.ms, q, s, CE_PULLED, u + 1)
+            ce.signal(st.ms, q, s, CE_PULLED, u + 1)
         if after_chunk is not None:
             after_chunk(j, lo, hi)
         if j + ring < chunks:
@@ -239,11 +236,11 @@ def gemm_reduce_scatter(pm: PeerMemory, rows: torch.Tensor, b: torch.Tensor, chu
     region = _region(max(hi - lo for lo, hi in _split(m, chunks)), b.shape[1], es)
     ring = _ring(pm, region, pm.slot_bytes, CE_RING)
     st = _Streams(pm)
-    pm.ce_open()
+    pm.copy_engines.open()
     staging = _reduce_scatter_phase(pm, st, rows, b, blocks, chunks, ring, 0, region, out)
     st.join(st.push)
     del staging
-    pm.ce_close()
+    pm.copy_engines.close()
     return out
 
 
@@ -265,6 +262,7 @@ def gemm_all_reduce(pm: PeerMemory, rows: torch.Tensor, b: torch.Tensor, chunks:
     ring = _ring(pm, region, half, CE_RING // 2)
     ag0 = CE_RING // 2  # ring slots of the all-gather phase, in the second half of the buffer
     peers = [(r + d) % w for d in range(1, w)]
+    ce = pm.copy_engines
     st = _Streams(pm)
     r_lo = blocks[r][0]
     splits = {q: _split(blocks[q][1] - blocks[q][0], chunks) for q in peers}
@@ -274,24 +272,24 @@ def gemm_all_reduce(pm: PeerMemory, rows: torch.Tensor, b: torch.Tensor, chunks:
         s, u = ag0 + j % ring, j // ring
         st.after_main(st.push)
         if u:
-            pm.ce_wait(st.ps, s, CE_PULLED, u)
+            ce.wait(st.ps, s, CE_PULLED, u)
         for q in peers:
             if hi > lo:
-                pm.ce_push(st.ps, q, half + ((s - ag0) * w + r) * region, out[r_lo + lo].data_ptr(), (hi - lo) * n * es)
-            pm.ce_signal(st.ps, q, s, CE_PUSHED, u + 1)
+                ce.push(st.ps, q, half + ((s - ag0) * w + r) * region, out[r_lo + lo].data_ptr(), (hi - lo) * n * es)
+            ce.signal(st.ps, q, s, CE_PUSHED, u + 1)
         # the peers' reduced chunk j, copied into place by the pull stream when it arrives
-        pm.ce_wait(st.ls, s, CE_PUSHED, u + 1)
+        ce.wait(st.ls, s, CE_PUSHED, u + 1)
         for q in peers:
             p_lo, p_hi = splits[q][j]
             if p_hi > p_lo:
-                pm.ce_take(st.ls, half + ((s - ag0) * w + q) * region, out[blocks[q][0] + p_lo].data_ptr(),
-                           (p_hi - p_lo) * n * es)
-            pm.ce_signal(st.ls, q, s, CE_PULLED, u + 1)
+                ce.take(st.ls, half + ((s - ag0) * w + q) * region, out[blocks[q][0] + p_lo].data_ptr(),
+                        (p_hi - p_lo) * n * es)
+            ce.signal(st.ls, q, s, CE_PULLED, u + 1)
 
-    pm.ce_open()
+    ce.open()
     st.after_main(st.pull)
     staging = _reduce_scatter_phase(pm, st, rows, b, blocks, chunks, ring, 0, region, out[r_lo:blocks[r][1]], share)
     st.join(st.push, st.pull)
     del staging
-    pm.ce_close()
+    ce.close()
     return out

@@ -1,8 +1,8 @@
-"""A stand-in for the GPUs under the copy-engine paths of ``PeerMemory``, on CPU.
+"""A stand-in for the GPUs under the copy-engine collectives, on CPU.
 
 Every rank's host code runs for real (``PeerMemory._ce_by_shard`` and ``_ce_all_reduce``,
-unbound, on a ``FakeRank``) and, as on a GPU, only enqueues work: copies, flag writes, kernels,
-event records and waits, each on its stream. ``Machine.run`` then executes the queues of every
+unbound, on a ``FakeRank`` in place of the ``PeerMemory``, with a real ``CopyEngines`` over it) and, as on a GPU, only enqueues work: copies, flag writes, kernels, event records and
+waits, each on its stream. ``Machine.run`` then executes the queues of every
 rank's streams in a random order, taking at each step the head of any queue whose condition
 holds (a kernel's bounded wait on peer flags, a barrier, an event), until all are empty; if no
 head can run, the protocol is deadlocked. Memory is host memory: the slot buffers, the flag
@@ -24,7 +24,9 @@ from typing import Any, cast
 
 import torch
 
-from collectives.peer import memory as M
+from collectives.peer import _launch, _layout as L
+from collectives.peer.memory import PeerMemory
+from collectives.peer.copy_engines import CopyEngines
 
 _Op = tuple[Callable[[], bool], Callable[[], None]]  # (ready, run)
 
@@ -58,63 +60,55 @@ class Event:
 
 
 class FakeRank:
-    """What the copy-engine paths use of a ``PeerMemory``, for one rank of a ``Machine``."""
+    """What the copy-engine collectives use of a ``PeerMemory`` (its public names), for one rank
+    of a ``Machine``; its ``copy_engines`` is a real ``CopyEngines`` on the machine's streams."""
 
     def __init__(self, machine: Machine, rank: int) -> None:
         self.machine, self.rank, self.world = machine, rank, machine.world
         self.slot_bytes = machine.slot_bytes
         self.device = torch.device("cpu")
-        self._index = rank
-        self._max_blocks, self._block_bytes = 8, 1 << 10
+        self.device_index = rank
+        self.max_blocks, self.block_bytes = 8, 1 << 10
         self.ce_chunk_bytes, self.ce_max_chunks = machine.chunk_bytes, 16
         self.ce_all_reduce_chunk_bytes = machine.chunk_bytes
         self.slot_pointers = tuple(s.data_ptr() for s in machine.slots)
-        self._flag_pointers = tuple(f.data_ptr() for f in machine.flags)
+        self.flag_pointers = tuple(f.data_ptr() for f in machine.flags)
         self.main = Stream(machine, 100 * rank)
-        self._copy_streams = (Stream(machine, 100 * rank + 1), Stream(machine, 100 * rank + 2))
+        # no watchdog: it bounds stream waits on GPUs; here a wait that never holds is a deadlock
+        self.copy_engines = CopyEngines(cast(Any, self), cast(Any, (Stream(machine, 100 * rank + 1),
+                                                                    Stream(machine, 100 * rank + 2))), watchdog=False)
         self.fences = 0
-        self._sections = 0
 
-    # PeerMemory's own host code, run on this stand-in
-    def _ce_flag(self, q: int, slot: int, stage: int) -> int:
-        return M.PeerMemory._ce_flag(cast(Any, self), q, slot, stage)
+    # the copy-engine collectives, run on this stand-in
+    def by_shard(self, kind: str, output: torch.Tensor, input: torch.Tensor, m: int) -> None:
+        PeerMemory._ce_by_shard(cast(Any, self), kind, output, input, m)
 
-    def _ce_section(self) -> Any:
-        return M.PeerMemory._ce_section(cast(Any, self))
+    def all_reduce(self, t: torch.Tensor, vec: bool) -> None:
+        PeerMemory._ce_all_reduce(cast(Any, self), t, vec)
 
-    def ce_open(self) -> None:
-        M.PeerMemory.ce_open(cast(Any, self))
+    _ce_by_shard = by_shard  # what _ce_all_reduce calls at two ranks
 
-    def ce_close(self) -> None:
-        M.PeerMemory.ce_close(cast(Any, self))
+    # what they use of the PeerMemory
+    def blocks(self, nbytes: int) -> int:
+        return max(1, min(self.max_blocks, -(-nbytes // self.block_bytes)))
 
-    def _ce_by_shard(self, kind: str, output: torch.Tensor, input: torch.Tensor, m: int) -> None:
-        M.PeerMemory._ce_by_shard(cast(Any, self), kind, output, input, m)
+    def stream(self) -> int:
+        return _launch.current_stream(self.device_index)  # type: ignore[no-any-return]
 
-    def _ce_all_reduce(self, t: torch.Tensor, vec: bool) -> None:
-        M.PeerMemory._ce_all_reduce(cast(Any, self), t, vec)
-
-    def ce_wait(self, stream: int, slot: int, stage: int, value: int, *, kernel: bool | None = None,
-                source: int | None = None) -> None:
-        M.PeerMemory.ce_wait(cast(Any, self), stream, slot, stage, value, kernel=kernel, source=source)
-
-    def _watch(self) -> None:
-        pass  # the section watchdog bounds stream waits on GPUs; here a wait that never holds is a deadlock
-
-    def _check(self, t: torch.Tensor) -> None:
+    def validate(self, t: torch.Tensor) -> None:
         pass
 
-    def _kernel(self, kind: str, dtype: torch.dtype | None, vec: bool, nargs: int = 4) -> Callable[..., None]:
+    def kernel(self, kind: str, dtype: torch.dtype | None, vec: bool, nargs: int = 4) -> Callable[..., None]:
         return lambda blocks, stream, *args: self.machine.stream(stream).ops.append(
             getattr(self.machine, "_k_" + kind)(self, *args))
 
     def my_flag(self, slot: int, stage: int, src: int) -> int:
         """My copy-engine flag (slot, stage) as signalled by rank ``src``."""
-        return int(_at(self._flag_pointers[self.rank] + self.flag_offset(slot, stage, src), 1, torch.int32)[0])
+        return int(_at(self.flag_pointers[self.rank] + self.flag_offset(slot, stage, src), 1, torch.int32)[0])
 
     @staticmethod
     def flag_offset(slot: int, stage: int, src: int) -> int:
-        return (M._BLOCK_FLAG_WORDS + (slot * M.CE_STAGES + stage) * M.MAX_RANKS + src) * 4
+        return L.ce_flag_offset(slot, stage, src)
 
 
 class Machine:
@@ -123,9 +117,9 @@ class Machine:
     def __init__(self, world: int, slot_bytes: int, chunk_bytes: int) -> None:
         self.world, self.slot_bytes, self.chunk_bytes = world, slot_bytes, chunk_bytes
         self.slots = [torch.full((slot_bytes,), 0xAB, dtype=torch.uint8) for _ in range(world)]
-        self.flags = [torch.zeros(M.FLAG_BYTES // 4, dtype=torch.int32) for _ in range(world)]
+        self.flags = [torch.zeros(L.FLAG_BYTES // 4, dtype=torch.int32) for _ in range(world)]
         self.ranks = [FakeRank(self, r) for r in range(world)]
-        self._streams = {s.cuda_stream: s for r in self.ranks for s in (r.main, *r._copy_streams)}
+        self._streams = {s.cuda_stream: s for r in self.ranks for s in (r.main, *r.copy_engines.streams)}
         self._arrived: list[int] = [0] * world  # fences each rank has reached
         self.active = 0
         self.most_uses = 0  # the highest use count signalled for a ring slot (>= 2: the ring wrapped)
@@ -136,8 +130,6 @@ class Machine:
     # -- the host side: run each rank's call with the fakes in place --------------------------
     @contextlib.contextmanager
     def patched(self) -> Iterator[None]:
-        from collectives.peer import _launch
-
         saved = (_launch.copy_async, _launch.write_value, _launch.current_stream, torch.cuda.current_stream,
                  torch.cuda.Event, _launch.wait_value)
 
@@ -198,7 +190,7 @@ class Machine:
     def _signal(self, me: FakeRank, slot: int, stage: int, value: int) -> None:
         for q in range(self.world):
             if q != me.rank:
-                _at(me._flag_pointers[q] + me.flag_offset(slot, stage, me.rank), 1, torch.int32).fill_(value)
+                _at(me.flag_pointers[q] + me.flag_offset(slot, stage, me.rank), 1, torch.int32).fill_(value)
 
     def _k_ce_fence(self, me: FakeRank, mode: int) -> _Op:
         me.fences += 1
@@ -212,9 +204,9 @@ class Machine:
             return all(a >= k for a in self._arrived)
 
         def run() -> None:
-            if mode & M._FENCE_CLEAR:
-                start = M._BLOCK_FLAG_WORDS
-                self.flags[me.rank][start:start + M.CE_RING * M.CE_STAGES * M.MAX_RANKS] = 0
+            if mode & L.FENCE_CLEAR:
+                start = L.BLOCK_FLAG_WORDS
+                self.flags[me.rank][start:start + L.CE_RING * L.CE_STAGES * L.MAX_RANKS] = 0
         return ready, run
 
     def _k_ce_wait(self, me: FakeRank, slot: int, stage: int, value: int) -> _Op:
@@ -234,8 +226,8 @@ class Machine:
                 acc += _at(src, nj, torch.float32) if q == me.rank else _at(mine + (slot_off + q * C) * 4, nj,
                                                                              torch.float32)
             _at(dst, nj, torch.float32).copy_(acc)
-            self._signal(me, s, M.CE_REDUCED, u + 1)
-        return (lambda: self._peers_at_least(me, s, M.CE_PUSHED, u + 1)), run
+            self._signal(me, s, L.CE_REDUCED, u + 1)
+        return (lambda: self._peers_at_least(me, s, L.CE_PUSHED, u + 1)), run
 
     def _k_ce_reduce(self, me: FakeRank, src: int, dst: int, slot_off: int, S: int, nj: int, j: int, R: int,
                      S_max: int) -> _Op:
@@ -244,8 +236,8 @@ class Machine:
         mine = self.slots[r].data_ptr()
 
         def ready() -> bool:
-            return self._peers_at_least(me, s, M.CE_PUSHED, u + 1) and \
-                (u == 0 or self._peers_at_least(me, s, M.CE_PULLED, u))
+            return self._peers_at_least(me, s, L.CE_PUSHED, u + 1) and \
+                (u == 0 or self._peers_at_least(me, s, L.CE_PULLED, u))
 
         def run() -> None:
             n = max(0, min(S, nj - r * S))
@@ -255,5 +247,5 @@ class Machine:
                                                                                   torch.float32)
             _at(mine + (slot_off + w * S_max) * 4, n, torch.float32).copy_(acc)
             _at(dst + r * S * 4, n, torch.float32).copy_(acc)
-            self._signal(me, s, M.CE_REDUCED, u + 1)
+            self._signal(me, s, L.CE_REDUCED, u + 1)
         return ready, run

@@ -1,4 +1,5 @@
-"""A stand-in for ``PeerMemory`` on CPU threads, for the copy-engine bookkeeping tests.
+"""A stand-in for ``PeerMemory`` and its ``CopyEngines`` on CPU threads, for the copy-engine
+bookkeeping tests of ``overlap/_copy_engine.py``.
 
 Every rank is a thread: copies are ``memmove`` into shared CPU buffers, flags live under a
 condition variable, the compute stream runs on the rank's thread and each copy stream is a
@@ -81,24 +82,25 @@ def _on(stream: Any, fn: Any) -> None:
         stream.work.put(fn)
 
 
-class _FakePeerMemory:
+class _FakeCopyEngines:
+    """What ``overlap/_copy_engine.py`` uses of ``CopyEngines``."""
+
     def __init__(self, hub: _Hub, rank: int) -> None:
         self.hub, self.rank, self.world = hub, rank, hub.world
         self.slot_bytes = hub.slots[0].numel()
-        self.device = torch.device("cpu")
-        self.copy_streams = (_Stream(f"push{rank}"), _Stream(f"pull{rank}"))
+        self.streams = (_Stream(f"push{rank}"), _Stream(f"pull{rank}"))
         self.slot_pointers = tuple(t.data_ptr() for t in hub.slots)
 
-    def ce_open(self) -> None:
+    def open(self) -> None:
         self.hub.barrier.wait()
 
-    def ce_close(self) -> None:
+    def close(self) -> None:
         self.hub.barrier.wait()
         with self.hub.cv:
             for key in [k for k in self.hub.flags if k[0] == self.rank]:
                 del self.hub.flags[key]
 
-    def ce_wait(self, stream: Any, slot: int, stage: int, value: int, *, kernel: bool | None = None) -> None:
+    def wait(self, stream: Any, slot: int, stage: int, value: int, *, kernel: bool | None = None) -> None:
         def ready() -> bool:
             return all(self.hub.flags.get((self.rank, slot, stage, q), 0) >= value
                        for q in range(self.world) if q != self.rank)
@@ -111,7 +113,7 @@ class _FakePeerMemory:
 
         _on(stream, wait)
 
-    def ce_signal(self, stream: Any, peer: int, slot: int, stage: int, value: int) -> None:
+    def signal(self, stream: Any, peer: int, slot: int, stage: int, value: int) -> None:
         def signal() -> None:
             with self.hub.cv:
                 self.hub.flags[(peer, slot, stage, self.rank)] = value
@@ -119,13 +121,23 @@ class _FakePeerMemory:
 
         _on(stream, signal)
 
-    def ce_push(self, stream: Any, peer: int, offset: int, src: int, nbytes: int) -> None:
+    def push(self, stream: Any, peer: int, offset: int, src: int, nbytes: int) -> None:
         assert 0 <= offset and offset + nbytes <= self.slot_bytes, (offset, nbytes)
         _on(stream, lambda: ctypes.memmove(self.slot_pointers[peer] + offset, src, nbytes))
 
-    def ce_take(self, stream: Any, offset: int, dst: int, nbytes: int) -> None:
+    def take(self, stream: Any, offset: int, dst: int, nbytes: int) -> None:
         assert 0 <= offset and offset + nbytes <= self.slot_bytes, (offset, nbytes)
         _on(stream, lambda: ctypes.memmove(dst, self.slot_pointers[self.rank] + offset, nbytes))
+
+
+class _FakePeerMemory:
+    """What ``overlap/_copy_engine.py`` uses of ``PeerMemory``."""
+
+    def __init__(self, hub: _Hub, rank: int) -> None:
+        self.hub, self.rank, self.world = hub, rank, hub.world
+        self.slot_bytes = hub.slots[0].numel()
+        self.device = torch.device("cpu")
+        self.copy_engines = _FakeCopyEngines(hub, rank)
 
     def slot_view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         es = torch.empty((), dtype=dtype).element_size()
@@ -138,7 +150,7 @@ class _FakePeerMemory:
 
 class _Streams:
     def __init__(self, pm: Any) -> None:
-        self.push, self.pull = pm.copy_streams
+        self.push, self.pull = pm.copy_engines.streams
         self.main, self.ms, self.ps, self.ls = MAIN, MAIN, self.push, self.pull
 
     def after_main(self, side: Any) -> None:
@@ -158,7 +170,7 @@ class _SyncingTorch:
 
     @staticmethod
     def _device_sync() -> None:
-        for st in _LOCAL.pm.copy_streams:
+        for st in _LOCAL.pm.copy_engines.streams:
             st.drain(SYNC_TIMEOUT_S)
 
     def matmul(self, *args: Any, **kwargs: Any) -> Any:
@@ -190,7 +202,7 @@ def run_ranks(world: int, slot_bytes: int, fn: Any) -> list[Any]:
             errors.append(exc)
             hub.barrier.abort()
         finally:
-            for st in pm.copy_streams:
+            for st in pm.copy_engines.streams:
                 st.work.put(None)
 
     threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]

@@ -31,8 +31,8 @@ import collectives as C  # noqa: E402
 from bench.reference import rank_data  # noqa: E402
 from collectives import _env, _native, dispatch as _dispatch  # noqa: E402
 from collectives.peer import PeerMemory, peer_memory  # noqa: E402
+from collectives.peer import CE_PUSHED  # noqa: E402
 from collectives.peer import memory as M  # noqa: E402
-from collectives.peer.memory import CE_PUSHED  # noqa: E402
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 EPS = {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
@@ -347,13 +347,13 @@ class Checker:
         # that no peer ever signals.
         pm = PeerMemory(self.comm, slot_bytes=1 << 20, timeout_s=0.5)
         side = torch.cuda.Stream(self.dev)
-        pm.ce_open()
+        pm.copy_engines.open()
         if self.r == 0:
             t0 = time.perf_counter()
             side.wait_stream(torch.cuda.current_stream())
-            pm.ce_wait(side.cuda_stream, 3, CE_PUSHED, 1)
+            pm.copy_engines.wait(side.cuda_stream, 3, CE_PUSHED, 1)
             torch.cuda.current_stream().wait_stream(side)
-        pm.ce_close()
+        pm.copy_engines.close()
         torch.cuda.synchronize()
         if self.r == 0:
             waited = time.perf_counter() - t0
@@ -361,12 +361,12 @@ class Checker:
                                 lambda exc: bool(exc.missing) and 0.4 < waited < 10 and "copy-engine section" in str(exc))
         dist.barrier()
         pm.close()
-        # Outside a section nothing watches a stream wait, so ce_wait's default there is its
-        # bounded kernel: a flag never signalled must time out, not hang the stream.
+        # Outside a section nothing watches a stream wait, so copy_engines.wait's default there is
+        # its bounded kernel: a flag never signalled must time out, not hang the stream.
         pm = PeerMemory(self.comm, slot_bytes=1 << 20, timeout_s=0.5)
         if self.r == 0:
             t0 = time.perf_counter()
-            pm.ce_wait(torch.cuda.current_stream().cuda_stream, 2, CE_PUSHED, 1)
+            pm.copy_engines.wait(torch.cuda.current_stream().cuda_stream, 2, CE_PUSHED, 1)
             torch.cuda.synchronize()
             waited = time.perf_counter() - t0
             self.expect_timeout(pm, "a wait outside any section was never signalled", waited,
@@ -379,8 +379,8 @@ class Checker:
         for _ in range(3):
             pm.barrier()
         pm.barrier(clear=True)
-        pm.ce_open()
-        pm.ce_close()
+        pm.copy_engines.open()
+        pm.copy_engines.close()
         torch.cuda.synchronize()
         time.sleep(1.2)
         z = torch.ones(64, device=self.dev)

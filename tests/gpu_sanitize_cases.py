@@ -1,6 +1,6 @@
 """Small cases for compute-sanitizer (``launch/gpu_suite.sh OUT sanitize``) beyond
 ``gpu_peer_check.py --quick``: the MoE pipeline over copy engines (row kernels reading through
-per-rank bases, ``PeerMemory._kernel``) and the copy-engine all-reduce in many small chunks (at
+per-rank bases, ``PeerMemory.kernel``) and the copy-engine all-reduce in many small chunks (at
 two ranks the one shot, its ramp and a ring that wraps), each against the plain result.
 
     torchrun --nproc-per-node 2 tests/gpu_sanitize_cases.py

@@ -1,5 +1,5 @@
-"""The copy-engine paths of ``PeerMemory`` (all-reduce, reduce-scatter, all-gather) on a CPU
-stand-in for the GPUs (``tests/_fake_ce.py``): 2 to 5 ranks, messages that wrap the ring of
+"""The copy-engine paths of ``PeerMemory`` (all-reduce, reduce-scatter, all-gather, over
+``collectives/peer/copy_engines.py``) on a CPU stand-in for the GPUs (``tests/_fake_ce.py``): 2 to 5 ranks, messages that wrap the ring of
 slots several times and end in a partial chunk, every stream's work run in random orders. Each
 result is checked against its definition in float64, and every rank's copy-engine flags must be
 back to zero after the call (the closing barrier's promise to the next call)."""
@@ -9,7 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests._fake_ce import FakeRank, Machine
+from collectives.errors import UnsupportedError
+from collectives.peer import _launch
+from collectives.peer.copy_engines import CE_PUSHED
+from collectives.peer.memory import ce_pieces
+from tests._fake_ce import FakeRank, Machine, _at
 
 
 def _fresh(world: int, n: int, seed: int) -> list[torch.Tensor]:
@@ -35,7 +39,7 @@ def test_reduce_scatter_and_all_gather_by_copy_engines(world: int, kind: str) ->
                 for _ in range(world)]
 
         def host(r: FakeRank) -> None:
-            r._ce_by_shard(kind, outs[r.rank], inputs[r.rank], m_elems)
+            r.by_shard(kind, outs[r.rank], inputs[r.rank], m_elems)
 
         machine.call(host)
         machine.run(seed)
@@ -60,7 +64,7 @@ def test_all_reduce_by_copy_engines(world: int) -> None:
             machine = Machine(world, slot_bytes, chunk_bytes)
             inputs = _fresh(world, n, seed)
             tensors = [x.clone() for x in inputs]
-            machine.call(lambda r: r._ce_all_reduce(tensors[r.rank], True))
+            machine.call(lambda r: r.all_reduce(tensors[r.rank], True))
             machine.run(100 * seed + order_seed)
             total = torch.stack(inputs).double().sum(0)
             for r in range(world):
@@ -72,8 +76,6 @@ def test_all_reduce_by_copy_engines(world: int) -> None:
 
 def test_a_missing_signal_is_a_deadlock_not_a_wrong_answer() -> None:
     """The stand-in can fail: drop one rank's PUSHED signals and it reports the wait."""
-    from collectives.peer import _launch
-
     machine = Machine(2, 2048, 64)
     inputs = _fresh(2, 74, 0)
     outs = [torch.empty(37) for _ in range(2)]
@@ -83,7 +85,7 @@ def test_a_missing_signal_is_a_deadlock_not_a_wrong_answer() -> None:
             machine.active = r.rank
             if r.rank == 1:
                 _launch.write_value = lambda stream, addr, value: None
-            r._ce_by_shard("reduce_scatter", outs[r.rank], inputs[r.rank], 37)
+            r.by_shard("reduce_scatter", outs[r.rank], inputs[r.rank], 37)
             _launch.write_value = write
     with pytest.raises(AssertionError, match="deadlock"):
         machine.run(0)
@@ -93,8 +95,6 @@ def test_a_missing_signal_is_a_deadlock_not_a_wrong_answer() -> None:
                                                (4097, 256, 8, True), (0, 64, 4, True), (7, 64, 4, True)])
 def test_copy_engine_chunks_cover_the_message_once_within_the_chunk_size(m: int, chunk: int, pack: int,
                                                                          ramp: bool) -> None:
-    from collectives.peer.memory import ce_pieces
-
     pieces = ce_pieces(m, chunk, pack, ramp)
     assert [lo for lo, _ in pieces] == [sum(n for _, n in pieces[:i]) for i in range(len(pieces))]
     assert sum(n for _, n in pieces) == m and all(0 < n <= chunk for _, n in pieces)
@@ -111,24 +111,23 @@ def test_copy_engine_chunks_cover_the_message_once_within_the_chunk_size(m: int,
 def test_a_wait_for_one_source_holds_only_for_that_peers_flag() -> None:
     """``ce_wait(source=q)`` (kernel and stream forms) waits for rank q's flag alone; a source
     that is not a peer is refused before anything is queued."""
-    from collectives.errors import UnsupportedError
-    from collectives.peer.memory import CE_PUSHED
-    from tests._fake_ce import _at
-
     for kernel in (True, False):
         machine = Machine(3, 2048, 64)
         me = machine.ranks[0]
-        me._sections = 0 if kernel else 1  # a stream wait is allowed inside a section only
+        ce = me.copy_engines
         with machine.patched():
+            if not kernel:  # a stream wait is allowed inside a section only
+                ce.open()
+                me.main.ops.clear()  # the opening barrier
             stream = me.main.cuda_stream
             for bad in (0, 3, -1):
                 with pytest.raises(UnsupportedError, match="source"):
-                    me.ce_wait(stream, 0, CE_PUSHED, 1, kernel=kernel, source=bad)
+                    ce.wait(stream, 0, CE_PUSHED, 1, kernel=kernel, source=bad)
             assert not me.main.ops
-            me.ce_wait(stream, 0, CE_PUSHED, 1, kernel=kernel, source=2)
+            ce.wait(stream, 0, CE_PUSHED, 1, kernel=kernel, source=2)
         assert len(me.main.ops) == 1
         ready = me.main.ops[0][0]
         assert not ready()
         for src, holds in ((1, False), (2, True)):  # another peer's flag leaves it waiting
-            _at(me._flag_pointers[0] + FakeRank.flag_offset(0, CE_PUSHED, src), 1, torch.int32).fill_(1)
+            _at(me.flag_pointers[0] + FakeRank.flag_offset(0, CE_PUSHED, src), 1, torch.int32).fill_(1)
             assert ready() is holds, (kernel, src)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from collectives.errors import CollectiveTimeout, UnsupportedError
-from collectives.peer import _launch
+from collectives.peer import _launch, _layout as L, copy_engines as CE
 from collectives.peer import memory as M
 
 
@@ -42,18 +42,18 @@ def pm(monkeypatch: pytest.MonkeyPatch) -> Any:
     log: list[Any] = []
     kernels: dict[Any, _Kernel] = {}
     p = object.__new__(M.PeerMemory)
-    p.world, p.rank, p.closed, p._index, p.device = 2, 0, False, -1, torch.device("cpu")
+    p.world, p.rank, p.closed, p.device_index, p.device = 2, 0, False, -1, torch.device("cpu")
     p._plans, p._ready, p._block_bytes, p._max_blocks = {}, weakref.WeakSet(), 8 << 10, M.MAX_BLOCKS
-    p._set_bytes, p.ll_max_bytes, p.timeout_s = 1 << 20, M.ONE_SHOT_LL_MAX_BYTES, 1.0
+    p.set_bytes, p.ll_max_bytes, p.timeout_s = 1 << 20, M.ONE_SHOT_LL_MAX_BYTES, 1.0
     p._err_np = np.zeros(8, dtype=np.int32)  # the host-mapped record (peer.cuh, struct Ctx)
-    p._sections = 0
     p.comm = SimpleNamespace(global_ranks=(0, 1))
+    p.copy_engines = CE.CopyEngines(p, (SimpleNamespace(), SimpleNamespace()))  # type: ignore[arg-type]
 
-    def kernel(kind: str, dtype: Any, vec: bool, nargs: int = 4, bases: Any = None) -> _Kernel:
+    def kernel(kind: str, dtype: Any, vec: bool, nargs: int = 4, bases: Any = None, source: Any = None) -> _Kernel:
         name = f"{kind}_{M._TAGS[dtype]}_{'vec' if vec else 'scalar'}"
         return kernels.setdefault((kind, dtype, vec), _Kernel(name, log))
 
-    p._kernel = kernel
+    p.kernel = kernel
     monkeypatch.setattr(_launch, "current_stream", lambda index: 7)
     monkeypatch.setattr(_launch, "launch",
                         lambda fn, blocks, stream, params, name="", device=None: log.append((name, blocks, params)))
@@ -107,7 +107,7 @@ def test_shard_repeat_launches_what_the_general_call_did(pm: Any, op: str, m: in
 
 
 def test_calls_of_several_pieces_are_not_kept(pm: Any) -> None:
-    n = 3 * M.two_shot_piece(pm._set_bytes, pm.world, 2)
+    n = 3 * M.two_shot_piece(pm.set_bytes, pm.world, 2)
     x = torch.empty(n, dtype=torch.bfloat16)
     run = pm.runner("all_reduce", "two_shot")
     first, again = _twice(pm, run, x, x)
@@ -169,7 +169,7 @@ def test_a_reported_timeout_raises_instead_of_launching(pm: Any) -> None:
     x = torch.empty(64, dtype=torch.float32)
     run = pm.runner("all_reduce", "one_shot")
     _twice(pm, run, x, x)
-    pm._err_np[:4] = (1, 0, 0, 1)  # a kernel gave up waiting for rank 1
+    pm.error_record[:4] = (1, 0, 0, 1)  # a kernel gave up waiting for rank 1
     pm.log.clear()
     with pytest.raises(CollectiveTimeout):
         run(x, x)
@@ -299,56 +299,58 @@ def test_launch_binds_the_kernels_own_device(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_a_released_section_names_the_peer_behind(pm: Any) -> None:
     # the section watchdog's record (collectives/peer/_watchdog.py): stage 20, no block, peer 1
-    pm._err_np[:4] = (1, M._STREAM_WAIT, -1, 1)
+    pm.error_record[:4] = (1, L.STREAM_WAIT, -1, 1)
     with pytest.raises(CollectiveTimeout) as info:
         pm.check()
     assert info.value.missing == [1] and "copy-engine section" in str(info.value) and "block" not in str(info.value)
-    pm._err_np[:4] = (1, 10, 3, 1)  # a kernel's own timeout still names its block and flag
+    pm.error_record[:4] = (1, 10, 3, 1)  # a kernel's own timeout still names its block and flag
     with pytest.raises(CollectiveTimeout, match="block 3 for the flag 'chunk pushed"):
         pm.check()
 
 
 def test_sections_and_barriers_tell_the_fence_apart(pm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     # ce_fence's mode bits (kernels.cu): the watchdog counts only sections, so a plain barrier
-    # (the MoE transport's) must open none, and only ce_open starts the watchdog
+    # (the MoE transport's) must open none, and only opening one starts the watchdog
     started: list[Any] = []
-    monkeypatch.setattr(M, "SectionWatchdog", lambda *args: SimpleNamespace(start=lambda: started.append(args)))
-    pm._watchdog = None
+    monkeypatch.setattr(CE, "SectionWatchdog", lambda *args: SimpleNamespace(start=lambda: started.append(args)))
     fence = []
-    pm._kernel = lambda kind, *a, **k: (lambda blocks, stream, *args: fence.append((kind, args)))
+    pm.kernel = lambda kind, *a, **k: (lambda blocks, stream, *args: fence.append((kind, args)))
     pm.barrier()
     pm.barrier(clear=True)
-    assert fence == [("ce_fence", (0,)), ("ce_fence", (M._FENCE_CLEAR,))] and started == []
+    assert fence == [("ce_fence", (0,)), ("ce_fence", (L.FENCE_CLEAR,))] and started == []
     fence.clear()
-    pm.ce_open()
-    pm.ce_close()
-    pm.ce_open()
-    assert fence == [("ce_fence", (M._FENCE_OPEN,)), ("ce_fence", (M._FENCE_CLEAR | M._FENCE_CLOSE,)),
-                     ("ce_fence", (M._FENCE_OPEN,))]
-    assert len(started) == 1  # one watchdog, started by the first section
+    ce = pm.copy_engines
+    ce.open()
+    ce.close()
+    ce.open()
+    assert fence == [("ce_fence", (L.FENCE_OPEN,)), ("ce_fence", (L.FENCE_CLEAR | L.FENCE_CLOSE,)),
+                     ("ce_fence", (L.FENCE_OPEN,))]
+    assert len(started) == 1 and ce.sections == 1  # one watchdog, started by the first section
 
 
 def test_stream_waits_only_inside_a_section(pm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     # the watchdog bounds stream waits only while a section is open: outside one, ce_wait waits
     # with its bounded kernel, and a stream wait asked for there is refused before anything runs
-    monkeypatch.setattr(M, "SectionWatchdog", lambda *args: SimpleNamespace(start=lambda: None))
-    pm._watchdog = None
-    pm._flag_pointers = (1 << 20, 2 << 20)
+    monkeypatch.setattr(CE, "SectionWatchdog", lambda *args: SimpleNamespace(start=lambda: None))
+    pm.flag_pointers = (1 << 20, 2 << 20)
     log: list[Any] = []
-    pm._kernel = lambda kind, *a, **k: (lambda blocks, stream, *args: log.append((kind, args)))
-    monkeypatch.setattr(_launch, "wait_value", lambda stream, address, value: log.append(("wait_value", value)))
-    pm.ce_wait(5, 1, M.CE_PULLED, 3)
-    assert log == [("ce_wait", (1, M.CE_PULLED, 3))]
+    pm.kernel = lambda kind, *a, **k: (lambda blocks, stream, *args: log.append((kind, args)))
+    monkeypatch.setattr(_launch, "wait_value", lambda stream, address, value: log.append(("wait_value", address,
+                                                                                          value)))
+    ce = pm.copy_engines
+    ce.wait(5, 1, CE.CE_PULLED, 3)
+    assert log == [("ce_wait", (1, CE.CE_PULLED, 3))]
     with pytest.raises(UnsupportedError, match="kernel.*outside a copy-engine section.*kernel=True"):
-        pm.ce_wait(5, 1, M.CE_PULLED, 3, kernel=False)
+        ce.wait(5, 1, CE.CE_PULLED, 3, kernel=False)
     log.clear()
-    pm.ce_open()
-    pm.ce_wait(5, 1, M.CE_PULLED, 3)  # one stream wait per peer (one peer here)
-    pm.ce_wait(5, 1, M.CE_PULLED, 4, kernel=True)
-    pm.ce_close()
-    pm.ce_wait(5, 1, M.CE_PULLED, 5)
-    assert log == [("ce_fence", (M._FENCE_OPEN,)), ("wait_value", 3), ("ce_wait", (1, M.CE_PULLED, 4)),
-                   ("ce_fence", (M._FENCE_CLEAR | M._FENCE_CLOSE,)), ("ce_wait", (1, M.CE_PULLED, 5))]
+    ce.open()
+    ce.wait(5, 1, CE.CE_PULLED, 3)  # one stream wait per peer (one peer here): rank 1's flag at rank 0
+    ce.wait(5, 1, CE.CE_PULLED, 4, kernel=True)
+    ce.close()
+    ce.wait(5, 1, CE.CE_PULLED, 5)
+    flag = (1 << 20) + L.ce_flag_offset(1, CE.CE_PULLED, 1)
+    assert log == [("ce_fence", (L.FENCE_OPEN,)), ("wait_value", flag, 3), ("ce_wait", (1, CE.CE_PULLED, 4)),
+                   ("ce_fence", (L.FENCE_CLEAR | L.FENCE_CLOSE,)), ("ce_wait", (1, CE.CE_PULLED, 5))]
 
 
 def test_memory_operations_bind_a_context_once_and_report_errors(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -379,3 +381,31 @@ def test_memory_operations_bind_a_context_once_and_report_errors(monkeypatch: py
     status[0] = 1
     with pytest.raises(RuntimeError, match="cuStreamWriteValue32 failed with CUDA driver error 1"):
         _launch.write_value(7, 40, 5)
+
+
+def test_kernels_are_made_once_per_source_and_the_transitional_name_finds_the_rows(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    made: list[tuple[Any, ...]] = []
+
+    class Kernel:
+        def __init__(self, name: str, device: int, ctx: bytes, nargs: int, sources: tuple[Any, ...]) -> None:
+            made.append((name, device, nargs, sources))
+
+    monkeypatch.setattr(_launch, "Kernel", Kernel)
+    p = object.__new__(M.PeerMemory)
+    p.device_index, p._ctx, p._kernels = 3, b"ctx", {}
+    p._err_np = np.zeros(8, dtype=np.int32)
+    own = tmp_path / "own.cu"
+    k = p.kernel("ce_fence", None, False, 1)
+    assert p.kernel("ce_fence", None, False, 1) is k  # kept
+    p.kernel("one_shot", torch.bfloat16, True)
+    p.kernel("rows_sum", torch.float16, False, 6, source=own)
+    p._kernel("rows_post", None, False, 9)  # transitional: overlap/_moe_peer.py's launches name no source
+    assert made == [("ce_fence", 3, 1, (_launch.HEADER, _launch.KERNELS)),
+                    ("one_shot_bf16_vec", 3, 4, (_launch.HEADER, _launch.KERNELS)),
+                    ("rows_sum_f16_scalar", 3, 6, (_launch.HEADER, own)),
+                    ("rows_post", 3, 9, (_launch.HEADER, M._ROWS_SOURCE))]
+    p._err_np[:4] = (1, 0, 0, 1)
+    p.comm, p.world, p.rank, p.timeout_s = SimpleNamespace(global_ranks=(0, 1)), 2, 0, 1.0
+    with pytest.raises(CollectiveTimeout):  # after a timeout no kernel is handed out
+        p.kernel("ce_fence", None, False, 1)

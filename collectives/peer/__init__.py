@@ -34,12 +34,17 @@ Design note.
   buffer run in pieces.
 * **Never multicast.** Nothing here creates multicast objects or uses ``multimem`` instructions.
 
-The public object is :class:`PeerMemory`; the registered algorithms (``collectives/algos``) use it
-through :func:`peer_memory`.
+The public objects are :class:`PeerMemory` (the buffers, the flags, the error record, the calls
+and the launch API: ``kernel``, ``stream``, ``device_index``, ``blocks``, ``validate``) and its
+:class:`CopyEngines` (``pm.copy_engines``: copies and flags by copy engines). The registered
+algorithms (``collectives/algos``) and the overlapped operators (``overlap/``) use them through
+:func:`peer_memory`; this package imports neither.
 """
 
 from __future__ import annotations
 
-from .memory import PeerMemory, close_peer_memory, peer_memory, peer_unavailable
+from .copy_engines import CE_PULLED, CE_PUSHED, CE_REDUCED, CE_RING, CopyEngines
+from .memory import DTYPES, PeerMemory, close_peer_memory, has_peer_memory, peer_memory, peer_unavailable
 
-__all__ = ["PeerMemory", "peer_memory", "close_peer_memory", "peer_unavailable"]
+__all__ = ["PeerMemory", "CopyEngines", "peer_memory", "has_peer_memory", "close_peer_memory", "peer_unavailable",
+           "DTYPES", "CE_RING", "CE_PUSHED", "CE_REDUCED", "CE_PULLED"]

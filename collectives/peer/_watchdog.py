@@ -1,6 +1,6 @@
 """The bound on the stream waits of copy-engine sections.
 
-Design note. An operator's copy-engine section (``PeerMemory.ce_open`` ... ``ce_close``) orders
+Design note. An operator's copy-engine section (``CopyEngines.open`` ... ``close``) orders
 its streams with stream memory waits (``cuStreamWaitValue32``) on flags that its peers write.
 Such a wait takes no SM. A one-block spinning kernel beside a GEMM slowed the GEMM by 7-23% on
 2xH200, and a stream wait by nothing measurable (GEMMs of 2048-8192 x 2048-4096 x 8192, bf16,

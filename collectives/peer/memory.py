@@ -7,9 +7,12 @@ splits messages into pieces that fit the slots, picks the vectorised or the scal
 
 Each rank allocates two IPC buffers that every peer maps: the slots (``slot_bytes``, two sets,
 where peers push data) and the flag allocation (block flags, copy-engine flags, then the
-low-latency words' own area: two sets of ``world x 2 x ONE_SHOT_LL_MAX_BYTES``). The words have
-an area of their own because a word is taken as soon as its high half holds the call's number,
-and raw data left in the slots by other calls may hold any number there.
+low-latency words' own area; ``_layout.py``). Code outside this module runs on them through a
+small launch API: ``kernel()`` (an entry point bound to this memory's context, from
+``kernels.cu`` or from a source of the caller's own, compiled after ``peer.cuh``), ``stream()``
+(torch's current raw stream of the device), ``device_index``, ``blocks()`` (the grid of the SM
+kernels), ``validate()`` and ``copy_engines`` (``copy_engines.py``: copies and flags by copy
+engines).
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import math
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,44 +32,30 @@ from .. import _env, _native
 from .._agree import agree
 from ..errors import CollectiveTimeout, UnsupportedError
 from . import _launch
-from ._watchdog import SectionWatchdog
+from ._layout import (CE_PULLED, CE_PUSHED, CE_REDUCED, CE_RING, CE_STAGES, FENCE_CLEAR, FLAG_BYTES, LL_OFF, MAX_BLOCKS,
+                      MAX_RANKS, N_STAGES, ONE_SHOT_LL_MAX_BYTES, PACK_BYTES, STREAM_WAIT, ll_set_bytes)
+from .copy_engines import CopyEngines
 
 if TYPE_CHECKING:
     from ..communicator import Communicator
 
-__all__ = ["PeerMemory", "peer_memory", "close_peer_memory", "peer_unavailable", "two_shot_piece", "MAX_RANKS",
-           "DTYPES"]
+__all__ = ["PeerMemory", "peer_memory", "has_peer_memory", "close_peer_memory", "peer_unavailable", "two_shot_piece",
+           "ce_pieces", "MAX_RANKS",
+           "MAX_BLOCKS", "N_STAGES", "PACK_BYTES", "ONE_SHOT_LL_MAX_BYTES", "FLAG_BYTES", "DTYPES", "CE_CHUNK_BYTES",
+           "CE_MAX_CHUNKS", "CE_ALL_REDUCE_CHUNK_BYTES",
+           # transitional: overlap/_moe_peer.py still imports these from here (collectives.peer.copy_engines has them)
+           "CE_RING", "CE_STAGES", "CE_PUSHED", "CE_REDUCED", "CE_PULLED"]
 
-# Must match peer.cuh.
-MAX_RANKS = 8
-MAX_BLOCKS = 128
-N_STAGES = 2
-CE_RING, CE_STAGES = 16, 3  # copy-engine ring slots and flag stages (pushed, reduced, pulled)
-CE_PUSHED, CE_REDUCED, CE_PULLED = 0, 1, 2
-_BLOCK_FLAG_WORDS = MAX_BLOCKS * N_STAGES * MAX_RANKS
-FLAG_BYTES = (_BLOCK_FLAG_WORDS + CE_RING * CE_STAGES * MAX_RANKS) * 4
 _CTX = np.dtype([("slots", "<u8", (MAX_RANKS,)), ("flags", "<u8", (MAX_RANKS,)), ("calls", "<u8"),
                  ("err", "<u8"), ("err_dev", "<u8"), ("rank", "<i4"), ("world", "<i4"), ("timeout_ns", "<u8"),
-                 ("set_bytes", "<u8"), ("ll_off", "<u8"), ("ll_set_bytes", "<u8")])
-_STREAM_WAIT = 20  # the error record's stage when the section watchdog released stream waits
-# ce_fence's mode bits (kernels.cu): zero this rank's copy-engine flags; open a section; close one
-_FENCE_CLEAR, _FENCE_OPEN, _FENCE_CLOSE = 1, 2, 4
+                 ("set_bytes", "<u8"), ("ll_off", "<u8"), ("ll_set_bytes", "<u8")])  # struct Ctx (peer.cuh)
 _STAGES = {0: "data pushed", 1: "reduced shard pushed", 2: "low-latency words pushed",
            10: "chunk pushed (copy engine)", 11: "chunk reduced (copy engine)", 12: "chunk pulled (copy engine)",
-           _STREAM_WAIT: "copy-engine section, stream waits"}
+           STREAM_WAIT: "copy-engine section, stream waits"}
 _TAGS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+DTYPES = frozenset(_TAGS)
 # transitional: the MoE row kernels' source, for overlap/_moe_peer.py's launches that do not pass it
 _ROWS_SOURCE = Path(__file__).resolve().parents[2] / "overlap" / "_moe_rows.cu"
-DTYPES = frozenset(_TAGS)
-PACK_BYTES = 16
-ONE_SHOT_LL_MAX_BYTES = 256 << 10
-# The low-latency words' area follows the flags in each rank's flag allocation: two sets, each
-# with a region of 2 x ONE_SHOT_LL_MAX_BYTES (a message's words) per rank (kernels.cu).
-_LL_OFF = -(-FLAG_BYTES // 4096) * 4096
-
-
-def _ll_set_bytes(world: int) -> int:
-    return world * 2 * ONE_SHOT_LL_MAX_BYTES
 
 _COPY_ENGINE = object()  # plan marker: the copy-engine path works out its chunks per call
 
@@ -98,7 +86,6 @@ def two_shot_piece(set_bytes: int, world: int, element_size: int) -> int:
     slot and a gather slot per rank, shards in whole 16-byte packs)."""
     pack = PACK_BYTES // element_size
     return set_bytes // element_size // (2 * world) // pack * pack * world
-
 
 # the ramped pieces' sizes, as divisors of a chunk (ce_pieces). Only the last piece's sum follows
 # the link's last byte, so the tail shrinks; every piece boundary costs the copy engines a few
@@ -136,6 +123,24 @@ def ce_pieces(m: int, chunk: int, pack: int, ramp: bool = False) -> list[tuple[i
     return out
 
 
+# The defaults of the calls' settings, which are attributes of each PeerMemory (tests and
+# launch/tune_peer.py change them).
+# Copy-engine chunks: at least ce_chunk_bytes, and large enough that a call has at most
+# ce_max_chunks of them while two ring slots still fit. Each chunk costs the host about ten
+# driver calls; on the 2xH200 machine's CPUs that may exceed the ~42 us the links need for a
+# 16 MiB chunk (a hypothesis from the eager figures, not yet measured).
+CE_CHUNK_BYTES = 16 << 20
+CE_MAX_CHUNKS = 16
+# The two-rank one-shot all-reduce's chunks (ramped: ce_pieces). Measured
+# on 2xH200 with 1 GiB buffers (bench/results/gpu_2xh200_peer_ce_ar_chunks.json, eager, GB/s at
+# 512 MB / 1 GB): 128 MiB 348 / 357; 64 MiB 344 / 350; 256 MiB 308 / 344; 32 MiB 333 / 329;
+# 16 MiB 284 / 284 (each chunk costs host calls).
+CE_ALL_REDUCE_CHUNK_BYTES = 128 << 20
+# ll_max_bytes (default ONE_SHOT_LL_MAX_BYTES, which sizes their area): one_shot all-reduces,
+# reduce-scatters and all-gathers up to this size (16-byte aligned) send low-latency words (4 data
+# bytes and the call's number per 8-byte store: kernels.cu, "low-latency words").
+
+
 def peer_unavailable(comm: Communicator) -> str:
     """Why this group cannot use peer memory, or ``""`` if it can (collective on first call, then cached)."""
     reason = comm._peer_reason
@@ -161,7 +166,7 @@ def _reason(comm: Communicator) -> str:
     if not ok_all:
         return "some GPUs of this node cannot access each other's memory (no P2P over NVLink or PCIe)"
     try:
-        import cupy  # noqa: F401
+        import cupy  # noqa: F401  # deferred: whether CuPy is installed, asked only here
     except ImportError:
         return "CuPy is not installed (pip install cupy-cuda13x, or cupy-cuda12x for CUDA 12)"
     return ""
@@ -173,6 +178,12 @@ def peer_memory(comm: Communicator) -> PeerMemory:
     if pm is None or pm.closed:
         pm = comm._peer_memory = PeerMemory(comm)
     return pm
+
+
+def has_peer_memory(comm: Communicator) -> bool:
+    """Whether the communicator's peer memory is built and open (nothing is exchanged)."""
+    pm = comm._peer_memory
+    return pm is not None and not pm.closed
 
 
 def close_peer_memory(comm: Communicator) -> None:
@@ -195,6 +206,35 @@ def _all_gather_bytes(comm: Communicator, payload: bytes) -> list[bytes]:
 def _all_gather_ints(comm: Communicator, values: list[int]) -> list[list[int]]:
     raw = _all_gather_bytes(comm, np.asarray(values, dtype=np.int64).tobytes())
     return [np.frombuffer(b, dtype=np.int64).tolist() for b in raw]
+
+
+def _map_buffers(comm: Communicator, device: int, slot_bytes: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Allocate this rank's slot buffer and zeroed flag allocation on ``device``, exchange their IPC
+    handles (collective) and map every peer's: ``(own, opened, slots, flags)``, ``own`` this rank's
+    two allocations, ``opened`` the peers' mappings (both released by ``PeerMemory.close``),
+    ``slots`` and ``flags`` every rank's, ``MAX_RANKS`` long."""
+    import cupy  # deferred: CuPy loads when peer memory is first built, never at import
+
+    rt = cupy.cuda.runtime
+    with cupy.cuda.Device(device):
+        flag_bytes = LL_OFF + 2 * ll_set_bytes(comm.size)
+        own = [rt.malloc(slot_bytes), rt.malloc(flag_bytes)]
+        rt.memset(own[1], 0, flag_bytes)
+        rt.deviceSynchronize()
+        handles = b"".join(bytes(rt.ipcGetMemHandle(p)) for p in own)
+    every = _all_gather_bytes(comm, handles)
+    half = len(handles) // 2
+    opened: list[int] = []
+    slots, flags = [0] * MAX_RANKS, [0] * MAX_RANKS
+    with cupy.cuda.Device(device):
+        for q, h in enumerate(every):
+            if q == comm.rank:
+                slots[q], flags[q] = own
+                continue
+            slots[q] = rt.ipcOpenMemHandle(h[:half], rt.cudaIpcMemLazyEnablePeerAccess)
+            flags[q] = rt.ipcOpenMemHandle(h[half:], rt.cudaIpcMemLazyEnablePeerAccess)
+            opened += [slots[q], flags[q]]
+    return own, opened, slots, flags
 
 
 class PeerMemory:
@@ -227,11 +267,10 @@ class PeerMemory:
         if reason:
             raise UnsupportedError("group", comm, f"cannot use peer memory: {reason}",
                                    "use algorithm='native' (NCCL) or 'auto', which does when peer memory cannot run")
-        import cupy
-
         self.comm = comm
         self.rank, self.world = comm.rank, comm.size
         self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device_index: int = self.device.index  # the CUDA device of this rank's buffers (an int, for launches)
         # the agreed COMMOPS_PEER_BYTES: a rank with a larger value than its peers' would write past their buffers
         size = int(slot_bytes if slot_bytes is not None else agreed.peer_bytes)
         if size < (1 << 20) or size % 4096:
@@ -248,43 +287,14 @@ class PeerMemory:
         self.block_bytes = block_bytes
         self.max_blocks = max_blocks
         self.closed = False
-        rt = cupy.cuda.runtime
-        with cupy.cuda.Device(self.device.index):
-            flag_bytes = _LL_OFF + 2 * _ll_set_bytes(self.world)
-            self._own = [rt.malloc(size), rt.malloc(flag_bytes)]
-            rt.memset(self._own[1], 0, flag_bytes)
-            rt.deviceSynchronize()
-            handles = b"".join(bytes(rt.ipcGetMemHandle(p)) for p in self._own)
-        every = _all_gather_bytes(comm, handles)
-        half = len(handles) // 2
-        self._opened: list[int] = []
-        slots, flags = [0] * MAX_RANKS, [0] * MAX_RANKS
-        with cupy.cuda.Device(self.device.index):
-            for q, h in enumerate(every):
-                if q == self.rank:
-                    slots[q], flags[q] = self._own
-                    continue
-                slots[q] = rt.ipcOpenMemHandle(h[:half], rt.cudaIpcMemLazyEnablePeerAccess)
-                flags[q] = rt.ipcOpenMemHandle(h[half:], rt.cudaIpcMemLazyEnablePeerAccess)
-                self._opened += [slots[q], flags[q]]
+        self._own, self._opened, slots, flags = _map_buffers(comm, self.device_index, size)
         self.slot_pointers = tuple(slots[:self.world])  # every rank's slot buffer, mapped here
-        self._flag_pointers = tuple(flags[:self.world])
+        self.flag_pointers = tuple(flags[:self.world])  # every rank's flag allocation, mapped here
         self._calls = torch.zeros(5, dtype=torch.int32, device=self.device)
-        self._copy_streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))  # push, pull
-        # copy-engine chunks: at least ce_chunk_bytes, and large enough that a call has at most
-        # ce_max_chunks of them while two ring slots still fit. Each chunk costs the host about
-        # ten driver calls; on the 2xH200 machine's CPUs that may exceed the ~42 us the links
-        # need for a 16 MiB chunk (a hypothesis from the eager figures, not yet measured)
-        self.ce_chunk_bytes = 16 << 20
-        self.ce_max_chunks = 16
-        # the two-rank one-shot all-reduce's chunks (ramped: ce_pieces). Measured on
-        # 2xH200 with 1 GiB buffers (bench/results/gpu_2xh200_peer_ce_ar_chunks.json, eager, GB/s
-        # at 512 MB / 1 GB): 128 MiB 348 / 357; 64 MiB 344 / 350; 256 MiB 308 / 344; 32 MiB 333 /
-        # 329; 16 MiB 284 / 284 (each chunk costs host calls)
-        self.ce_all_reduce_chunk_bytes = 128 << 20
-        # one_shot all-reduces, reduce-scatters and all-gathers up to this size (16-byte aligned;
-        # at most ONE_SHOT_LL_MAX_BYTES, which sizes their area) send low-latency words (4 data
-        # bytes and the call's number per 8-byte store: kernels.cu, "low-latency words")
+        self.copy_engines = CopyEngines(self)  # with its two side streams (push, pull)
+        # the calls' settings on this memory (their defaults' notes above)
+        self.ce_chunk_bytes, self.ce_max_chunks = CE_CHUNK_BYTES, CE_MAX_CHUNKS
+        self.ce_all_reduce_chunk_bytes = CE_ALL_REDUCE_CHUNK_BYTES
         self.ll_max_bytes = ONE_SHOT_LL_MAX_BYTES
         self._err_dev = torch.zeros(4, dtype=torch.int32, device=self.device)
         self._err = torch.zeros(8, dtype=torch.int32).pin_memory()  # mapped: the kernels write it (struct Ctx)
@@ -294,15 +304,12 @@ class PeerMemory:
         ctx["calls"], ctx["err"], ctx["err_dev"] = (self._calls.data_ptr(), self._err.data_ptr(),
                                                     self._err_dev.data_ptr())
         ctx["rank"], ctx["world"], ctx["timeout_ns"] = self.rank, self.world, int(self.timeout_s * 1e9)
-        ctx["set_bytes"] = self._set_bytes = size // 2
-        ctx["ll_off"], ctx["ll_set_bytes"] = _LL_OFF, _ll_set_bytes(self.world)
+        ctx["set_bytes"] = self.set_bytes = size // 2  # one of the two sets of slots, used on alternate calls
+        ctx["ll_off"], ctx["ll_set_bytes"] = LL_OFF, ll_set_bytes(self.world)
         self._ctx = ctx.tobytes()
-        self._index = self.device.index
         self._kernels: dict[tuple[Any, ...], _launch.Kernel] = {}
         self._slot_tensor: torch.Tensor | None = None  # slot_view's tensor over my slot buffer
         self._views: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor] = {}  # slot_view's, kept
-        self._watchdog: SectionWatchdog | None = None  # started by the first ce_open
-        self._sections = 0  # copy-engine sections this host has opened and not closed
         torch.cuda.synchronize(self.device)
         _all_gather_ints(comm, [0])  # every rank mapped every peer before anyone pushes
 
@@ -319,81 +326,56 @@ class PeerMemory:
             plan = self._plan(algorithm, tensor)
         if self._err_np[0]:
             self.check()
-        if tensor.get_device() != self._index:
-            self._check(tensor)
+        if tensor.get_device() != self.device_index:
+            self.validate(tensor)
         base = tensor.data_ptr()
         if plan is _COPY_ENGINE:
             self._ce_all_reduce(tensor, base % PACK_BYTES == 0)
         else:
             aligned = base % PACK_BYTES == 0
             k = plan[0] if aligned else plan[1]
-            stream = _launch.current_stream(self._index)
+            stream = self.stream()
             for blocks, off, a, b in (plan[2] if aligned else plan[3]):
                 k(blocks, stream, base + off, base + off, a, b)
         if average:
             tensor.detach().div_(self.world)  # as the verbs do: in place, unseen by autograd
 
     def _plan(self, algorithm: str, tensor: torch.Tensor) -> Any:
-        self._check(tensor)
+        self.validate(tensor)
         n, es, dtype = tensor.numel(), tensor.element_size(), tensor.dtype
         pack = PACK_BYTES // es
-        cap = self._set_bytes // es
+        cap = self.set_bytes // es
         pieces = []
         if algorithm == "one_shot":
             slot = cap // self.world // pack * pack
             for off in range(0, n, slot):
                 m = min(slot, n - off)
-                pieces.append((self._blocks(m * es), off * es, m, slot))
+                pieces.append((self.blocks(m * es), off * es, m, slot))
         elif algorithm == "two_shot":
-            piece = two_shot_piece(self._set_bytes, self.world, es)
+            piece = two_shot_piece(self.set_bytes, self.world, es)
             for off in range(0, n, piece):
                 m = min(piece, n - off)
                 shard = math.ceil(math.ceil(m / self.world) / pack) * pack
-                pieces.append((self._blocks(m * es), off * es, m, shard))
+                pieces.append((self.blocks(m * es), off * es, m, shard))
         elif algorithm == "copy_engine":
             self._plans[(algorithm, dtype, n)] = _COPY_ENGINE
             return _COPY_ENGINE
         else:
             raise UnsupportedError("algorithm", algorithm, "is not a peer-memory all-reduce",
                                    "use 'one_shot', 'two_shot' or 'copy_engine'")
-        plan = (self._kernel(algorithm, dtype, True), self._kernel(algorithm, dtype, False), tuple(pieces),
+        plan = (self.kernel(algorithm, dtype, True), self.kernel(algorithm, dtype, False), tuple(pieces),
                 tuple(pieces))
         if algorithm == "one_shot" and n * es <= self._ll_limit():
             # aligned calls: low-latency words, the whole message at once (each rank's region
             # holds the words of ONE_SHOT_LL_MAX_BYTES)
-            ll = self._kernel("one_shot_ll", dtype, True, 4)
-            plan = (ll, plan[1], ((self._blocks(n * es), 0, n, ONE_SHOT_LL_MAX_BYTES // 4),), plan[3])
+            ll = self.kernel("one_shot_ll", dtype, True, 4)
+            plan = (ll, plan[1], ((self.blocks(n * es), 0, n, ONE_SHOT_LL_MAX_BYTES // 4),), plan[3])
         self._plans[(algorithm, dtype, n)] = plan
         return plan
 
     def _ll_limit(self) -> int:
         """The largest message sent in low-latency words: ``ll_max_bytes``, within their area."""
         return min(self.ll_max_bytes, ONE_SHOT_LL_MAX_BYTES)
-
-    def _blocks(self, nbytes: int) -> int:
-        return max(1, min(self._max_blocks, -(-nbytes // self._block_bytes)))
-
-    @property
-    def block_bytes(self) -> int:
-        """About how many bytes one thread block moves (sets the grid of the SM kernels)."""
-        return self._block_bytes
-
-    @block_bytes.setter
-    def block_bytes(self, value: int) -> None:
-        self._block_bytes = int(value)
-        self._forget_plans()
-
-    @property
-    def max_blocks(self) -> int:
-        """The most thread blocks one call uses."""
-        return self._max_blocks
-
-    @max_blocks.setter
-    def max_blocks(self, value: int) -> None:
-        if not 1 <= value <= MAX_BLOCKS:
-            raise UnsupportedError("max_blocks", value, f"must be in 1..{MAX_BLOCKS}", f"pass {MAX_BLOCKS}")
-        self._max_blocks = int(value)
-        self._forget_plans()
 
     def _ce_all_reduce(self, t: torch.Tensor, vec: bool) -> None:
         """Copy engines move the shards, SMs only reduce; chunks cycle through a ring of slots.
@@ -421,12 +403,12 @@ class PeerMemory:
             raise UnsupportedError("ce_chunk_bytes", self.ce_chunk_bytes,
                                    f"leaves fewer than 2 ring slots in {self.slot_bytes} B of slots",
                                    "use a smaller chunk or a larger COMMOPS_PEER_BYTES")
-        main = _launch.current_stream(self._index)
-        push_s, pull_s = self._copy_streams
+        ce = self.copy_engines
+        main = self.stream()
+        push_s, pull_s = ce.streams
         ps, ls = push_s.cuda_stream, pull_s.cuda_stream
         base = t.data_ptr()
-        wait = self.ce_wait  # on the copy streams: stream memory waits (ce_wait)
-        reduce = self._kernel("ce_reduce", t.dtype, vec, 8)
+        reduce = self.kernel("ce_reduce", t.dtype, vec, 8)
         peers = [(r + d) % w for d in range(1, w)]
         k = -(-n // chunk)
 
@@ -441,9 +423,10 @@ class PeerMemory:
         # Pull stream: wait until the peers reduced chunk i, pull their shards, tell them. Push
         # stream: push chunk j once the peers reduced chunk j - ring (their slot is free again),
         # which the pull stream's wait for chunk j - ring has established (an event, no kernel).
+        # The copy streams' waits are stream memory waits (inside the section: CopyEngines.wait).
         reduced = [torch.cuda.Event() for _ in range(ring)]
-        blocks = max(1, min(self._max_blocks, -(-s_max * es // self._block_bytes)))
-        with self._ce_section():
+        blocks = self.blocks(s_max * es)
+        with ce.section():
             for j in range(k):
                 nj, shard, off = geometry(j)
                 if j >= ring:
@@ -451,164 +434,19 @@ class PeerMemory:
                 for q in peers:
                     m = length(nj, shard, q)
                     if m:
-                        _launch.copy_async(self.slot_pointers[q] + (off + r * s_max) * es,
-                                           base + (j * chunk + q * shard) * es, m * es, ps)
+                        ce.push(ps, q, (off + r * s_max) * es, base + (j * chunk + q * shard) * es, m * es)
                 for q in peers:
-                    _launch.write_value(ps, self._ce_flag(q, j % ring, CE_PUSHED), j // ring + 1)
+                    ce.signal(ps, q, j % ring, CE_PUSHED, j // ring + 1)
                 reduce(blocks, main, base + j * chunk * es, base + j * chunk * es, off, shard, nj, j, ring, s_max)
                 u = j // ring
-                wait(ls, j % ring, CE_REDUCED, u + 1)
+                ce.wait(ls, j % ring, CE_REDUCED, u + 1)
                 reduced[j % ring].record(pull_s)
                 for q in peers:
                     m = length(nj, shard, q)
                     if m:
-                        _launch.copy_async(base + (j * chunk + q * shard) * es,
-                                           self.slot_pointers[q] + (off + w * s_max) * es, m * es, ls)
+                        ce.pull(ls, q, (off + w * s_max) * es, base + (j * chunk + q * shard) * es, m * es)
                 for q in peers:
-                    _launch.write_value(ls, self._ce_flag(q, j % ring, CE_PULLED), u + 1)
-
-    def _ce_flag(self, q: int, slot: int, stage: int) -> int:
-        """Address of rank q's copy-engine flag (slot, stage) for signals from this rank."""
-        return self._flag_pointers[q] + (_BLOCK_FLAG_WORDS + (slot * CE_STAGES + stage) * MAX_RANKS + self.rank) * 4
-
-    # -- copy-engine channels (for operators that overlap the copies with their own compute) -----
-    # An operator brackets its use with ce_open() / ce_close() on the current stream (barriers:
-    # every rank is inside, resp. has issued every signal to its peers), moves data with
-    # ce_push() (into a peer's slots) and ce_take() (out of its own), reads its own slots through
-    # slot_view(), and orders itself with ce_signal() / ce_wait() on the copy-engine flags: ring
-    # slots 0..CE_RING-1, stages CE_PUSHED, CE_REDUCED, CE_PULLED, each flag one per source rank.
-    # Values are use counts the host knows (see kernels.cu, "copy-engine path"); ce_close()
-    # resets this rank's flags for the next user. The section watchdog counts ce_open() and
-    # ce_close() to bound ce_wait()'s stream waits; a caller whose waits are all kernels
-    # (ce_wait(..., kernel=True)) synchronises with barrier() instead, which opens nothing.
-
-    def ce_open(self) -> None:
-        """Open a copy-engine section on the current stream (a barrier of every rank)."""
-        self._kernel("ce_fence", None, False, 1)(1, _launch.current_stream(self._index), _FENCE_OPEN)
-        self._sections += 1
-        self._watch()
-
-    def _watch(self) -> None:
-        """Start the section watchdog (once): it bounds the stream waits of ``ce_wait``."""
-        if self._watchdog is None:
-            self._watchdog = SectionWatchdog(self._err_np, self.timeout_s, self._release_waits)
-            self._watchdog.start()
-
-    def ce_close(self) -> None:
-        """Close it (a barrier; then this rank's copy-engine flags are zeroed)."""
-        self._kernel("ce_fence", None, False, 1)(1, _launch.current_stream(self._index), _FENCE_CLEAR | _FENCE_CLOSE)
-        self._sections = max(0, self._sections - 1)
-
-    def barrier(self, clear: bool = False) -> None:
-        """A barrier of every rank on the current stream (bounded), which is no section boundary:
-        for callers that wait only with kernels (``ce_wait(..., kernel=True)``), whose bound is
-        their own. With ``clear``, this rank's copy-engine flags are zeroed afterwards."""
-        self._kernel("ce_fence", None, False, 1)(1, _launch.current_stream(self._index), _FENCE_CLEAR if clear else 0)
-
-    def ce_wait(self, stream: int, slot: int, stage: int, value: int, *, kernel: bool | None = None,
-                source: int | None = None) -> None:
-        """On ``stream``: wait until every peer's flag (slot, stage) to this rank is >= value
-        (``source``: peer ``source``'s alone).
-
-        Inside ``ce_open`` ... ``ce_close`` the default is stream memory waits: no kernel, bounded
-        by the section's watchdog. A copy stream waits this way, because a spinning block slows a
-        GEMM running beside it (``_watchdog``'s note). With ``kernel=True``, and by default outside
-        a section, a one-block kernel waits instead, bounded by itself. It sees the flag sooner,
-        which suits the stream that runs the GEMMs, as nothing runs beside it there. On 2xH200,
-        stream waits there made the copy-engine overlap 2-6% slower at 2048 and 4096 rows under
-        graphs (2026-11-30). ``kernel=False`` outside a section is refused: nothing would bound it.
-        """
-        if kernel is None:
-            kernel = self._sections == 0
-        elif not kernel and self._sections == 0:
-            raise UnsupportedError("kernel", kernel, "asks for a stream wait outside a copy-engine section, where "
-                                   "no watchdog bounds it", "open a section with ce_open() first, or pass kernel=True")
-        if source is not None and not (0 <= source < self.world and source != self.rank):
-            raise UnsupportedError("source", source, f"is not a peer of rank {self.rank} of {self.world}",
-                                   "pass another rank of the group, or None for every peer")
-        if kernel:
-            if source is None:
-                self._kernel("ce_wait", None, False, 3)(1, stream, slot, stage, value)
-            else:
-                self._kernel("ce_wait_from", None, False, 4)(1, stream, slot, stage, value, source)
-            return
-        base = self._flag_pointers[self.rank] + (_BLOCK_FLAG_WORDS + (slot * CE_STAGES + stage) * MAX_RANKS) * 4
-        for q in range(self.world):
-            if q != self.rank and source in (None, q):
-                _launch.wait_value(stream, base + 4 * q, value)
-
-    def _release_waits(self, stuck: bool) -> None:
-        """The watchdog's release (on its thread): record which peers' copy-engine signals are
-        behind (when a section was ``stuck``), then set every copy-engine flag of this rank far
-        ahead and the device error word, on a stream of its own."""
-        import cupy
-
-        rt = cupy.cuda.runtime
-        words = CE_RING * CE_STAGES * MAX_RANKS
-        flags = self._flag_pointers[self.rank] + _BLOCK_FLAG_WORDS * 4
-        seen = np.zeros((CE_RING * CE_STAGES, MAX_RANKS), dtype=np.uint32)
-        with cupy.cuda.Device(self._index):
-            stream = rt.streamCreateWithFlags(1)  # non-blocking: the stuck streams do not hold it
-            try:
-                rt.memcpyAsync(seen.ctypes.data, flags, words * 4, rt.memcpyDeviceToHost, stream)
-                rt.streamSynchronize(stream)
-                if stuck and not self._err_np[0]:
-                    sums = {q: int(seen[:, q].astype(np.int64).sum()) for q in range(self.world) if q != self.rank}
-                    behind = min(sums, key=lambda q: (sums[q], q)) if sums else -1
-                    self._err_np[1], self._err_np[2], self._err_np[3] = _STREAM_WAIT, -1, behind
-                    self._err_np[0] = 1
-                rt.memsetAsync(flags, 0x40, words * 4, stream)  # 0x40404040: ahead of every use count
-                rt.memsetAsync(self._err_dev.data_ptr(), 0x01, 4, stream)
-                rt.streamSynchronize(stream)
-            finally:
-                rt.streamDestroy(stream)
-
-    def ce_signal(self, stream: int, peer: int, slot: int, stage: int, value: int) -> None:
-        """On ``stream``, after its earlier work: set this rank's flag (slot, stage) at ``peer`` to ``value``."""
-        _launch.write_value(stream, self._ce_flag(peer, slot, stage), value)
-
-    def ce_push(self, stream: int, peer: int, offset: int, src: int, nbytes: int) -> None:
-        """On ``stream``: copy ``nbytes`` from the device address ``src`` to ``offset`` bytes into
-        ``peer``'s slot buffer, by a copy engine."""
-        if offset < 0 or offset + nbytes > self.slot_bytes:
-            raise UnsupportedError("offset", offset, f"with {nbytes} B runs outside the {self.slot_bytes} B slot buffer",
-                                   "plan pieces that fit COMMOPS_PEER_BYTES")
-        _launch.copy_async(self.slot_pointers[peer] + offset, src, nbytes, stream)
-
-    def ce_take(self, stream: int, offset: int, dst: int, nbytes: int) -> None:
-        """On ``stream``: copy ``nbytes`` from ``offset`` bytes into this rank's own slot buffer to
-        the device address ``dst``, by a copy engine."""
-        if offset < 0 or offset + nbytes > self.slot_bytes:
-            raise UnsupportedError("offset", offset, f"with {nbytes} B runs outside the {self.slot_bytes} B slot buffer",
-                                   "plan pieces that fit COMMOPS_PEER_BYTES")
-        _launch.copy_async(dst, self.slot_pointers[self.rank] + offset, nbytes, stream)
-
-    def slot_view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A tensor over this rank's own slot buffer, ``offset`` bytes in (what peers pushed there)."""
-        key = (offset, shape, dtype)
-        view = self._views.get(key)
-        if view is not None:
-            return view
-        es = torch.empty((), dtype=dtype).element_size()
-        n = math.prod(shape)
-        if offset % es or offset < 0 or offset + n * es > self.slot_bytes:
-            raise UnsupportedError("offset", offset, f"does not place {shape} {dtype} inside the slot buffer",
-                                   "plan pieces that fit COMMOPS_PEER_BYTES")
-        if self._slot_tensor is None:
-            import cupy
-
-            mem = cupy.cuda.UnownedMemory(self.slot_pointers[self.rank], self.slot_bytes, self, self.device.index)
-            arr = cupy.ndarray((self.slot_bytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
-            self._slot_tensor = torch.from_dlpack(arr)
-        if len(self._views) > 4096:  # a view per (offset, shape, dtype) asked for: a few per operator shape
-            self._views.clear()
-        view = self._views[key] = self._slot_tensor[offset:offset + n * es].view(dtype).view(shape)
-        return view
-
-    @property
-    def copy_streams(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
-        """Two side streams of this rank's device for copy-engine work (push, pull)."""
-        return self._copy_streams
+                    ce.signal(ls, q, j % ring, CE_PULLED, u + 1)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, average: bool = False,
                        algorithm: str = "one_shot") -> None:
@@ -643,8 +481,8 @@ class PeerMemory:
         my slot into ``output`` and flags PULLED. Flags hold the slot's use count within the
         call (see kernels.cu, "copy-engine path"); the call is bracketed by two barriers.
         """
-        self._check(output)
-        self._check(input)
+        self.validate(output)
+        self.validate(input)
         w, r, es = self.world, self.rank, output.element_size()
         pack = PACK_BYTES // es
         fits = self.slot_bytes // es // (2 * w)  # a chunk per source in each of two ring slots
@@ -656,34 +494,33 @@ class PeerMemory:
         if ring < 2:
             raise UnsupportedError("COMMOPS_PEER_BYTES", self.slot_bytes, "leaves fewer than 2 ring slots for "
                                    "the copy-engine path", "use a larger COMMOPS_PEER_BYTES")
-        main = _launch.current_stream(self._index)
-        ps, ls = (side.cuda_stream for side in self._copy_streams)
-        wait = self.ce_wait  # on the copy streams: stream memory waits (ce_wait)
+        ce = self.copy_engines
+        main = self.stream()
+        ps, ls = (side.cuda_stream for side in ce.streams)
         src, dst = input.data_ptr(), output.data_ptr()
         vec = src % PACK_BYTES == 0 and dst % PACK_BYTES == 0 and m % pack == 0
         summed = kind != "all_gather"
-        reduce = self._kernel("ce_reduce_rs", output.dtype, vec, 7) if summed else None
-        blocks = max(1, min(self._max_blocks, -(-chunk * es // self._block_bytes)))
+        reduce = self.kernel("ce_reduce_rs", output.dtype, vec, 7) if summed else None
+        blocks = self.blocks(chunk * es)
         peers = [(r + d) % w for d in range(1, w)]
         free = CE_REDUCED if summed else CE_PULLED
-        caller, push_stream = torch.cuda.current_stream(self.device), self._copy_streams[0]
+        caller, push_stream = torch.cuda.current_stream(self.device), ce.streams[0]
         # (Pushes taking turns on both copy streams, so that a chunk's wait for its slot cannot
         # hold the next chunk's copy back, were tried on 2xH200 on 2026-11-30 and measured 1-2%
         # slower at 256 MB - 1 GB, in all-reduce and reduce-scatter alike.)
-        mine = self.slot_pointers[r]
-        with self._ce_section():
+        with ce.section():  # the copy streams' waits: stream memory waits (CopyEngines.wait)
             if kind == "all_gather" and m:
-                _launch.copy_async(dst + r * m * es, src, m * es, ls)  # my own shard, beside the pushes
+                ce.copy(ls, dst + r * m * es, src, m * es)  # my own shard, beside the pushes
             for j, (lo, nj) in enumerate(ce_pieces(m, chunk, pack, ramp=in_place)):
                 s, u = j % ring, j // ring
                 off = s * w * chunk  # elements into the slot buffer: source q's part at off + q * chunk
                 if u:
-                    wait(ps, s, free, u)  # every peer is done with this slot's previous use
+                    ce.wait(ps, s, free, u)  # every peer is done with this slot's previous use
                 for q in peers:
                     at = q * m + lo if kind == "reduce_scatter" else lo
-                    _launch.copy_async(self.slot_pointers[q] + (off + r * chunk) * es, src + at * es, nj * es, ps)
+                    ce.push(ps, q, (off + r * chunk) * es, src + at * es, nj * es)
                 for q in peers:
-                    _launch.write_value(ps, self._ce_flag(q, s, CE_PUSHED), u + 1)
+                    ce.signal(ps, q, s, CE_PUSHED, u + 1)
                 if reduce is not None:
                     if in_place:  # the sum overwrites what the copies read: after them
                         sent = torch.cuda.Event()
@@ -692,39 +529,17 @@ class PeerMemory:
                     at = r * m + lo if kind == "reduce_scatter" else lo
                     reduce(blocks, main, src + at * es, dst + lo * es, off, chunk, nj, j, ring)
                 else:
-                    wait(ls, s, CE_PUSHED, u + 1)
+                    ce.wait(ls, s, CE_PUSHED, u + 1)
                     for q in peers:
-                        _launch.copy_async(dst + (q * m + lo) * es, mine + (off + q * chunk) * es, nj * es, ls)
+                        ce.take(ls, (off + q * chunk) * es, dst + (q * m + lo) * es, nj * es)
                     for q in peers:
-                        _launch.write_value(ls, self._ce_flag(q, s, CE_PULLED), u + 1)
-
-    @contextmanager
-    def _ce_section(self) -> Iterator[None]:
-        """A copy-engine call on the current stream: a barrier of every rank, the copy streams
-        ordered after the work queued so far; at the end the current stream waits for both and
-        a closing barrier clears this rank's copy-engine flags (kernels.cu, "copy-engine path")."""
-        self.ce_open()
-        current = torch.cuda.current_stream(self.device)
-        start = torch.cuda.Event()
-        start.record(current)
-        for side in self._copy_streams:
-            side.wait_event(start)
-        try:
-            yield
-            for side in self._copy_streams:
-                done = torch.cuda.Event()
-                done.record(side)
-                current.wait_event(done)
-        except BaseException:
-            self._sections = max(0, self._sections - 1)  # abandoned: no closing barrier, nothing open here
-            raise
-        self.ce_close()
+                        ce.signal(ls, q, s, CE_PULLED, u + 1)
 
     def _by_shard(self, kind: str, output: torch.Tensor, input: torch.Tensor, m: int) -> None:
         """Launch ``kind`` over shards of ``m`` elements, in pieces that fit one set of slots."""
-        self._check(output)
-        self._check(input)
-        stream = _launch.current_stream(self._index)
+        self.validate(output)
+        self.validate(input)
+        stream = self.stream()
         for k, blocks, args in self._shard_launches(kind, output, input, m):
             k(blocks, stream, *args)
 
@@ -733,18 +548,18 @@ class PeerMemory:
         """``_by_shard``'s launches: (kernel, blocks, arguments after the context)."""
         es = output.element_size()
         pack = PACK_BYTES // es
-        piece = self._set_bytes // es // self.world // pack * pack
+        piece = self.set_bytes // es // self.world // pack * pack
         src, dst = input.data_ptr(), output.data_ptr()
         aligned = dst % PACK_BYTES == 0 and src % PACK_BYTES == 0
         vec = aligned and m % pack == 0
         # low-latency words: shards of whole 4-byte words, the whole message in their area
         if aligned and m * es % 4 == 0 and m * es * self.world <= self._ll_limit():
-            yield self._kernel(kind + "_ll", output.dtype, True), self._blocks(m * es), (src, dst, m, m)
+            yield self.kernel(kind + "_ll", output.dtype, True), self.blocks(m * es), (src, dst, m, m)
             return
-        k = self._kernel(kind, output.dtype, vec)
+        k = self.kernel(kind, output.dtype, vec)
         for off in range(0, m, piece):
             n = min(piece, m - off)
-            yield k, self._blocks(n * es * self.world), (src + off * es, dst + off * es, n, m)
+            yield k, self.blocks(n * es * self.world), (src + off * es, dst + off * es, n, m)
 
     # -- repeated calls --------------------------------------------------------------------------
     def runner(self, op: str, algorithm: str, average: bool = False, prepared: bool = True
@@ -775,7 +590,7 @@ class PeerMemory:
             return general
         ready = _Ready()  # held by run() alone: a runner the dispatcher lets go takes its blocks with it
         self._ready.add(ready)
-        err, index, launch = self._err_np, self._index, _launch.launch
+        err, index, launch = self._err_np, self.device_index, _launch.launch
         in_place = op == "all_reduce"  # one tensor: its address is the key
 
         def run(out: torch.Tensor, inp: torch.Tensor) -> None:
@@ -830,17 +645,120 @@ class PeerMemory:
                               "launches and silences this.", RuntimeWarning, stacklevel=2)
         ready[key] = entry
 
+    # -- the grid of the SM kernels --------------------------------------------------------------
+    @property
+    def block_bytes(self) -> int:
+        """About how many bytes one thread block moves (sets the grid of the SM kernels)."""
+        return self._block_bytes
+
+    @block_bytes.setter
+    def block_bytes(self, value: int) -> None:
+        self._block_bytes = int(value)
+        self._forget_plans()
+
+    @property
+    def max_blocks(self) -> int:
+        """The most thread blocks one call uses."""
+        return self._max_blocks
+
+    @max_blocks.setter
+    def max_blocks(self, value: int) -> None:
+        if not 1 <= value <= MAX_BLOCKS:
+            raise UnsupportedError("max_blocks", value, f"must be in 1..{MAX_BLOCKS}", f"pass {MAX_BLOCKS}")
+        self._max_blocks = int(value)
+        self._forget_plans()
+
+    def blocks(self, nbytes: int) -> int:
+        """The grid of an SM kernel that moves ``nbytes``: a block per ``block_bytes``, 1 to ``max_blocks``."""
+        return max(1, min(self._max_blocks, -(-nbytes // self._block_bytes)))
+
+    # -- the launch API ----------------------------------------------------------------------------
+    def kernel(self, kind: str, dtype: torch.dtype | None, vec: bool, nargs: int = 4,
+               bases: tuple[int, ...] | None = None, source: Path | None = None) -> _launch.Kernel:
+        """The entry point ``kind`` bound to this memory's context (``struct Ctx``, ``peer.cuh``),
+        made once and kept: ``k(blocks, stream, *args)`` launches it on ``blocks`` x 512 threads
+        (``args``: ``nargs`` integers, pointers or sizes, after the context); ``k.prepare(*args)``
+        keeps a parameter block for repeats.
+
+        Args:
+            kind: the entry point's name; with ``dtype``, the name of a family whose members are
+                ``{kind}_{f32|f16|bf16}_{vec|scalar}``.
+            dtype: the element type, or None for an entry point of that exact name.
+            vec: the 16-byte vector member (every address 16-byte aligned), else the scalar one.
+            nargs: how many 8-byte arguments follow the context.
+            bases: a context whose rank q's slot buffer is this rank's own moved by ``bases[q]``
+                bytes: a kernel written to read the peers' buffers then reads copies of them that
+                the copy engines put in this one.
+            source: the ``.cu`` file that defines it, compiled after ``peer.cuh`` into a module of
+                its own (default ``kernels.cu``, the collectives): code outside ``collectives/peer``
+                ships its kernels so, against the same context.
+
+        Raises ``CollectiveTimeout`` if a kernel of this memory has reported a timeout (``check()``).
+        """
+        if self._err_np[0]:
+            self.check()
+        key = (kind, dtype, vec, bases, source)
+        k = self._kernels.get(key)
+        if k is None:
+            name = kind if dtype is None else f"{kind}_{_TAGS[dtype]}_{'vec' if vec else 'scalar'}"
+            k = self._kernels[key] = _launch.Kernel(name, self.device_index, self._ctx if bases is None else
+                                                    self._local_ctx(bases), nargs, _launch.sources_of(source))
+        return k
+
+    def stream(self) -> int:
+        """Torch's current stream of this memory's device, as the raw ``cudaStream_t`` launches take."""
+        return _launch.current_stream(self.device_index)  # type: ignore[no-any-return]
+
+    def validate(self, t: torch.Tensor) -> None:
+        """Raise ``UnsupportedError`` unless the kernels can take ``t``: this memory open, ``t`` on
+        its device, in one of ``DTYPES``."""
+        if self.closed:
+            raise UnsupportedError("peer memory", self, "is closed", "build a new PeerMemory (peer_memory(comm) does)")
+        if t.get_device() != self.device_index:
+            raise UnsupportedError("tensor", t, f"is not on {self.device}, where this rank's peer memory lives",
+                                   f"move it with .to('{self.device}') or call torch.cuda.set_device first")
+        if t.dtype not in DTYPES:
+            raise UnsupportedError("tensor", t, f"has dtype {t.dtype}; peer memory reduces {sorted(map(str, DTYPES))}",
+                                   "use algorithm='native' for other dtypes")
+
     def _forget_plans(self) -> None:
         self._plans.clear()
         for ready in self._ready:
             ready.clear()
+
+    def _local_ctx(self, bases: tuple[int, ...]) -> bytes:
+        if len(bases) != self.world:
+            raise AssertionError(f"{len(bases)} bases for {self.world} ranks")
+        ctx = np.frombuffer(bytearray(self._ctx), dtype=_CTX)[0]
+        own = self.slot_pointers[self.rank]
+        for q, b in enumerate(bases):
+            ctx["slots"][q] = (own + b) % (1 << 64)  # a base may lie below the buffer: only base + offset is read
+        return ctx.tobytes()
+
+    # -- errors ----------------------------------------------------------------------------------
+    @property
+    def error_record(self) -> np.ndarray:
+        """The host-mapped error record the kernels write (``struct Ctx``'s ``err``), int32
+        ``[failed, stage, block, peer, sections opened, sections closed, -, -]``: ``[0]`` is
+        nonzero once a wait gave up (``check()`` raises then). Read without synchronising."""
+        return self._err_np
+
+    @property
+    def error_address(self) -> int:
+        """The host address of ``error_record`` (for compiled callers that read its ``[0]``)."""
+        return self._err.data_ptr()
+
+    @property
+    def device_error_address(self) -> int:
+        """The device address of the error word that later launches check (set: they return at once)."""
+        return self._err_dev.data_ptr()
 
     def check(self) -> None:
         """Raise :class:`CollectiveTimeout` if a kernel of this communicator gave up waiting for a peer."""
         if self._err_np[0]:
             stage, block, peer = (int(x) for x in self._err_np[1:4])
             what = _STAGES.get(stage, f"stage {stage}")
-            where = f"in block {block} for the flag '{what}'" if stage != _STREAM_WAIT else \
+            where = f"in block {block} for the flag '{what}'" if stage != STREAM_WAIT else \
                 "in a copy-engine section that made no progress (its stream waits were released; the named " \
                 "peer's copy-engine signals were the furthest behind)"
             raise CollectiveTimeout(
@@ -848,17 +766,44 @@ class PeerMemory:
                 f"rank {self.comm.global_ranks[self.rank]} waited {self.timeout_s:g} s {where}; the "
                 "communicator's peer memory is unusable now: close it and build it again")
 
+    # -- slots and barriers ----------------------------------------------------------------------
+    def barrier(self, clear: bool = False) -> None:
+        """A barrier of every rank on the current stream (bounded), which is no section boundary:
+        for callers that wait only with kernels (``copy_engines.wait(..., kernel=True)``), whose
+        bound is their own. With ``clear``, this rank's copy-engine flags are zeroed afterwards."""
+        self.kernel("ce_fence", None, False, 1)(1, self.stream(), FENCE_CLEAR if clear else 0)
+
+    def slot_view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor over this rank's own slot buffer, ``offset`` bytes in (what peers pushed there)."""
+        key = (offset, shape, dtype)
+        view = self._views.get(key)
+        if view is not None:
+            return view
+        es = torch.empty((), dtype=dtype).element_size()
+        n = math.prod(shape)
+        if offset % es or offset < 0 or offset + n * es > self.slot_bytes:
+            raise UnsupportedError("offset", offset, f"does not place {shape} {dtype} inside the slot buffer",
+                                   "plan pieces that fit COMMOPS_PEER_BYTES")
+        if self._slot_tensor is None:
+            import cupy  # deferred: as in _map_buffers
+
+            mem = cupy.cuda.UnownedMemory(self.slot_pointers[self.rank], self.slot_bytes, self, self.device.index)
+            arr = cupy.ndarray((self.slot_bytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
+            self._slot_tensor = torch.from_dlpack(arr)
+        if len(self._views) > 4096:  # a view per (offset, shape, dtype) asked for: a few per operator shape
+            self._views.clear()
+        view = self._views[key] = self._slot_tensor[offset:offset + n * es].view(dtype).view(shape)
+        return view
+
     def close(self) -> None:
         """Release the buffers (collective: waits until no rank can still touch them)."""
         if self.closed:
             return
-        import cupy
+        import cupy  # deferred: as in _map_buffers
 
         rt = cupy.cuda.runtime
         torch.cuda.synchronize(self.device)
-        if self._watchdog is not None:  # before the flags it may write are freed
-            self._watchdog.stop()
-            self._watchdog = None
+        self.copy_engines.stop()  # its watchdog: before the flags it may write are freed
         _all_gather_ints(self.comm, [0])  # nobody pushes into my slots any more
         with cupy.cuda.Device(self.device.index):
             for p in self._opened:
@@ -870,47 +815,36 @@ class PeerMemory:
         self._opened, self._own = [], []
         self._slot_tensor = None
         self._views.clear()
-        self._forget_plans()  # the next call re-plans, and _check refuses a closed PeerMemory
+        self._forget_plans()  # the next call re-plans, and validate() refuses a closed PeerMemory
         self.closed = True
 
-    # -- internals -------------------------------------------------------------------------------
-    def _check(self, t: torch.Tensor) -> None:
-        if self.closed:
-            raise UnsupportedError("peer memory", self, "is closed", "build a new PeerMemory (peer_memory(comm) does)")
-        if t.get_device() != self._index:
-            raise UnsupportedError("tensor", t, f"is not on {self.device}, where this rank's peer memory lives",
-                                   f"move it with .to('{self.device}') or call torch.cuda.set_device first")
-        if t.dtype not in DTYPES:
-            raise UnsupportedError("tensor", t, f"has dtype {t.dtype}; peer memory reduces {sorted(map(str, DTYPES))}",
-                                   "use algorithm='native' for other dtypes")
-
+    # -- transitional: overlap/_moe_peer.py still calls these (the names above replace them) -----
     def _kernel(self, kind: str, dtype: torch.dtype | None, vec: bool, nargs: int = 4,
-                bases: tuple[int, ...] | None = None, source: Path | None = None) -> _launch.Kernel:
-        """``kind``'s entry point for ``dtype``; with ``bases``, one whose context names, as rank q's
-        slot buffer, this rank's own buffer moved by ``bases[q]`` bytes (a kernel written to read
-        the peers' buffers then reads copies of them that the copy engines put in this one).
-        ``source``: the ``.cu`` file that defines it, compiled after ``peer.cuh`` (default
-        ``kernels.cu``)."""
-        if source is None and kind.startswith("rows_"):
-            source = _ROWS_SOURCE  # transitional: overlap/_moe_peer.py still calls this without source=
-        if self._err_np[0]:
-            self.check()
-        key = (kind, dtype, vec, bases, source)
-        k = self._kernels.get(key)
-        if k is None:
-            name = kind if dtype is None else f"{kind}_{_TAGS[dtype]}_{'vec' if vec else 'scalar'}"
-            k = self._kernels[key] = _launch.Kernel(name, self._index, self._ctx if bases is None else
-                                                    self._local_ctx(bases), nargs, _launch.sources_of(source))
-        return k
+                bases: tuple[int, ...] | None = None) -> _launch.Kernel:
+        # transitional: overlap/_moe_peer.py still calls this (kernel); a rows_* kind compiles _moe_rows.cu
+        return self.kernel(kind, dtype, vec, nargs, bases, _ROWS_SOURCE if kind.startswith("rows_") else None)
 
-    def _local_ctx(self, bases: tuple[int, ...]) -> bytes:
-        if len(bases) != self.world:
-            raise AssertionError(f"{len(bases)} bases for {self.world} ranks")
-        ctx = np.frombuffer(bytearray(self._ctx), dtype=_CTX)[0]
-        own = self.slot_pointers[self.rank]
-        for q, b in enumerate(bases):
-            ctx["slots"][q] = (own + b) % (1 << 64)  # a base may lie below the buffer: only base + offset is read
-        return ctx.tobytes()
+    @property
+    def _index(self) -> int:  # transitional: overlap/_moe_peer.py still calls this (device_index)
+        return self.device_index
+
+    @property
+    def copy_streams(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        # transitional: overlap/_moe_peer.py still calls this (copy_engines.streams)
+        return self.copy_engines.streams
+
+    def ce_push(self, stream: int, peer: int, offset: int, src: int, nbytes: int) -> None:
+        # transitional: overlap/_moe_peer.py still calls this (copy_engines.push)
+        self.copy_engines.push(stream, peer, offset, src, nbytes)
+
+    def ce_signal(self, stream: int, peer: int, slot: int, stage: int, value: int) -> None:
+        # transitional: overlap/_moe_peer.py still calls this (copy_engines.signal)
+        self.copy_engines.signal(stream, peer, slot, stage, value)
+
+    def ce_wait(self, stream: int, slot: int, stage: int, value: int, *, kernel: bool | None = None,
+                source: int | None = None) -> None:
+        # transitional: overlap/_moe_peer.py still calls this (copy_engines.wait)
+        self.copy_engines.wait(stream, slot, stage, value, kernel=kernel, source=source)
 
     def __repr__(self) -> str:
         return (f"PeerMemory(rank={self.rank}/{self.world}, {self.device}, slots={self.slot_bytes} B, "
