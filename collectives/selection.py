@@ -38,8 +38,9 @@ from topology.cost import Machine, price
 
 from . import _env
 from .algos import REGISTRY, for_op
+from .algos.two_shot import two_shot_piece
 from .errors import UnsupportedError
-from .peer.memory import DTYPES as PEER_DTYPES, peer_unavailable, two_shot_piece
+from .peer.memory import DTYPES as PEER_DTYPES, peer_unavailable
 
 if TYPE_CHECKING:
     from .communicator import Communicator
@@ -131,7 +132,7 @@ def _peer_slot_bytes(comm: Any) -> int:
 
 def _two_shot_in_one_piece(comm: Any, nbytes: int, element_size: int) -> bool:
     """Whether the communicator's peer buffers hold a two-shot all-reduce of ``nbytes`` in one
-    piece (``PeerMemory._plan``)."""
+    piece (``collectives/algos/two_shot.py``'s plan)."""
     return nbytes <= two_shot_piece(_peer_slot_bytes(comm) // 2, comm.size, element_size) * element_size
 
 

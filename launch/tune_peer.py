@@ -24,6 +24,7 @@ import collectives as C  # noqa: E402
 from bench.cli import parse_size, sizes  # noqa: E402
 from bench.harness import time_fn  # noqa: E402
 from collectives import _native, dispatch as _dispatch  # noqa: E402
+from collectives.algos import peer  # noqa: E402
 from collectives.dispatch import dispatch_tensors  # noqa: E402
 from collectives.peer import PeerMemory, _launch  # noqa: E402
 from collectives.recorder import RECORDER  # noqa: E402
@@ -65,7 +66,7 @@ def host_costs(comm: C.Communicator, pm: PeerMemory, dev: torch.device) -> dict[
         # the verb's layers: the dispatcher with the communicator in hand, then without the
         # flight recorder's entry
         "dispatch_tensors": _host_us(lambda: dispatch_tensors(comm, "all_reduce", x, x, sum_op, "auto", False)),
-        "peer_memory_one_shot": _host_us(lambda: pm.all_reduce(x, "one_shot")),
+        "peer_memory_one_shot": _host_us(lambda: peer("one_shot").all_reduce(pm, x)),
         # the floor under any torch op on this host: an in-place add of 8 bytes, one launch
         "torch_add_": _host_us(lambda: x.add_(0)),
     }
@@ -86,7 +87,7 @@ def host_costs(comm: C.Communicator, pm: PeerMemory, dev: torch.device) -> dict[
         RECORDER.enabled = keep
     # the layers under the verb: the runner the dispatcher keeps (a prepared launch once it has
     # seen this tensor), and that launch alone
-    run = pm.runner("all_reduce", "one_shot")
+    run = peer("one_shot").runner(pm, "all_reduce")
     run(x, x)
     run(x, x)
     out["peer_memory_runner"] = _host_us(lambda: run(x, x))
@@ -128,7 +129,7 @@ def link_rates(comm: C.Communicator, pm: PeerMemory, dev: torch.device, nbytes: 
     keep = pm.max_blocks
     for mb in (32, 64, 128):
         pm.max_blocks = mb
-        t = _time(comm, dev, lambda: pm.all_gather(dst, src), 3, 5, False)
+        t = _time(comm, dev, lambda: peer("one_shot").all_gather(pm, dst, src), 3, 5, False)
         out[f"sm_push_{mb}_blocks_GBps"] = nbytes * (comm.size - 1) / t / 1e9
     pm.max_blocks = keep
     chunk = min(pm.slot_bytes // 2 // comm.size, nbytes)
@@ -211,13 +212,13 @@ def main() -> int:
             for bb, mb in choices:
                 pm.block_bytes, pm.max_blocks = bb, mb
                 for algo in ("one_shot", "two_shot"):
-                    row[f"{algo}_{bb >> 10}K:{mb}_{tag}_us"] = us(lambda: pm.all_reduce(x, algo))
+                    row[f"{algo}_{bb >> 10}K:{mb}_{tag}_us"] = us(lambda: peer(algo).all_reduce(pm, x))
             if nbytes >= (8 << 20):
                 pm.ce_max_chunks = 1 << 30  # exactly cb per chunk
                 for cb in ce_chunks:
                     pm.ce_chunk_bytes = pm.ce_all_reduce_chunk_bytes = cb  # (two ranks: the one-shot's)
                     try:
-                        row[f"copy_engine_{cb >> 20}M_{tag}_us"] = us(lambda: pm.all_reduce(x, "copy_engine"))
+                        row[f"copy_engine_{cb >> 20}M_{tag}_us"] = us(lambda: peer("copy_engine").all_reduce(pm, x))
                     except C.UnsupportedError as exc:  # too few ring slots for this chunk
                         row[f"copy_engine_{cb >> 20}M_{tag}_us"] = str(exc)[:80]  # type: ignore[assignment]
         pm.check()

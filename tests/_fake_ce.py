@@ -1,11 +1,12 @@
 """A stand-in for the GPUs under the copy-engine collectives, on CPU.
 
-Every rank's host code runs for real (``PeerMemory._ce_by_shard`` and ``_ce_all_reduce``,
-unbound, on a ``FakeRank`` in place of the ``PeerMemory``, with a real ``CopyEngines`` over it) and, as on a GPU, only enqueues work: copies, flag writes, kernels, event records and
-waits, each on its stream. ``Machine.run`` then executes the queues of every
-rank's streams in a random order, taking at each step the head of any queue whose condition
-holds (a kernel's bounded wait on peer flags, a barrier, an event), until all are empty; if no
-head can run, the protocol is deadlocked. Memory is host memory: the slot buffers, the flag
+Every rank's host code runs for real (``collectives/algos/copy_engine.py``'s ``by_shard`` and
+``all_reduce``, on a ``FakeRank`` in place of the ``PeerMemory``, with a real ``CopyEngines``
+over it) and, as on a GPU, only enqueues work: copies, flag writes, kernels, event records and
+waits, each on its stream. ``Machine.run`` then executes the queues of every rank's streams in
+a random order, taking at each step the head of any queue whose condition holds (a kernel's
+bounded wait on peer flags, a barrier, an event), until all are empty; if no head can run, the
+protocol is deadlocked. Memory is host memory: the slot buffers, the flag
 areas and the tensors are CPU tensors addressed by their ``data_ptr()``, and each kernel of
 ``collectives/peer/kernels.cu`` that these paths launch is done here in plain torch, as its
 comment there specifies. What this checks is the protocol (ring slots, flag values, stream
@@ -24,8 +25,8 @@ from typing import Any, cast
 
 import torch
 
+from collectives.algos import copy_engine as algo
 from collectives.peer import _launch, _layout as L
-from collectives.peer.memory import PeerMemory
 from collectives.peer.copy_engines import CopyEngines
 
 _Op = tuple[Callable[[], bool], Callable[[], None]]  # (ready, run)
@@ -81,12 +82,10 @@ class FakeRank:
 
     # the copy-engine collectives, run on this stand-in
     def by_shard(self, kind: str, output: torch.Tensor, input: torch.Tensor, m: int) -> None:
-        PeerMemory._ce_by_shard(cast(Any, self), kind, output, input, m)
+        algo.by_shard(cast(Any, self), kind, output, input, m)
 
     def all_reduce(self, t: torch.Tensor, vec: bool) -> None:
-        PeerMemory._ce_all_reduce(cast(Any, self), t, vec)
-
-    _ce_by_shard = by_shard  # what _ce_all_reduce calls at two ranks
+        algo.all_reduce(cast(Any, self), t, vec)
 
     # what they use of the PeerMemory
     def blocks(self, nbytes: int) -> int:

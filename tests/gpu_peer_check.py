@@ -30,11 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import collectives as C  # noqa: E402
 from bench.reference import rank_data  # noqa: E402
 from collectives import _env, _native, dispatch as _dispatch  # noqa: E402
-from collectives.peer import PeerMemory, peer_memory  # noqa: E402
-from collectives.peer import CE_PUSHED  # noqa: E402
-from collectives.peer import memory as M  # noqa: E402
+from collectives.algos import _peer as P, peer  # noqa: E402
+from collectives.peer import CE_PUSHED, PeerMemory, peer_memory  # noqa: E402
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+ONE_SHOT = peer("one_shot")
 EPS = {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
 
 
@@ -89,7 +89,7 @@ class Checker:
         if pm is None:
             C.all_reduce(x, op="avg" if avg else "sum", algorithm=algorithm)
         else:
-            pm.all_reduce(x, algorithm, avg)
+            peer(algorithm).all_reduce(pm, x, avg)
         tol = self.bound(inputs, dtype, avg)
         self.expect(what, x, want, tol)
         self.same_on_all_ranks(what, x)
@@ -108,7 +108,7 @@ class Checker:
         if pm is None:
             C.reduce_scatter_single(out, inputs[self.r], op="avg" if avg else "sum", algorithm=algorithm)
         else:
-            pm.reduce_scatter(out, inputs[self.r], avg, algorithm)
+            peer(algorithm).reduce_scatter(pm, out, inputs[self.r], avg)
         tol = self.bound([x[self.r * m:(self.r + 1) * m] for x in inputs], dtype, avg)
         self.expect(f"reduce_scatter {algorithm} m={m} {dtype}{' pieces' if pm else ''}", out, want, tol)
 
@@ -120,7 +120,7 @@ class Checker:
         if pm is None:
             C.all_gather_single(out, inputs[self.r], algorithm=algorithm)
         else:
-            pm.all_gather(out, inputs[self.r], algorithm)
+            peer(algorithm).all_gather(pm, out, inputs[self.r])
         self.expect(f"all_gather {algorithm} m={m} {dtype}{' pieces' if pm else ''}", out, want, torch.zeros_like(want))
 
     # -- CUDA graphs -------------------------------------------------------------------------------
@@ -222,7 +222,7 @@ class Checker:
             self.failures.append(f"rank {self.r}: with a trace hook the call went around it ({seen})")
 
     def prepared_repeats(self) -> None:
-        """The fast path's prepared launches (``PeerMemory.runner``): the same tensors called again
+        """The fast path's prepared launches (``PeerAlgorithm.runner``): the same tensors called again
         and again with fresh data (a stale parameter block would reduce an old address or size),
         aligned and not, in place and not, above the low-latency limit, then after the grid
         changes (the blocks must be dropped) and back."""
@@ -260,15 +260,16 @@ class Checker:
                     self.expect(f"prepared all_gather m={m} {dtype} call {rep}", full, torch.cat(parts).double(),
                                 torch.zeros((), device=self.dev, dtype=torch.float64))
         self.checks += 1
-        if not any(pm._ready):
+        kept = pm.state(P.PeerState).ready
+        if not any(kept):
             self.failures.append(f"rank {self.r}: repeated calls on the same tensors kept no prepared launch")
         # the compiled runner's kept launches are one-kernel graphs (the calls above ran through them)
         if _native.status() == "loaded" and _env.GRAPH_LAUNCH.get():
             self.checks += 1
-            kinds = {len(e) for ready in pm._ready for e in ready.values()}
+            kinds = {len(e) for ready in kept for e in ready.values()}
             if kinds != {6}:
                 self.failures.append(f"rank {self.r}: kept launches of lengths {sorted(kinds)}, not one-kernel "
-                                     f"graphs ({len(M._GRAPHS_FAILED)} failures: {M._GRAPHS_FAILED[:1]})")
+                                     f"graphs ({len(P._GRAPHS_FAILED)} failures: {P._GRAPHS_FAILED[:1]})")
 
     def stale_words(self) -> None:
         """A larger one-shot call leaves raw data in the slots whose 8-byte words carry, in their
@@ -278,22 +279,22 @@ class Checker:
         pm = PeerMemory(self.comm, slot_bytes=8 << 20)
         n_big, n_small = 1 << 18, 4096  # 512 KB (above the low-latency limit) and 8 KB of bf16
         tiny = torch.ones(8, dtype=torch.bfloat16, device=self.dev)
-        pm.all_reduce(tiny, "one_shot")  # kernels compiled, the first call behind us
+        ONE_SHOT.all_reduce(pm, tiny)  # kernels compiled, the first call behind us
         torch.cuda.synchronize()
         target = int(pm._calls[0].item()) + 3  # the number of the third call from here
         big = torch.randn(n_big, device=self.dev).to(torch.bfloat16)
         words = big.view(torch.int16).view(-1, 4)
         for col, half in ((2, target & 0xFFFF), (3, (target >> 16) & 0xFFFF)):  # bits 32-63: the number
             words[:, col] = half - (1 << 16) if half >= 1 << 15 else half
-        pm.all_reduce(big, "one_shot")  # raw data into the peers' slots of this set
-        pm.all_reduce(tiny, "one_shot")  # the other set
+        ONE_SHOT.all_reduce(pm, big)  # raw data into the peers' slots of this set
+        ONE_SHOT.all_reduce(pm, tiny)  # the other set
         inputs = self.fresh(n_small, torch.bfloat16)
         x = inputs[self.r].clone()
         torch.cuda.synchronize()
         dist.barrier()
         if self.r == self.w - 1:
             torch.cuda._sleep(50_000_000)  # a late peer: tens of milliseconds
-        pm.all_reduce(x, "one_shot")
+        ONE_SHOT.all_reduce(pm, x)
         torch.cuda.synchronize()
         self.expect("one_shot low-latency words after stale raw data, a late peer", x,
                     sum(t.double() for t in inputs), self.bound(inputs, torch.bfloat16))
@@ -307,7 +308,7 @@ class Checker:
         raised = None
         if self.r == 0:  # rank 0 calls, the others never do
             t0 = time.perf_counter()
-            pm.all_reduce(x, "one_shot")
+            ONE_SHOT.all_reduce(pm, x)
             torch.cuda.synchronize()
             waited = time.perf_counter() - t0
             try:
@@ -322,7 +323,7 @@ class Checker:
                 self.failures.append(f"rank 0: timeout named {raised.missing} after {waited:.2f} s; want one of "
                                      f"{missing} after about 0.5 s")
             try:
-                pm.all_reduce(x, "one_shot")  # the next call refuses to run
+                ONE_SHOT.all_reduce(pm, x)  # the next call refuses to run
                 self.failures.append("rank 0: a call after a timeout ran")
             except C.CollectiveTimeout:
                 pass
@@ -335,7 +336,7 @@ class Checker:
         y = torch.randn(1 << 20, device=self.dev)
         if self.r == 0:
             t0 = time.perf_counter()
-            pm.all_reduce(y, "copy_engine")
+            peer("copy_engine").all_reduce(pm, y)
             torch.cuda.synchronize()
             waited = time.perf_counter() - t0
             self.expect_timeout(pm, "a peer skipped a copy-engine call", waited,
@@ -387,7 +388,7 @@ class Checker:
         self.checks += 1
         try:
             pm.check()
-            pm.all_reduce(z, "one_shot")
+            ONE_SHOT.all_reduce(pm, z)
             torch.cuda.synchronize()
             if not torch.equal(z, torch.full_like(z, float(self.w))):
                 self.failures.append(f"rank {self.r}: an all-reduce after idle barriers gave {z[:4].tolist()}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import collectives as C
+from collectives.algos import peer
 from collectives.peer import PeerMemory
 from overlap.moe import MoEDispatcher
 
@@ -45,7 +46,7 @@ def main() -> int:
         y = torch.randn(n, device=dev)
         ref = y.clone()
         dist.all_reduce(ref)
-        pm.all_reduce(y, "copy_engine")
+        peer("copy_engine").all_reduce(pm, y)
         torch.cuda.synchronize()
         fails += int(not torch.allclose(y, ref, rtol=1e-5, atol=1e-5))
     pm.close()

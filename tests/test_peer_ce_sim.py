@@ -1,5 +1,6 @@
-"""The copy-engine paths of ``PeerMemory`` (all-reduce, reduce-scatter, all-gather, over
-``collectives/peer/copy_engines.py``) on a CPU stand-in for the GPUs (``tests/_fake_ce.py``): 2 to 5 ranks, messages that wrap the ring of
+"""The copy-engine collectives (``collectives/algos/copy_engine.py``: all-reduce, reduce-scatter,
+all-gather, over ``collectives/peer/copy_engines.py``) on a CPU stand-in for the GPUs
+(``tests/_fake_ce.py``): 2 to 5 ranks, messages that wrap the ring of
 slots several times and end in a partial chunk, every stream's work run in random orders. Each
 result is checked against its definition in float64, and every rank's copy-engine flags must be
 back to zero after the call (the closing barrier's promise to the next call)."""
@@ -9,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from collectives.algos.copy_engine import ce_pieces
 from collectives.errors import UnsupportedError
 from collectives.peer import _launch
 from collectives.peer.copy_engines import CE_PUSHED
-from collectives.peer.memory import ce_pieces
 from tests._fake_ce import FakeRank, Machine, _at
 
 

@@ -1,5 +1,6 @@
-"""``PeerMemory.runner`` and the launch path on machines without GPUs: which launch a repeated
-call makes, when a prepared parameter block is kept, reused and dropped.
+"""The peer algorithms' runners (``PeerAlgorithm.runner``, ``collectives/algos/_peer.py``), the
+launch path and ``PeerMemory``'s launch API on machines without GPUs: which launch a repeated call
+makes, when a prepared parameter block is kept, reused and dropped.
 
 A repeat on the same tensors must launch exactly what the general method launched for them
 (same entry point, grid and arguments), so each case below records the general call first and
@@ -12,7 +13,6 @@ from __future__ import annotations
 import gc
 import sys
 import types
-import weakref
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,6 +20,9 @@ import numpy as np
 import pytest
 import torch
 
+from collectives import algos
+from collectives.algos import _peer as P
+from collectives.algos.two_shot import two_shot_piece
 from collectives.errors import CollectiveTimeout, UnsupportedError
 from collectives.peer import _launch, _layout as L, copy_engines as CE
 from collectives.peer import memory as M
@@ -43,7 +46,7 @@ def pm(monkeypatch: pytest.MonkeyPatch) -> Any:
     kernels: dict[Any, _Kernel] = {}
     p = object.__new__(M.PeerMemory)
     p.world, p.rank, p.closed, p.device_index, p.device = 2, 0, False, -1, torch.device("cpu")
-    p._plans, p._ready, p._block_bytes, p._max_blocks = {}, weakref.WeakSet(), 8 << 10, M.MAX_BLOCKS
+    p._states, p._block_bytes, p._max_blocks = {}, 8 << 10, M.MAX_BLOCKS
     p.set_bytes, p.ll_max_bytes, p.timeout_s = 1 << 20, M.ONE_SHOT_LL_MAX_BYTES, 1.0
     p._err_np = np.zeros(8, dtype=np.int32)  # the host-mapped record (peer.cuh, struct Ctx)
     p.comm = SimpleNamespace(global_ranks=(0, 1))
@@ -59,6 +62,15 @@ def pm(monkeypatch: pytest.MonkeyPatch) -> Any:
                         lambda fn, blocks, stream, params, name="", device=None: log.append((name, blocks, params)))
     p.log = log
     return p
+
+
+def _runner(pm: Any, op: str, algorithm: str, **kw: Any) -> Any:
+    return algos.peer(algorithm).runner(pm, op, **kw)
+
+
+def _ready(pm: Any) -> Any:
+    """The live runners' prepared launches."""
+    return pm.state(P.PeerState).ready
 
 
 def _twice(pm: Any, run: Any, out: torch.Tensor, inp: torch.Tensor) -> tuple[Any, Any]:
@@ -80,7 +92,7 @@ def _twice(pm: Any, run: Any, out: torch.Tensor, inp: torch.Tensor) -> tuple[Any
 def test_all_reduce_repeat_launches_what_the_general_call_did(pm: Any, algorithm: str, n: int, offset: int,
                                                               kernel: str) -> None:
     x = torch.empty(n + offset, dtype=torch.bfloat16)[offset:]
-    run = pm.runner("all_reduce", algorithm)
+    run = _runner(pm, "all_reduce", algorithm)
     first, again = _twice(pm, run, x, x)
     assert len(first) == 1 and first[0][0] == kernel
     assert again == first
@@ -96,7 +108,7 @@ def test_shard_repeat_launches_what_the_general_call_did(pm: Any, op: str, m: in
                                                          kernel: str) -> None:
     small, big = torch.empty(m, dtype=dtype), torch.empty(2 * m, dtype=dtype)
     out, inp = (small, big) if op == "reduce_scatter" else (big, small)
-    run = pm.runner(op, "one_shot")
+    run = _runner(pm, op, "one_shot")
     first, again = _twice(pm, run, out, inp)
     assert len(first) == 1 and first[0][0] == kernel
     assert again == first
@@ -107,20 +119,20 @@ def test_shard_repeat_launches_what_the_general_call_did(pm: Any, op: str, m: in
 
 
 def test_calls_of_several_pieces_are_not_kept(pm: Any) -> None:
-    n = 3 * M.two_shot_piece(pm.set_bytes, pm.world, 2)
+    n = 3 * two_shot_piece(pm.set_bytes, pm.world, 2)
     x = torch.empty(n, dtype=torch.bfloat16)
-    run = pm.runner("all_reduce", "two_shot")
+    run = _runner(pm, "all_reduce", "two_shot")
     first, again = _twice(pm, run, x, x)
     assert len(first) == 3 and again == first
-    assert not any(pm._ready)
+    assert not any(_ready(pm))
 
 
 def test_a_new_grid_drops_the_kept_blocks(pm: Any) -> None:
     x = torch.empty(61_440, dtype=torch.float32)  # 240 KiB: 30 blocks of 8 KiB
-    run = pm.runner("all_reduce", "one_shot")
+    run = _runner(pm, "all_reduce", "one_shot")
     first, _ = _twice(pm, run, x, x)
     pm.block_bytes = 4 << 10
-    assert not any(pm._ready)
+    assert not any(_ready(pm))
     after, again = _twice(pm, run, x, x)
     assert after[0][1] == 2 * first[0][1] and again == after
 
@@ -134,11 +146,11 @@ def test_kept_launches_carry_a_one_kernel_graph_for_the_compiled_runner(pm: Any,
             self.handle = 0x6EA9 + len(made)
 
     monkeypatch.setattr(_launch, "OneKernelGraph", Graph)
-    monkeypatch.setattr(M, "_GRAPHS_FAILED", [])
+    monkeypatch.setattr(P, "_GRAPHS_FAILED", [])
     capturing = [False]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     x, y, z = (torch.empty(100, dtype=torch.bfloat16) for _ in range(3))
-    run = pm.runner("all_reduce", "one_shot")
+    run = _runner(pm, "all_reduce", "one_shot")
     _twice(pm, run, x, x)
     assert len(run.ready[x.data_ptr()]) == 4 and not made  # the Python runner's: no graph
     run.ready.graphs = True  # what the compiled runner asks for
@@ -158,7 +170,7 @@ def test_kept_launches_carry_a_one_kernel_graph_for_the_compiled_runner(pm: Any,
     run.ready.clear()
     with pytest.warns(RuntimeWarning, match="COMMOPS_GRAPH_LAUNCH=0"):
         _twice(pm, run, x, x)
-    assert len(run.ready[x.data_ptr()]) == 4 and M._GRAPHS_FAILED
+    assert len(run.ready[x.data_ptr()]) == 4 and P._GRAPHS_FAILED
     monkeypatch.setattr(_launch, "OneKernelGraph", Graph)
     run.ready.clear()
     _twice(pm, run, y, y)  # after a failure none is tried again
@@ -167,7 +179,7 @@ def test_kept_launches_carry_a_one_kernel_graph_for_the_compiled_runner(pm: Any,
 
 def test_a_reported_timeout_raises_instead_of_launching(pm: Any) -> None:
     x = torch.empty(64, dtype=torch.float32)
-    run = pm.runner("all_reduce", "one_shot")
+    run = _runner(pm, "all_reduce", "one_shot")
     _twice(pm, run, x, x)
     pm.error_record[:4] = (1, 0, 0, 1)  # a kernel gave up waiting for rank 1
     pm.log.clear()
@@ -177,10 +189,10 @@ def test_a_reported_timeout_raises_instead_of_launching(pm: Any) -> None:
 
 
 def test_average_and_copy_engine_take_the_general_method(pm: Any) -> None:
-    pm.runner("all_reduce", "one_shot", average=True)
-    pm.runner("all_reduce", "copy_engine")
-    pm.runner("all_reduce", "one_shot", prepared=False)
-    assert len(pm._ready) == 0
+    _runner(pm, "all_reduce", "one_shot", average=True)
+    _runner(pm, "all_reduce", "copy_engine")
+    _runner(pm, "all_reduce", "one_shot", prepared=False)
+    assert len(_ready(pm)) == 0
 
 
 def test_launch_binds_the_context_once_on_invalid_context(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -209,13 +221,13 @@ def test_launch_names_the_kernel_and_the_driver_error(monkeypatch: pytest.Monkey
 
 def test_a_dropped_runner_takes_its_blocks_with_it(pm: Any) -> None:
     x = torch.empty(64, dtype=torch.float32)
-    run = pm.runner("all_reduce", "one_shot")
+    run = _runner(pm, "all_reduce", "one_shot")
     _twice(pm, run, x, x)
-    assert len(pm._ready) == 1 and any(pm._ready)
+    assert len(_ready(pm)) == 1 and any(_ready(pm))
     assert list(run.ready) == [x.data_ptr()]  # what launch/tune_peer.py reads
     del run
     gc.collect()
-    assert len(pm._ready) == 0
+    assert len(_ready(pm)) == 0
 
 
 def test_a_module_is_the_header_then_one_source_compiled_once_per_device_and_sources(
@@ -409,3 +421,14 @@ def test_kernels_are_made_once_per_source_and_the_transitional_name_finds_the_ro
     p.comm, p.world, p.rank, p.timeout_s = SimpleNamespace(global_ranks=(0, 1)), 2, 0, 1.0
     with pytest.raises(CollectiveTimeout):  # after a timeout no kernel is handed out
         p.kernel("ce_fence", None, False, 1)
+
+
+def test_peer_names_the_peer_algorithms_only() -> None:
+    assert {n for n in algos.REGISTRY if isinstance(algos.REGISTRY[n], algos.PeerAlgorithm)} == \
+        {"one_shot", "two_shot", "copy_engine"}
+    assert algos.peer("two_shot") is algos.REGISTRY["two_shot"]
+    with pytest.raises(UnsupportedError, match="not a peer-memory algorithm"):
+        algos.peer("ring")
+    with pytest.raises(UnsupportedError, match="not a peer-memory reduce-scatter"):
+        algos.peer("two_shot").reduce_scatter(None, torch.empty(1), torch.empty(2))  # type: ignore[arg-type]
+

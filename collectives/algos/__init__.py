@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import UnsupportedError
 from ._base import Algorithm, ScheduledAlgorithm, busbw_factor
+from ._peer import PeerAlgorithm
 from ._schedule import Copy, Layout, Recv, Region, Schedule, Send, Step
 from .binomial_tree import BinomialTree
 from .bruck import Bruck
@@ -25,7 +27,8 @@ from .ring import Ring
 from .two_shot import TwoShot
 
 __all__ = [
-    "Algorithm", "ScheduledAlgorithm", "busbw_factor", "REGISTRY", "register", "get", "for_op",
+    "Algorithm", "ScheduledAlgorithm", "PeerAlgorithm", "busbw_factor", "REGISTRY", "register", "get", "for_op",
+    "peer",
     "Layout", "Schedule", "Step", "Send", "Recv", "Copy", "Region",
 ]
 
@@ -41,6 +44,16 @@ def register(algorithm: Algorithm) -> Algorithm:
 
 def get(name: str) -> Algorithm | None:
     return REGISTRY.get(name)
+
+
+def peer(name: str) -> PeerAlgorithm:
+    """The registered peer-memory algorithm ``name``, whose calls take a ``collectives.peer.PeerMemory``
+    (``peer("one_shot").all_reduce(pm, x)``, ``peer("copy_engine").reduce_scatter(pm, out, x)``)."""
+    algorithm = REGISTRY.get(name)
+    if not isinstance(algorithm, PeerAlgorithm):
+        names = sorted(n for n, a in REGISTRY.items() if isinstance(a, PeerAlgorithm))
+        raise UnsupportedError("algorithm", name, "is not a peer-memory algorithm", f"use one of {names}")
+    return algorithm
 
 
 def for_op(op: str, dtype: torch.dtype | None = None, backend: str | None = None) -> list[str]:

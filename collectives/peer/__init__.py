@@ -31,11 +31,12 @@ Design note.
   (all-reduce as reduce-scatter then all-gather by pushes: each byte crosses the link once each
   way, the least there is) and ``copy_engine`` (the same bytes moved by cudaMemcpyAsync on two
   streams, SMs only reducing, chunks through a ring of slots). Messages larger than the slot
-  buffer run in pieces.
+  buffer run in pieces. Their host logic lives in their modules in ``collectives/algos``; the
+  kernels here, in ``kernels.cu``.
 * **Never multicast.** Nothing here creates multicast objects or uses ``multimem`` instructions.
 
-The public objects are :class:`PeerMemory` (the buffers, the flags, the error record, the calls
-and the launch API: ``kernel``, ``stream``, ``device_index``, ``blocks``, ``validate``) and its
+The public objects are :class:`PeerMemory` (the buffers, the flags, the error record and the
+launch API: ``kernel``, ``stream``, ``device_index``, ``blocks``, ``validate``) and its
 :class:`CopyEngines` (``pm.copy_engines``: copies and flags by copy engines). The registered
 algorithms (``collectives/algos``) and the overlapped operators (``overlap/``) use them through
 :func:`peer_memory`; this package imports neither.

@@ -1,34 +1,35 @@
-"""``PeerMemory``: one communicator's slot buffers and flags, and the calls that use them.
-
-This module is the boundary between tensors and the kernels in ``kernels.cu``: it validates,
-splits messages into pieces that fit the slots, picks the vectorised or the scalar entry point
-(16-byte packs need 16-byte aligned addresses) and launches on torch's current stream through
-``_launch``. CuPy is imported only when peer memory is first used.
+"""``PeerMemory``: one communicator's slot buffers and flags, and the launch API of the code built on them.
 
 Each rank allocates two IPC buffers that every peer maps: the slots (``slot_bytes``, two sets,
 where peers push data) and the flag allocation (block flags, copy-engine flags, then the
-low-latency words' own area; ``_layout.py``). Code outside this module runs on them through a
-small launch API: ``kernel()`` (an entry point bound to this memory's context, from
-``kernels.cu`` or from a source of the caller's own, compiled after ``peer.cuh``), ``stream()``
-(torch's current raw stream of the device), ``device_index``, ``blocks()`` (the grid of the SM
-kernels), ``validate()`` and ``copy_engines`` (``copy_engines.py``: copies and flags by copy
-engines).
+low-latency words' own area; ``_layout.py``). ``PeerMemory`` owns them: the IPC set-up and the
+collective close, the error record the kernels write (``check()`` raises from it), views of this
+rank's own slots and a bounded barrier. Code that runs on the buffers goes through a small launch
+API: ``kernel()`` (an entry point bound to this memory's context, from ``kernels.cu`` or from a
+source of the caller's own, compiled after ``peer.cuh``), ``stream()`` (torch's current raw
+stream of the device), ``device_index``, ``blocks()`` (the grid of the SM kernels), ``validate()``
+(a tensor the kernels can take) and ``copy_engines`` (``copy_engines.py``: copies and flags by
+copy engines). ``state()`` keeps what such code derives from the grid or the buffers, cleared
+when either changes. CuPy is imported only when peer memory is first built.
+
+Design note. This class once also held the peer algorithms' host logic (planning, the copy-engine
+collectives, the prepared runners) and the copy-engine primitives, and ``overlap/`` called its
+private members. The algorithms now live in their modules (``collectives/algos/one_shot.py``,
+``two_shot.py``, ``copy_engine.py``, sharing ``_peer.py``), which import this package; this
+package imports neither them nor ``overlap/``, so the boundary is the public names listed above.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
-import weakref
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import _env, _native
+from .. import _env
 from .._agree import agree
 from ..errors import CollectiveTimeout, UnsupportedError
 from . import _launch
@@ -39,8 +40,7 @@ from .copy_engines import CopyEngines
 if TYPE_CHECKING:
     from ..communicator import Communicator
 
-__all__ = ["PeerMemory", "peer_memory", "has_peer_memory", "close_peer_memory", "peer_unavailable", "two_shot_piece",
-           "ce_pieces", "MAX_RANKS",
+__all__ = ["PeerMemory", "peer_memory", "has_peer_memory", "close_peer_memory", "peer_unavailable", "MAX_RANKS",
            "MAX_BLOCKS", "N_STAGES", "PACK_BYTES", "ONE_SHOT_LL_MAX_BYTES", "FLAG_BYTES", "DTYPES", "CE_CHUNK_BYTES",
            "CE_MAX_CHUNKS", "CE_ALL_REDUCE_CHUNK_BYTES",
            # transitional: overlap/_moe_peer.py still imports these from here (collectives.peer.copy_engines has them)
@@ -57,81 +57,22 @@ DTYPES = frozenset(_TAGS)
 # transitional: the MoE row kernels' source, for overlap/_moe_peer.py's launches that do not pass it
 _ROWS_SOURCE = Path(__file__).resolve().parents[2] / "overlap" / "_moe_rows.cu"
 
-_COPY_ENGINE = object()  # plan marker: the copy-engine path works out its chunks per call
+
+class _Clears(Protocol):
+    def clear(self) -> None: ...
 
 
-class _Ready(dict):  # type: ignore[type-arg]
-    """One runner's prepared launches: tensor address(es) -> (function, blocks, Prepared, name),
-    followed, for the compiled runner, by (graph handle, OneKernelGraph) where one could be made.
-    Compared and hashed by identity (so that a WeakSet can hold it)."""
+_S = TypeVar("_S", bound=_Clears)
 
-    __eq__ = object.__eq__
-    __hash__ = object.__hash__  # type: ignore[assignment]
-    graphs = False  # make a one-kernel graph of each launch (the compiled runner launches those)
-
-
-_GRAPHS_FAILED: list[str] = []  # why a one-kernel graph could not be made (then none is tried again)
-
-
-def _by_copy_engine(algorithm: str) -> bool:
-    """Whether a reduce-scatter or all-gather named ``algorithm`` runs on the copy engines."""
-    if algorithm not in ("one_shot", "copy_engine"):
-        raise UnsupportedError("algorithm", algorithm, "is not a peer-memory reduce-scatter or all-gather",
-                               "use 'one_shot' or 'copy_engine'")
-    return algorithm == "copy_engine"
-
-
-def two_shot_piece(set_bytes: int, world: int, element_size: int) -> int:
-    """Elements of the largest two-shot all-reduce piece one set of ``set_bytes`` holds (a reduce
-    slot and a gather slot per rank, shards in whole 16-byte packs)."""
-    pack = PACK_BYTES // element_size
-    return set_bytes // element_size // (2 * world) // pack * pack * world
-
-# the ramped pieces' sizes, as divisors of a chunk (ce_pieces). Only the last piece's sum follows
-# the link's last byte, so the tail shrinks; every piece boundary costs the copy engines a few
-# microseconds, so the head has one half chunk. Measured on 2xH200 (2026-12-01), 1 GiB / 512 MiB
-# all-reduce, busbw over NCCL's in the same rounds (11 rounds, graph / eager): head 1/8, 1/4, 1/2
-# and the mirrored tail 1.0975 / 1.0985 at 1 GiB, 1.107 / 1.104 at 512 MiB; head 1/2, tail 1/2,
-# 1/4, 1/8 1.1076 / 1.1047 and 1.123 / 1.115; no head 1.105 / 1.103 and 1.118 / 1.107; 256 MiB
-# chunks (two ring slots) 1.02-1.03 and 0.95-0.96.
-RAMP_HEAD = (2,)
-RAMP_TAIL = (2, 4, 8)
-
-
-def ce_pieces(m: int, chunk: int, pack: int, ramp: bool = False) -> list[tuple[int, int]]:
-    """(first element, elements) of each copy-engine chunk of ``m`` elements, at most ``chunk``
-    (a multiple of ``pack``) each. With ``ramp``, where at least one full chunk lies between,
-    the first pieces are ``chunk / RAMP_HEAD`` and the last shrink to ``chunk / RAMP_TAIL[-1]``:
-    the last sum then waits only for a small last copy."""
-    def sizes(divisors: tuple[int, ...]) -> list[int]:
-        return [max(pack, chunk // d // pack * pack) for d in divisors]
-
-    head, tail = sizes(RAMP_HEAD), sizes(RAMP_TAIL)
-    if not ramp or m < sum(head) + sum(tail) + chunk:
-        head = tail = []
-    out, lo, end = [], 0, m - sum(tail)
-    for n in head:
-        out.append((lo, n))
-        lo += n
-    while lo < end:
-        n = min(chunk, end - lo)
-        out.append((lo, n))
-        lo += n
-    for n in tail:
-        out.append((lo, n))
-        lo += n
-    return out
-
-
-# The defaults of the calls' settings, which are attributes of each PeerMemory (tests and
-# launch/tune_peer.py change them).
+# The defaults of the peer algorithms' settings, which are attributes of each PeerMemory
+# (collectives/algos reads them; tests and launch/tune_peer.py change them).
 # Copy-engine chunks: at least ce_chunk_bytes, and large enough that a call has at most
 # ce_max_chunks of them while two ring slots still fit. Each chunk costs the host about ten
 # driver calls; on the 2xH200 machine's CPUs that may exceed the ~42 us the links need for a
 # 16 MiB chunk (a hypothesis from the eager figures, not yet measured).
 CE_CHUNK_BYTES = 16 << 20
 CE_MAX_CHUNKS = 16
-# The two-rank one-shot all-reduce's chunks (ramped: ce_pieces). Measured
+# The two-rank one-shot all-reduce's chunks (ramped: algos/copy_engine.py's ce_pieces). Measured
 # on 2xH200 with 1 GiB buffers (bench/results/gpu_2xh200_peer_ce_ar_chunks.json, eager, GB/s at
 # 512 MB / 1 GB): 128 MiB 348 / 357; 64 MiB 344 / 350; 256 MiB 308 / 344; 32 MiB 333 / 329;
 # 16 MiB 284 / 284 (each chunk costs host calls).
@@ -242,8 +183,10 @@ class PeerMemory:
 
     Construction is collective over ``comm``'s group: each rank allocates ``slot_bytes`` of slots
     and a flag area on its current CUDA device, and maps every peer's through CUDA IPC.
-    :meth:`close` is collective too. Calls run on torch's current stream; one communicator's calls
-    must not run on two streams at once (like NCCL's).
+    :meth:`close` is collective too. Launches go to torch's current stream; one communicator's
+    calls must not run on two streams at once (like NCCL's), nor from two threads at once. The
+    collectives on these buffers are the peer algorithms' (``collectives.algos.peer("one_shot")``
+    and so on, whose calls take this object).
 
     Args:
         comm: a communicator whose ranks share one node and can access each other's memory
@@ -282,8 +225,7 @@ class PeerMemory:
             given = _env.PEER_TIMEOUT_S.is_set() or comm.timeout_s is None
             timeout_s = _env.PEER_TIMEOUT_S.get() if given else comm.timeout_s
         self.timeout_s = float(timeout_s)  # type: ignore[arg-type]
-        self._plans: dict[tuple[str, torch.dtype, int], Any] = {}
-        self._ready: weakref.WeakSet[_Ready] = weakref.WeakSet()  # the live runners' prepared launches (runner())
+        self._states: dict[type, Any] = {}  # state() of code built on this memory
         self.block_bytes = block_bytes
         self.max_blocks = max_blocks
         self.closed = False
@@ -292,7 +234,7 @@ class PeerMemory:
         self.flag_pointers = tuple(flags[:self.world])  # every rank's flag allocation, mapped here
         self._calls = torch.zeros(5, dtype=torch.int32, device=self.device)
         self.copy_engines = CopyEngines(self)  # with its two side streams (push, pull)
-        # the calls' settings on this memory (their defaults' notes above)
+        # the peer algorithms' settings on this memory (collectives/algos; their defaults' notes above)
         self.ce_chunk_bytes, self.ce_max_chunks = CE_CHUNK_BYTES, CE_MAX_CHUNKS
         self.ce_all_reduce_chunk_bytes = CE_ALL_REDUCE_CHUNK_BYTES
         self.ll_max_bytes = ONE_SHOT_LL_MAX_BYTES
@@ -313,338 +255,6 @@ class PeerMemory:
         torch.cuda.synchronize(self.device)
         _all_gather_ints(comm, [0])  # every rank mapped every peer before anyone pushes
 
-    # -- calls ---------------------------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, algorithm: str = "two_shot", average: bool = False) -> None:
-        """In-place sum (or average) of ``tensor`` over the group.
-
-        ``algorithm``: 'one_shot', 'two_shot' or 'copy_engine'. The pieces and kernels of each
-        (algorithm, dtype, size) are worked out once and kept: this is on the path of every small
-        all-reduce, whose budget is a few microseconds of host time.
-        """
-        plan = self._plans.get((algorithm, tensor.dtype, tensor.numel()))
-        if plan is None:
-            plan = self._plan(algorithm, tensor)
-        if self._err_np[0]:
-            self.check()
-        if tensor.get_device() != self.device_index:
-            self.validate(tensor)
-        base = tensor.data_ptr()
-        if plan is _COPY_ENGINE:
-            self._ce_all_reduce(tensor, base % PACK_BYTES == 0)
-        else:
-            aligned = base % PACK_BYTES == 0
-            k = plan[0] if aligned else plan[1]
-            stream = self.stream()
-            for blocks, off, a, b in (plan[2] if aligned else plan[3]):
-                k(blocks, stream, base + off, base + off, a, b)
-        if average:
-            tensor.detach().div_(self.world)  # as the verbs do: in place, unseen by autograd
-
-    def _plan(self, algorithm: str, tensor: torch.Tensor) -> Any:
-        self.validate(tensor)
-        n, es, dtype = tensor.numel(), tensor.element_size(), tensor.dtype
-        pack = PACK_BYTES // es
-        cap = self.set_bytes // es
-        pieces = []
-        if algorithm == "one_shot":
-            slot = cap // self.world // pack * pack
-            for off in range(0, n, slot):
-                m = min(slot, n - off)
-                pieces.append((self.blocks(m * es), off * es, m, slot))
-        elif algorithm == "two_shot":
-            piece = two_shot_piece(self.set_bytes, self.world, es)
-            for off in range(0, n, piece):
-                m = min(piece, n - off)
-                shard = math.ceil(math.ceil(m / self.world) / pack) * pack
-                pieces.append((self.blocks(m * es), off * es, m, shard))
-        elif algorithm == "copy_engine":
-            self._plans[(algorithm, dtype, n)] = _COPY_ENGINE
-            return _COPY_ENGINE
-        else:
-            raise UnsupportedError("algorithm", algorithm, "is not a peer-memory all-reduce",
-                                   "use 'one_shot', 'two_shot' or 'copy_engine'")
-        plan = (self.kernel(algorithm, dtype, True), self.kernel(algorithm, dtype, False), tuple(pieces),
-                tuple(pieces))
-        if algorithm == "one_shot" and n * es <= self._ll_limit():
-            # aligned calls: low-latency words, the whole message at once (each rank's region
-            # holds the words of ONE_SHOT_LL_MAX_BYTES)
-            ll = self.kernel("one_shot_ll", dtype, True, 4)
-            plan = (ll, plan[1], ((self.blocks(n * es), 0, n, ONE_SHOT_LL_MAX_BYTES // 4),), plan[3])
-        self._plans[(algorithm, dtype, n)] = plan
-        return plan
-
-    def _ll_limit(self) -> int:
-        """The largest message sent in low-latency words: ``ll_max_bytes``, within their area."""
-        return min(self.ll_max_bytes, ONE_SHOT_LL_MAX_BYTES)
-
-    def _ce_all_reduce(self, t: torch.Tensor, vec: bool) -> None:
-        """Copy engines move the shards, SMs only reduce; chunks cycle through a ring of slots.
-
-        See kernels.cu ("copy-engine path") for the protocol. ``vec`` also needs whole packs per
-        chunk and shard, which the chunk size below keeps.
-
-        With two ranks, one shot instead (``_ce_by_shard``): each rank's whole tensor crosses the
-        link once, as in the two-shot schedule, but nothing waits for the peer's reduction, so
-        the only fill and drain is one chunk's copy and one chunk's sum.
-        """
-        if self.world == 2:
-            self._ce_by_shard("all_reduce", t, t, t.numel())
-            return
-        w, r, es = self.world, self.rank, t.element_size()
-        pack = PACK_BYTES // es
-        n = t.numel()
-        want = max(self.ce_chunk_bytes, -(-n * es // self.ce_max_chunks))
-        fits = self.slot_bytes * w // (2 * (w + 1))  # the largest chunk with two ring slots
-        chunk_bytes = max(self.ce_chunk_bytes, min(want, fits))
-        chunk = max(w * pack, chunk_bytes // es // (w * pack) * (w * pack))
-        s_max = chunk // w
-        ring = min(CE_RING, self.slot_bytes // es // ((w + 1) * s_max))
-        if ring < 2:
-            raise UnsupportedError("ce_chunk_bytes", self.ce_chunk_bytes,
-                                   f"leaves fewer than 2 ring slots in {self.slot_bytes} B of slots",
-                                   "use a smaller chunk or a larger COMMOPS_PEER_BYTES")
-        ce = self.copy_engines
-        main = self.stream()
-        push_s, pull_s = ce.streams
-        ps, ls = push_s.cuda_stream, pull_s.cuda_stream
-        base = t.data_ptr()
-        reduce = self.kernel("ce_reduce", t.dtype, vec, 8)
-        peers = [(r + d) % w for d in range(1, w)]
-        k = -(-n // chunk)
-
-        def geometry(j: int) -> tuple[int, int, int]:
-            nj = min(chunk, n - j * chunk)
-            shard = -(-(-(-nj // w)) // pack) * pack
-            return nj, shard, (j % ring) * (w + 1) * s_max
-
-        def length(nj: int, shard: int, q: int) -> int:
-            return max(0, min(shard, nj - q * shard))
-
-        # Pull stream: wait until the peers reduced chunk i, pull their shards, tell them. Push
-        # stream: push chunk j once the peers reduced chunk j - ring (their slot is free again),
-        # which the pull stream's wait for chunk j - ring has established (an event, no kernel).
-        # The copy streams' waits are stream memory waits (inside the section: CopyEngines.wait).
-        reduced = [torch.cuda.Event() for _ in range(ring)]
-        blocks = self.blocks(s_max * es)
-        with ce.section():
-            for j in range(k):
-                nj, shard, off = geometry(j)
-                if j >= ring:
-                    push_s.wait_event(reduced[j % ring])
-                for q in peers:
-                    m = length(nj, shard, q)
-                    if m:
-                        ce.push(ps, q, (off + r * s_max) * es, base + (j * chunk + q * shard) * es, m * es)
-                for q in peers:
-                    ce.signal(ps, q, j % ring, CE_PUSHED, j // ring + 1)
-                reduce(blocks, main, base + j * chunk * es, base + j * chunk * es, off, shard, nj, j, ring, s_max)
-                u = j // ring
-                ce.wait(ls, j % ring, CE_REDUCED, u + 1)
-                reduced[j % ring].record(pull_s)
-                for q in peers:
-                    m = length(nj, shard, q)
-                    if m:
-                        ce.pull(ls, q, (off + w * s_max) * es, base + (j * chunk + q * shard) * es, m * es)
-                for q in peers:
-                    ce.signal(ls, q, j % ring, CE_PULLED, u + 1)
-
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, average: bool = False,
-                       algorithm: str = "one_shot") -> None:
-        """``output`` ([m]) = this rank's shard of the sum of every rank's ``input`` ([world * m]).
-        ``algorithm``: 'one_shot' (SM pushes) or 'copy_engine' (``_ce_by_shard``)."""
-        if _by_copy_engine(algorithm):
-            self._ce_by_shard("reduce_scatter", output, input, output.numel())
-        else:
-            self._by_shard("reduce_scatter", output, input, output.numel())
-        if average:
-            output.detach().div_(self.world)
-
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, algorithm: str = "one_shot") -> None:
-        """``output`` ([world * m]) = every rank's ``input`` ([m]) in rank order.
-        ``algorithm``: 'one_shot' (SM pushes) or 'copy_engine' (``_ce_by_shard``)."""
-        if _by_copy_engine(algorithm):
-            self._ce_by_shard("all_gather", output, input, input.numel())
-        else:
-            self._by_shard("all_gather", output, input, input.numel())
-
-    def _ce_by_shard(self, kind: str, output: torch.Tensor, input: torch.Tensor, m: int) -> None:
-        """Reduce-scatter, all-gather or one-shot all-reduce (``input`` is ``output``, ``m`` all of
-        it: every peer is sent all of it and sums what it gets) with every byte between GPUs moved
-        by the copy engines.
-
-        Shards of ``m`` elements are cut into chunks that cycle through a ring of slots; each
-        slot holds one chunk per source rank. Push stream: chunk j's part for each peer into that
-        peer's slot j % R (once the peers are done with that slot's previous use), then flag
-        PUSHED. Reduce-scatter: a kernel on the caller's stream waits for PUSHED, sums my part of
-        chunk j from ``input`` and the slot into ``output`` and flags REDUCED (the slot is free).
-        All-gather: the pull stream waits for PUSHED, copies the peers' parts of chunk j out of
-        my slot into ``output`` and flags PULLED. Flags hold the slot's use count within the
-        call (see kernels.cu, "copy-engine path"); the call is bracketed by two barriers.
-        """
-        self.validate(output)
-        self.validate(input)
-        w, r, es = self.world, self.rank, output.element_size()
-        pack = PACK_BYTES // es
-        fits = self.slot_bytes // es // (2 * w)  # a chunk per source in each of two ring slots
-        in_place = kind == "all_reduce"
-        least = self.ce_all_reduce_chunk_bytes if in_place else self.ce_chunk_bytes
-        want = max(least // es, -(-m // self.ce_max_chunks))
-        chunk = max(pack, min(want, fits) // pack * pack)
-        ring = min(CE_RING, self.slot_bytes // es // (w * chunk))
-        if ring < 2:
-            raise UnsupportedError("COMMOPS_PEER_BYTES", self.slot_bytes, "leaves fewer than 2 ring slots for "
-                                   "the copy-engine path", "use a larger COMMOPS_PEER_BYTES")
-        ce = self.copy_engines
-        main = self.stream()
-        ps, ls = (side.cuda_stream for side in ce.streams)
-        src, dst = input.data_ptr(), output.data_ptr()
-        vec = src % PACK_BYTES == 0 and dst % PACK_BYTES == 0 and m % pack == 0
-        summed = kind != "all_gather"
-        reduce = self.kernel("ce_reduce_rs", output.dtype, vec, 7) if summed else None
-        blocks = self.blocks(chunk * es)
-        peers = [(r + d) % w for d in range(1, w)]
-        free = CE_REDUCED if summed else CE_PULLED
-        caller, push_stream = torch.cuda.current_stream(self.device), ce.streams[0]
-        # (Pushes taking turns on both copy streams, so that a chunk's wait for its slot cannot
-        # hold the next chunk's copy back, were tried on 2xH200 on 2026-11-30 and measured 1-2%
-        # slower at 256 MB - 1 GB, in all-reduce and reduce-scatter alike.)
-        with ce.section():  # the copy streams' waits: stream memory waits (CopyEngines.wait)
-            if kind == "all_gather" and m:
-                ce.copy(ls, dst + r * m * es, src, m * es)  # my own shard, beside the pushes
-            for j, (lo, nj) in enumerate(ce_pieces(m, chunk, pack, ramp=in_place)):
-                s, u = j % ring, j // ring
-                off = s * w * chunk  # elements into the slot buffer: source q's part at off + q * chunk
-                if u:
-                    ce.wait(ps, s, free, u)  # every peer is done with this slot's previous use
-                for q in peers:
-                    at = q * m + lo if kind == "reduce_scatter" else lo
-                    ce.push(ps, q, (off + r * chunk) * es, src + at * es, nj * es)
-                for q in peers:
-                    ce.signal(ps, q, s, CE_PUSHED, u + 1)
-                if reduce is not None:
-                    if in_place:  # the sum overwrites what the copies read: after them
-                        sent = torch.cuda.Event()
-                        sent.record(push_stream)
-                        caller.wait_event(sent)
-                    at = r * m + lo if kind == "reduce_scatter" else lo
-                    reduce(blocks, main, src + at * es, dst + lo * es, off, chunk, nj, j, ring)
-                else:
-                    ce.wait(ls, s, CE_PUSHED, u + 1)
-                    for q in peers:
-                        ce.take(ls, (off + q * chunk) * es, dst + (q * m + lo) * es, nj * es)
-                    for q in peers:
-                        ce.signal(ls, q, s, CE_PULLED, u + 1)
-
-    def _by_shard(self, kind: str, output: torch.Tensor, input: torch.Tensor, m: int) -> None:
-        """Launch ``kind`` over shards of ``m`` elements, in pieces that fit one set of slots."""
-        self.validate(output)
-        self.validate(input)
-        stream = self.stream()
-        for k, blocks, args in self._shard_launches(kind, output, input, m):
-            k(blocks, stream, *args)
-
-    def _shard_launches(self, kind: str, output: torch.Tensor, input: torch.Tensor, m: int
-                        ) -> Iterator[tuple[_launch.Kernel, int, tuple[int, ...]]]:
-        """``_by_shard``'s launches: (kernel, blocks, arguments after the context)."""
-        es = output.element_size()
-        pack = PACK_BYTES // es
-        piece = self.set_bytes // es // self.world // pack * pack
-        src, dst = input.data_ptr(), output.data_ptr()
-        aligned = dst % PACK_BYTES == 0 and src % PACK_BYTES == 0
-        vec = aligned and m % pack == 0
-        # low-latency words: shards of whole 4-byte words, the whole message in their area
-        if aligned and m * es % 4 == 0 and m * es * self.world <= self._ll_limit():
-            yield self.kernel(kind + "_ll", output.dtype, True), self.blocks(m * es), (src, dst, m, m)
-            return
-        k = self.kernel(kind, output.dtype, vec)
-        for off in range(0, m, piece):
-            n = min(piece, m - off)
-            yield k, self.blocks(n * es * self.world), (src + off * es, dst + off * es, n, m)
-
-    # -- repeated calls --------------------------------------------------------------------------
-    def runner(self, op: str, algorithm: str, average: bool = False, prepared: bool = True
-               ) -> Callable[[torch.Tensor, torch.Tensor], None]:
-        """``run(output, input)``: ``op`` by ``algorithm`` ('all_reduce', in place on ``output``, which
-        is ``input``; 'reduce_scatter'; 'all_gather'), for repeats of one call signature: the same
-        dtype and element counts on every call (the dispatcher's fast path keys its runners so).
-
-        With ``prepared``, a call that is one kernel launch keeps that launch's parameter block per
-        tensor address (``_launch.Kernel.prepare``): a repeat on the same tensors is then a single
-        driver call, with nothing planned or written. A new address, a call of several pieces, the
-        copy engines and averages take the general method; so does every call once a kernel has
-        reported a timeout (which then raises), and the blocks are dropped when the grid changes
-        or the buffers close.
-        """
-        if op == "all_reduce":
-            def general(out: torch.Tensor, inp: torch.Tensor) -> None:
-                self.all_reduce(out, algorithm, average)
-        elif op == "reduce_scatter":
-            def general(out: torch.Tensor, inp: torch.Tensor) -> None:
-                self.reduce_scatter(out, inp, average, algorithm)
-        elif op == "all_gather":
-            def general(out: torch.Tensor, inp: torch.Tensor) -> None:
-                self.all_gather(out, inp, algorithm)
-        else:
-            raise AssertionError(op)
-        if not prepared or average or algorithm == "copy_engine":
-            return general
-        ready = _Ready()  # held by run() alone: a runner the dispatcher lets go takes its blocks with it
-        self._ready.add(ready)
-        err, index, launch = self._err_np, self.device_index, _launch.launch
-        in_place = op == "all_reduce"  # one tensor: its address is the key
-
-        def run(out: torch.Tensor, inp: torch.Tensor) -> None:
-            key = out.data_ptr() if in_place else (out.data_ptr(), inp.data_ptr())
-            hit = ready.get(key)
-            if hit is None or err[0]:
-                general(out, inp)
-                self._remember(ready, key, op, algorithm, out, inp)
-                return
-            launch(hit[0], hit[1], _launch.current_stream(index), hit[2].params, hit[3], index)
-        run.ready = ready  # type: ignore[attr-defined]  # (launch/tune_peer.py times the bare launch)
-        native = _native.configure_cuda()
-        if native is not None:  # the same runner, compiled (collectives/_native.py): ``run`` serves its misses
-            ready.graphs = _env.GRAPH_LAUNCH.get()
-            return native.Runner(ready, self._err.data_ptr(), index, run, in_place)  # type: ignore[no-any-return]
-        return run
-
-    READY_MAX = 64  # prepared launches per runner; a full cache starts again
-
-    def _remember(self, ready: _Ready, key: Any, op: str, algorithm: str, out: torch.Tensor,
-                  inp: torch.Tensor) -> None:
-        """Keep the launch of a call that was one launch (just made by the general method)."""
-        if op == "all_reduce":
-            plan = self._plans.get((algorithm, out.dtype, out.numel()))
-            if plan is None or plan is _COPY_ENGINE:
-                return
-            base = out.data_ptr()
-            aligned = base % PACK_BYTES == 0
-            pieces = plan[2] if aligned else plan[3]
-            if len(pieces) != 1:
-                return
-            blocks, off, a, b = pieces[0]
-            k = plan[0] if aligned else plan[1]
-            args: tuple[int, ...] = (base + off, base + off, a, b)
-        else:
-            launches = list(self._shard_launches(op, out, inp, out.numel() if op == "reduce_scatter" else inp.numel()))
-            if len(launches) != 1:
-                return
-            k, blocks, args = launches[0]
-        if len(ready) >= self.READY_MAX:
-            ready.clear()
-        prepared = k.prepare(*args)
-        entry: tuple[Any, ...] = (k.fn, blocks, prepared, k.name)
-        if ready.graphs and not _GRAPHS_FAILED and not torch.cuda.is_current_stream_capturing():
-            try:
-                graph = _launch.OneKernelGraph(k.fn, blocks, prepared.params)
-                entry += (graph.handle, graph)
-            except (OSError, AttributeError, RuntimeError) as exc:  # an older driver: kernel launches, as before
-                _GRAPHS_FAILED.append(repr(exc))
-                warnings.warn(f"commops: repeated GPU calls are launched as kernels, not one-kernel CUDA graphs "
-                              f"(each then costs the host more): {exc!r}. COMMOPS_GRAPH_LAUNCH=0 asks for kernel "
-                              "launches and silences this.", RuntimeWarning, stacklevel=2)
-        ready[key] = entry
-
     # -- the grid of the SM kernels --------------------------------------------------------------
     @property
     def block_bytes(self) -> int:
@@ -654,7 +264,7 @@ class PeerMemory:
     @block_bytes.setter
     def block_bytes(self, value: int) -> None:
         self._block_bytes = int(value)
-        self._forget_plans()
+        self._clear_states()
 
     @property
     def max_blocks(self) -> int:
@@ -666,7 +276,7 @@ class PeerMemory:
         if not 1 <= value <= MAX_BLOCKS:
             raise UnsupportedError("max_blocks", value, f"must be in 1..{MAX_BLOCKS}", f"pass {MAX_BLOCKS}")
         self._max_blocks = int(value)
-        self._forget_plans()
+        self._clear_states()
 
     def blocks(self, nbytes: int) -> int:
         """The grid of an SM kernel that moves ``nbytes``: a block per ``block_bytes``, 1 to ``max_blocks``."""
@@ -721,10 +331,19 @@ class PeerMemory:
             raise UnsupportedError("tensor", t, f"has dtype {t.dtype}; peer memory reduces {sorted(map(str, DTYPES))}",
                                    "use algorithm='native' for other dtypes")
 
-    def _forget_plans(self) -> None:
-        self._plans.clear()
-        for ready in self._ready:
-            ready.clear()
+    def state(self, kind: type[_S]) -> _S:
+        """The one ``kind()`` kept with this memory, made on first use, for code built on it that
+        derives things from the grid or the buffers: its ``clear()`` runs whenever ``block_bytes``
+        or ``max_blocks`` changes and when the buffers close. (The peer algorithms keep their plans
+        and prepared launches so: ``collectives/algos/_peer.py``.)"""
+        got = self._states.get(kind)
+        if got is None:
+            got = self._states[kind] = kind()
+        return got  # type: ignore[no-any-return]
+
+    def _clear_states(self) -> None:
+        for kept in self._states.values():
+            kept.clear()
 
     def _local_ctx(self, bases: tuple[int, ...]) -> bytes:
         if len(bases) != self.world:
@@ -815,7 +434,7 @@ class PeerMemory:
         self._opened, self._own = [], []
         self._slot_tensor = None
         self._views.clear()
-        self._forget_plans()  # the next call re-plans, and validate() refuses a closed PeerMemory
+        self._clear_states()  # the next call re-plans, and validate() refuses a closed PeerMemory
         self.closed = True
 
     # -- transitional: overlap/_moe_peer.py still calls these (the names above replace them) -----
