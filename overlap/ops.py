@@ -20,7 +20,10 @@ until a machine has them, ``auto`` runs ``sequential`` and says so. Shapes follo
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from weakref import WeakKeyDictionary
 
@@ -28,7 +31,12 @@ import torch
 import torch.distributed as dist
 
 import collectives as C
+from collectives import _env
+from collectives.dispatch import recorded
 from collectives.errors import InvalidArgumentError, UnsupportedError
+from collectives.peer import peer_memory
+
+from . import _copy_engine
 
 __all__ = [
     "gemm_all_reduce", "gemm_reduce_scatter", "all_gather_gemm",
@@ -126,9 +134,6 @@ def set_tuned(table: Any) -> None:
     --tune`` writes, or its path) in ``strategy="auto"`` and ``forward_pipelined(chunks="auto")``;
     ``None`` goes back to ``COMMOPS_OVERLAP_TUNED``. Give every rank the same one."""
     if isinstance(table, (str, bytes)) or hasattr(table, "__fspath__"):
-        import json
-        from pathlib import Path
-
         table = json.loads(Path(table).read_text())
     _TUNED.clear()
     _AUTO.clear()
@@ -138,8 +143,6 @@ def set_tuned(table: Any) -> None:
 
 def _tuned_table() -> Any:
     if "table" not in _TUNED:
-        from collectives import _env
-
         path = _env.OVERLAP_TUNED.get()
         if not path:
             return None
@@ -152,8 +155,6 @@ def _from_table(op: str, comm: C.Communicator, dtype: torch.dtype, m: int, k: in
     """The table's strategy for the measured shape nearest in M with the same op, dtype, K and N,
     from the entries timed in the same mode (``graph``: while a CUDA graph is being captured,
     entries timed replaying graphs, where no host cost is paid), else from the other mode's."""
-    import math
-
     table = _tuned_table()
     if table is None or table.get("meta", {}).get("world", comm.size) != comm.size:
         return None
@@ -199,8 +200,6 @@ def _strategy(op: str, comm: C.Communicator, strategy: str, chunks: int, a: torc
             _AUTO[key] = found
         return found
     if strategy == "copy_engine":
-        from . import _copy_engine
-
         why = _copy_engine.unavailable(comm, a.device, a.dtype)
         if why:
             raise UnsupportedError("strategy", strategy, f"cannot run here: {why}", "use 'auto', 'sequential' or 'chunked'")
@@ -213,8 +212,6 @@ def _capturable(op: str, comm: C.Communicator, a: torch.Tensor, b: torch.Tensor,
     (they cannot be built while capturing: the sequence then, saying so). Eagerly, when the
     table's graph entry for this shape is the copy-engine strategy, build them now, so that a
     capture after this warm-up call can follow it."""
-    from . import _copy_engine
-
     if graph:
         if found.strategy == "copy_engine" and not _copy_engine.ready(comm):
             return OverlapChoice(op, "sequential", 1, f"{found.reason}; but its peer buffers do not exist and "
@@ -231,8 +228,6 @@ def _capturable(op: str, comm: C.Communicator, a: torch.Tensor, b: torch.Tensor,
 def _recorded(comm: C.Communicator, op: str, a: torch.Tensor, out_shape: tuple[int, ...]) -> Any:
     """The copy-engine strategy communicates outside the verbs: it counts and is recorded like a
     collective (``collectives.dispatch.recorded``), its result described by a meta tensor."""
-    from collectives.dispatch import recorded
-
     return recorded(comm, op, "copy_engine", torch.empty(out_shape, dtype=a.dtype, device="meta"), a)
 
 
@@ -283,9 +278,6 @@ def _gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group: Any, bias: torch.T
         out = torch.matmul(a, b)
         C.all_reduce(out, group=group)
     elif choice.strategy == "copy_engine":
-        from . import _copy_engine
-        from collectives.peer import peer_memory
-
         a2 = a.reshape(-1, a.shape[-1]).contiguous()
         with _recorded(comm, "gemm_all_reduce", a2, (a2.shape[0], b.shape[1])):
             out = _copy_engine.gemm_all_reduce(peer_memory(comm), a2, b, choice.chunks).view(*a.shape[:-1], b.shape[1])
@@ -320,9 +312,6 @@ def _gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: Any, scatter_d
         out2 = full.new_empty((m // w, b.shape[1]))
         C.reduce_scatter_single(out2, full, group=group)
     elif choice.strategy == "copy_engine":
-        from . import _copy_engine
-        from collectives.peer import peer_memory
-
         with _recorded(comm, "gemm_reduce_scatter", rows, (m // w, b.shape[1])):
             out2 = _copy_engine.gemm_reduce_scatter(peer_memory(comm), rows.contiguous(), b, choice.chunks)
     else:
@@ -360,9 +349,6 @@ def _all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: Any, gather_
         C.all_gather_single(full, rows, group=group)
         out2 = torch.matmul(full, b)
     elif choice.strategy == "copy_engine":
-        from . import _copy_engine
-        from collectives.peer import peer_memory
-
         with _recorded(comm, "all_gather_gemm", rows, (m * w, n)):
             out2, kept = _copy_engine.all_gather_gemm(peer_memory(comm), rows, b, choice.chunks, keep_gathered)
         full = None if kept is None else kept.view(m * w, -1)
