@@ -9,7 +9,10 @@ thresholds are set from. Times are medians of ``--reps`` loops of calls timed wi
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -53,10 +56,6 @@ def _host_us(fn, calls: int = 300) -> float:  # type: ignore[no-untyped-def]
 
 def host_costs(comm: C.Communicator, pm: PeerMemory, dev: torch.device) -> dict[str, float]:
     """Per-call cost of each layer on an 8-byte bf16 all-reduce, and a profile of the dispatch path."""
-    import cProfile
-    import io
-    import pstats
-
     x = torch.randn(4, device=dev).to(torch.bfloat16)
     sum_op = C.ReduceOp.SUM
     out = {
@@ -95,7 +94,7 @@ def host_costs(comm: C.Communicator, pm: PeerMemory, dev: torch.device) -> dict[
     stream = _launch.current_stream(dev.index)
     out["launch_only"] = _host_us(lambda: _launch.launch(fn, blocks, stream, prepared.params, name))
     try:
-        import torch.distributed._symmetric_memory as symm_mem
+        import torch.distributed._symmetric_memory as symm_mem  # deferred: a private torch module, an optional anchor
 
         gname = comm.group.group_name
         t = symm_mem.empty(4, dtype=torch.bfloat16, device=dev)
@@ -120,7 +119,7 @@ def host_costs(comm: C.Communicator, pm: PeerMemory, dev: torch.device) -> dict[
 def link_rates(comm: C.Communicator, pm: PeerMemory, dev: torch.device, nbytes: int = 256 << 20) -> dict[str, float]:
     """GB/s each way with every rank pushing to its peers at once: by SM stores (the all-gather
     kernel, per grid size) and by the copy engines (cudaMemcpyAsync into the peers' slots)."""
-    import cupy
+    import cupy  # deferred: CuPy only where peer memory runs
 
     out: dict[str, float] = {}
     m = nbytes // 2

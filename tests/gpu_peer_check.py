@@ -38,7 +38,9 @@ ONE_SHOT = peer("one_shot")
 EPS = {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
 
 
-class Checker:
+class ValueChecks:
+    """The values every path computes, against float64 references and NCCL, and the failures found."""
+
     def __init__(self, comm: C.Communicator) -> None:
         self.comm = comm
         self.w, self.r = comm.size, comm.rank
@@ -193,6 +195,9 @@ class Checker:
         self.checks += 1
         if wrong:
             self.failures.append(f"rank {self.r} {calls} back-to-back calls {dtype}: {wrong} wrong elements")
+
+class Checker(ValueChecks):
+    """The paths around the values: repeated calls, stale data, timeouts, other threads, bad arguments."""
 
     # -- the fast path of repeated calls -------------------------------------------------------------
     def fast_path(self) -> None:
