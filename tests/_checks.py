@@ -3,8 +3,9 @@
 A check script (``tests/gpu_*_check.py``, run under torchrun) declares its families statically:
 a module-level ``families(...)`` built from the same lists its loops go over, importable without
 a GPU, so that pytest parametrizes one case per family at collection time. Each rank records
-into a ``Checks``: ``with checks.family(name):`` names the family of the checks inside it,
-``count()`` counts a check and ``fail(message)`` records a failure. At the end ``gather()``
+into a ``Checks``: ``with checks.family(name):`` names the family of the checks inside it (or
+``checks.begin(name)``, of those that follow, for sections in a row that a block would have to
+re-indent), ``count()`` counts a check and ``fail(message)`` records a failure. At the end ``gather()``
 (collective) merges every rank's records and rank 0 writes them to the script's ``--json`` path
 with ``write_results``::
 
@@ -77,13 +78,19 @@ class Checks:
     def family(self, name: str) -> Iterator[None]:
         """The checks and failures recorded inside the block belong to ``name`` (blocks nest; the
         innermost wins). Not thread-local: a thread the block starts and joins records into it."""
-        if name not in self._checks:
-            raise KeyError(f"family {name!r} is not among the declared families {list(self._checks)}")
-        outer, self._current = self._current, name
+        outer = self._current
+        self.begin(name)
         try:
             yield
         finally:
             self._current = outer
+
+    def begin(self, name: str) -> None:
+        """The checks and failures recorded from here on belong to ``name``, until the next
+        ``begin`` or the end of the ``family`` block around it."""
+        if name not in self._checks:
+            raise KeyError(f"family {name!r} is not among the declared families {list(self._checks)}")
+        self._current = name
 
     def count(self, n: int = 1) -> None:
         """``n`` more checks ran in the current family."""

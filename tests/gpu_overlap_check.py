@@ -5,10 +5,15 @@ The same comparisons as the Gloo tests, in float32 on CUDA: each operator and st
 its plain reference, a two-layer tensor-parallel MLP (with and without sequence parallelism)
 against the unsharded module, and ``MoELayer`` against the single-process MoE, outputs and
 gradients. Prints one line per failure; exits non-zero on any.
+
+The checks are grouped in families (``families(device_type)``; ``tests/_checks.py``), which
+``--json`` writes with their counts and failures, one pytest case each in
+``tests/test_gpu_overlap.py``.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,25 +29,61 @@ from collectives.errors import InvalidArgumentError  # noqa: E402
 from overlap import ops  # noqa: E402
 from overlap.layers import ColumnParallelLinear, MoELayer, RowParallelLinear  # noqa: E402
 from overlap.moe import GroupedSwiGLU, MoEDispatcher, reference_moe  # noqa: E402
+from tests._checks import Checks, write_results  # noqa: E402
 
 TOL = 2e-4  # float32, sums of a few hundred terms of size ~1
+OPS = ("gemm_all_reduce", "gemm_reduce_scatter", "all_gather_gemm")
+CASES = (("sequential", 1), ("chunked", 3), ("auto", 1))  # (strategy, chunks) of each operator
+CUDA_CASES = (("copy_engine", 1), ("copy_engine", 3), ("copy_engine", 20))
+GRAPH_CASES = (("sequential", 1), ("chunked", 2), ("copy_engine", 3))  # captured in a CUDA graph
+MLP_STRATEGIES = ("sequential", "chunked")
+CUDA_MLP_STRATEGIES = ("copy_engine",)
+MOE_LAYERS = (("nccl", 1), ("nccl", 3))  # (transport, exchange pieces)
+CUDA_MOE_LAYERS = (("peer", 1),)
+# the dispatcher's checks on CUDA, one family each, in the order they run
+CUDA_MOE = ("moe_dispatch", "moe_pipeline/prefill", "moe_peer_edges", "moe_refusals", "moe_device_routing",
+            "moe_peer_autograd", "moe_low_latency")
+
+
+def _mlp_family(sequence_parallel: bool, strategy: str) -> str:
+    return f"tp_mlp/{'sp/' if sequence_parallel else ''}{strategy}"
+
+
+def _moe_layer_family(transport: str, pieces: int) -> str:
+    return f"moe_layer/{transport}/pieces{pieces}"
+
+
+def families(device_type: str) -> tuple[str, ...]:
+    """The families that a run on ``device_type`` ("cuda" over NCCL, "cpu" over Gloo) records
+    checks into."""
+    cuda = device_type == "cuda"
+    strategies = dict.fromkeys(s for s, _ in CASES + (CUDA_CASES if cuda else ()))
+    names = [f"{op}/{s}" for s in strategies for op in OPS]
+    if cuda:
+        names += ["copy_engine/back_to_back", "copy_engine/large_bf16"]
+        names += [f"graphs/{s}" for s, _ in GRAPH_CASES] + ["graphs/auto"]
+    names += [_mlp_family(sp, s) for sp in (False, True)
+              for s in MLP_STRATEGIES + (CUDA_MLP_STRATEGIES if cuda else ())]
+    names += [_moe_layer_family(t, n) for t, n in MOE_LAYERS + (CUDA_MOE_LAYERS if cuda else ())]
+    return (*names, *(CUDA_MOE if cuda else ()))
 
 
 def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--json", help="write the results by family here (tests/_checks.py)")
+    args = p.parse_args()
     comm = C.init()
     w, r = comm.size, comm.rank
     # CUDA under NCCL; the same checks run on CPU under Gloo (how this script itself is tested)
     dev = torch.device("cuda", torch.cuda.current_device()) if comm.backend_for("cuda") else torch.device("cpu")
-    fails: list[str] = []
-    checks = 0
+    ck = Checks(families(dev.type), r)
 
     def close(what: str, got: torch.Tensor, want: torch.Tensor, tol: float = TOL) -> None:
-        nonlocal checks
-        checks += 1
+        ck.count()
         err = (got.float() - want.float()).abs().max().item() if got.numel() else 0.0
         scale = want.float().abs().max().item() if want.numel() else 1.0
         if not err <= tol * max(1.0, scale):
-            fails.append(f"rank {r} {what}: max error {err:.3g} (scale {scale:.3g})")
+            ck.fail(f"rank {r} {what}: max error {err:.3g} (scale {scale:.3g})")
 
     def captured(fn: Any) -> tuple[torch.cuda.CUDAGraph, Any]:
         """``fn`` warmed up once on a side stream, then captured in a CUDA graph: the graph and
@@ -58,25 +99,29 @@ def main() -> int:
         return graph, out
 
     g = torch.Generator(device=dev)
-    cases = [("sequential", 1), ("chunked", 3), ("auto", 1)]
+    cases = CASES
     if dev.type == "cuda":  # chunks > the 16 (8 for all-reduce) ring slots: slots reused within a call
-        cases += [("copy_engine", 1), ("copy_engine", 3), ("copy_engine", 20)]
+        cases += CUDA_CASES
     for strategy, chunks in cases:
         for m in (7 * w, 64 * w + w):
             g.manual_seed(100 * m + r)
             a = torch.randn(m, 96, generator=g, device=dev) / 96 ** 0.5
             b = torch.randn(96, 80, generator=g, device=dev)
+            ck.begin(f"gemm_all_reduce/{strategy}")
             close(f"gemm_all_reduce {strategy}/{chunks} M={m}", ops.gemm_all_reduce(a, b, strategy=strategy, chunks=chunks),
                   ops.reference_gemm_all_reduce(a, b))
+            ck.begin(f"gemm_reduce_scatter/{strategy}")
             close(f"gemm_reduce_scatter {strategy}/{chunks} M={m}",
                   ops.gemm_reduce_scatter(a, b, strategy=strategy, chunks=chunks),
                   ops.reference_gemm_reduce_scatter(a, b))
+            ck.begin(f"all_gather_gemm/{strategy}")
             close(f"all_gather_gemm {strategy}/{chunks} M={m}",
                   ops.all_gather_gemm(a, b, strategy=strategy, chunks=chunks), ops.reference_all_gather_gemm(a, b))
 
     if dev.type == "cuda":
         # all-reduce rows that the ranks do not divide (uneven blocks), and back-to-back calls
         # with fresh data (a race shows as an error that moves)
+        ck.begin("copy_engine/back_to_back")
         for i in range(30):
             g.manual_seed(7000 + 10 * i + r)
             m = 5 * w + 1 + i % 3
@@ -96,6 +141,7 @@ def main() -> int:
         # large bf16 GEMMs whose chunks wrap the ring of the default peer buffers, eagerly and in a
         # CUDA graph: on the GPUs a host call inside the loop can block until the device is idle,
         # which hung these (overlap/_copy_engine.py, "Issue order") while the small cases passed
+        ck.begin("copy_engine/large_bf16")
         big_a = torch.empty(4096, 4096, device=dev, dtype=torch.bfloat16)
         big_b = torch.empty(4096, 8192, device=dev, dtype=torch.bfloat16)
         half_a = big_a[:2048]
@@ -120,14 +166,15 @@ def main() -> int:
         # under a CUDA graph: each strategy captured once on static inputs, replayed on fresh data
         a_st = torch.empty(6 * w + 3, 64, device=dev)
         b_st = torch.empty(64, 40, device=dev)
-        for strategy, chunks in (("sequential", 1), ("chunked", 2), ("copy_engine", 3)):
+        for strategy, chunks in GRAPH_CASES:
+            ck.begin(f"graphs/{strategy}")
             for op, ref in ((ops.gemm_all_reduce, ops.reference_gemm_all_reduce),
                             (ops.all_gather_gemm, ops.reference_all_gather_gemm)):
                 name = f"{op.__name__} {strategy}/{chunks} in a CUDA graph"
                 try:
                     graph, out_st = captured(lambda: op(a_st, b_st, strategy=strategy, chunks=chunks))
                 except Exception as exc:  # noqa: BLE001 - reported as a failure, with what raised
-                    fails.append(f"rank {r} {name}: capture raised {type(exc).__name__}: {str(exc)[:300]}")
+                    ck.fail(f"rank {r} {name}: capture raised {type(exc).__name__}: {str(exc)[:300]}")
                     continue
                 for i in range(3):
                     g.manual_seed(9000 + 10 * i + r)
@@ -139,6 +186,7 @@ def main() -> int:
 
         # `auto` under capture follows the table's graph entry (copy_engine) where eagerly it runs
         # the sequence; on a new group, so that the eager warm-up call is what builds the peer buffers
+        ck.begin("graphs/auto")
         grp = dist.new_group(list(range(w)))
         entry = {"op": "gemm_all_reduce", "dtype": "float32", "M": a_st.shape[0], "K": 64, "N": 40}
         ops.set_tuned({"meta": {"world": w}, "entries": [{**entry, "graph": False, "strategy": "sequential", "chunks": 1},
@@ -153,10 +201,10 @@ def main() -> int:
 
             graph, out_st = captured(auto_call)
             eager, in_graph = choices
-            checks += 1
+            ck.count()
             if (eager.strategy, in_graph.strategy) != ("sequential", "copy_engine"):
-                fails.append(f"rank {r} auto under capture: ran {eager.strategy} eagerly, {in_graph.strategy} captured "
-                             f"({in_graph.reason})")
+                ck.fail(f"rank {r} auto under capture: ran {eager.strategy} eagerly, {in_graph.strategy} captured "
+                        f"({in_graph.reason})")
             for i in range(3):
                 g.manual_seed(9500 + 10 * i + r)
                 a_st.copy_(torch.randn(a_st.shape, generator=g, device=dev) / 8)
@@ -165,14 +213,15 @@ def main() -> int:
                 close(f"auto (graph entry) in a CUDA graph replay {i}", out_st, ops.reference_gemm_all_reduce(a_st, b_st))
             del graph
         except Exception as exc:  # noqa: BLE001 - reported as a failure, with what raised
-            fails.append(f"rank {r} auto under capture: raised {type(exc).__name__}: {str(exc)[:300]}")
+            ck.fail(f"rank {r} auto under capture: raised {type(exc).__name__}: {str(exc)[:300]}")
         finally:
             ops.set_tuned(None)
 
     # tensor-parallel MLP against the unsharded module
     H, S, B = 16 * w, 8 * w, 2
     for sp in (False, True):
-        for strategy in ("sequential", "chunked") + (("copy_engine",) if dev.type == "cuda" else ()):
+        for strategy in MLP_STRATEGIES + (CUDA_MLP_STRATEGIES if dev.type == "cuda" else ()):
+            ck.begin(_mlp_family(sp, strategy))
             torch.manual_seed(7)
             ref1, ref2 = torch.nn.Linear(H, 4 * H).to(dev), torch.nn.Linear(4 * H, H).to(dev)
             x = torch.randn(S, B, H, device=dev, requires_grad=True)
@@ -241,12 +290,13 @@ def main() -> int:
         layer.close()
 
 
-    moe_layer_check("nccl", 1)
-    moe_layer_check("nccl", 3)
+    for transport, pieces in MOE_LAYERS + (CUDA_MOE_LAYERS if dev.type == "cuda" else ()):
+        ck.begin(_moe_layer_family(transport, pieces))
+        moe_layer_check(transport, pieces)
     if dev.type == "cuda":
-        moe_layer_check("peer", 1)
         # dispatch and combine alone, every transport against one NCCL piece, back to back with
         # fresh routing, in bf16 (the grouped GEMM's dtype) and fp32: dispatch moves rows exactly
+        ck.begin("moe_dispatch")
         Ed, kd = 8 * w, 3
         for dtype in (torch.float32, torch.bfloat16):
             plain = MoEDispatcher(Ed, H, dtype=dtype, device=dev)
@@ -265,9 +315,9 @@ def main() -> int:
                     out_ref = plain.combine(recv_ref * 1.5, h_ref, wd)
                     for (t, n), d in others.items():
                         recv, h = d.dispatch(xd, idx)
-                        checks += 1
+                        ck.count()
                         if not torch.equal(recv, recv_ref):
-                            fails.append(f"rank {r} dispatch {t}/{n} {dtype} call {call}: rows differ")
+                            ck.fail(f"rank {r} dispatch {t}/{n} {dtype} call {call}: rows differ")
                         close(f"combine {t}/{n} {dtype} call {call}", d.combine(recv * 1.5, h, wd), out_ref,
                               tol=TOL if dtype == torch.float32 else 2e-2)
                         # the pipelined forward (no autograd): chunks' exchanges beside the experts
@@ -279,6 +329,7 @@ def main() -> int:
             others[("peer", 1)].close()
         # the no-grad pipeline over NCCL at prefill size, many chunks (its sends come from a side
         # stream, whose memory is reused from chunk to chunk): fp32, against the plain forward
+        ck.begin("moe_pipeline/prefill")
         Ep, kp, Hp = 16 * w, 4, 1024
         big = MoEDispatcher(Ep, Hp, dtype=torch.float32, device=dev)
         # and the peer transport's pipeline both ways (copy engines: every copy's arrival a flag
@@ -305,13 +356,14 @@ def main() -> int:
                     for chunks in (2, 5, 8):
                         close(f"forward_pipelined peer/{transfers} fp32 {T} tokens chunks {chunks} call {call}",
                               bigp.forward_pipelined(xb, idx, wb, scaled, chunks=chunks), want)
-                        checks += 1
+                        ck.count()
                         if bigp.last_pipeline is None or bigp.last_pipeline[0] != transfers:
-                            fails.append(f"rank {r} peer pipeline asked {transfers}, ran {bigp.last_pipeline}")
+                            ck.fail(f"rank {r} peer pipeline asked {transfers}, ran {bigp.last_pipeline}")
         bigp.close()
         # the peer transport's edge cases against NCCL's: a rank without tokens, every token to
         # one expert, capacity drops, a hidden size whose rows are not whole 16-byte packs (the
         # scalar kernels), more local experts of one token than a warp has lanes
+        ck.begin("moe_peer_edges")
         cases = [("no tokens on rank 0", 8 * w, 3, None, H, lambda T: T * (r != 0)),
                  ("one expert", 8 * w, 1, None, H, None),
                  ("capacity 0.5", 8 * w, 3, 0.5, H, None),
@@ -336,9 +388,9 @@ def main() -> int:
                         recv_ref, h_ref = plain.dispatch(xd, idx)
                         out_ref = plain.combine(recv_ref * 1.5, h_ref, wd)
                         recv, h = peer.dispatch(xd, idx)
-                        checks += 1
+                        ck.count()
                         if not torch.equal(recv, recv_ref) or h.dropped != h_ref.dropped:
-                            fails.append(f"rank {r} peer dispatch, {what}, {dtype} call {call}: rows or drops differ")
+                            ck.fail(f"rank {r} peer dispatch, {what}, {dtype} call {call}: rows or drops differ")
                         close(f"peer combine, {what}, {dtype} call {call}", peer.combine(recv * 1.5, h, wd), out_ref,
                               tol=TOL if dtype == torch.float32 else 2e-2)
                 torch.cuda.synchronize()
@@ -347,6 +399,7 @@ def main() -> int:
         # good dispatch works afterwards. Over the peer transport planned on the host (a capacity)
         # and laid out on the GPUs (dropless); over NCCL with the routing worked out on the GPUs,
         # where the counts exchange carries every rank's check
+        ck.begin("moe_refusals")
         refusals = [("peer, host plan", {"transport": "peer", "max_tokens": 16, "top_k": 2, "capacity_factor": 8.0}),
                     ("peer, device layout", {"transport": "peer", "max_tokens": 16, "top_k": 2}),
                     ("nccl, device routing", {"routing": "device"}),
@@ -357,22 +410,23 @@ def main() -> int:
                                                                                          "outside")):
                 bad = torch.zeros(4, 2, dtype=torch.int64, device=dev)
                 bad[:, 1] = 1 if r == 0 else fill  # rank 1's routing is bad
-                checks += 1
+                ck.count()
                 try:
                     d.dispatch(torch.randn(4, H, device=dev), bad)
-                    fails.append(f"rank {r}: {what} on rank 1 raised nothing ({label})")
+                    ck.fail(f"rank {r}: {what} on rank 1 raised nothing ({label})")
                 except InvalidArgumentError as exc:
                     if text not in str(exc) or (r != 1 and "rank 1" not in str(exc)):
-                        fails.append(f"rank {r}: {what} on rank 1 ({label}): {exc}")
+                        ck.fail(f"rank {r}: {what} on rank 1 ({label}): {exc}")
             good = torch.stack([torch.arange(4, device=dev) % (8 * w), (torch.arange(4, device=dev) + 3) % (8 * w)], 1)
             recv, h = d.dispatch(torch.ones(4, H, device=dev), good)
-            checks += 1
+            ck.count()
             if recv.shape[0] != sum(h.tokens_per_expert) or not bool((recv == 1).all()):
-                fails.append(f"rank {r}: dispatch after a refused one ({label}) is wrong")
+                ck.fail(f"rank {r}: dispatch after a refused one ({label}) is wrong")
             d.combine(recv, h, torch.ones(4, 2, device=dev))
             d.close()
         # the routing worked out on the GPUs against the host's plan: fresh random routings,
         # uneven tokens (none on rank 1 once), with and without a capacity
+        ck.begin("moe_device_routing")
         for cf in (None, 0.5):
             on_host = MoEDispatcher(8 * w, H, dtype=torch.float32, device=dev, capacity_factor=cf, routing="host")
             on_dev = MoEDispatcher(8 * w, H, dtype=torch.float32, device=dev, capacity_factor=cf, routing="device")
@@ -385,12 +439,13 @@ def main() -> int:
                 with torch.no_grad():
                     rh, hh = on_host.dispatch(xh, idx)
                     rd, hd = on_dev.dispatch(xh, idx)
-                    checks += 1
+                    ck.count()
                     if not torch.equal(rh, rd) or hh.dropped != hd.dropped or hh.tokens_per_expert != hd.tokens_per_expert:
-                        fails.append(f"rank {r} device routing, capacity {cf}, call {call}: rows, counts or drops differ")
+                        ck.fail(f"rank {r} device routing, capacity {cf}, call {call}: rows, counts or drops differ")
                     close(f"device routing combine, capacity {cf}, call {call}", on_dev.combine(rd * 1.5, hd, wh),
                           on_host.combine(rh * 1.5, hh, wh))
         # gradients through the peer transport's device layout against NCCL's, x and weights
+        ck.begin("moe_peer_autograd")
         Eg, kg = 6 * w, 3
         for dtype, tol in ((torch.float32, TOL), (torch.bfloat16, 3e-2)):
             plain = MoEDispatcher(Eg, H, dtype=dtype, device=dev)
@@ -410,15 +465,16 @@ def main() -> int:
                     out = d.combine(rv * scale, hd, wg)
                     (out.float() * gout.float()).sum().backward()
                     grads.append((out.detach(), xg.grad, wg.grad))
-                checks += 1
+                ck.count()
                 if "peer_dense" not in hd.extra:
-                    fails.append(f"rank {r}: the dropless peer dispatch with autograd did not use the device layout")
+                    ck.fail(f"rank {r}: the dropless peer dispatch with autograd did not use the device layout")
                 for name, a_, b_ in zip(("output", "x grad", "weights grad"), grads[1], grads[0]):
                     close(f"peer autograd {name} {dtype} call {call}", a_.float(), b_.float(), tol=tol)
             peer.close()
 
         # the low-latency (padded) dispatch and combine against NCCL's, eagerly and replayed from one
         # CUDA graph holding dispatch -> experts -> combine on static inputs refilled between replays
+        ck.begin("moe_low_latency")
         El, kl, Tmax = 8 * w, 4, 48
         Hl = 128  # a multiple of 64: the experts' Triton kernels take these rows
         for dtype, tol in ((torch.float32, TOL), (torch.bfloat16, 2e-2)):
@@ -446,9 +502,9 @@ def main() -> int:
                     rv, hl = peer.dispatch_low_latency(x_st, idx_st)
                     ref_rv, ref_h = plain.dispatch(x_st, idx_st)
                     got = torch.cat([rv[e, :n] for e, n in enumerate(hl.tokens_per_expert.tolist())])
-                    checks += 1
+                    ck.count()
                     if hl.tokens_per_expert.tolist() != ref_h.tokens_per_expert or not torch.equal(got, ref_rv):
-                        fails.append(f"rank {r} low-latency dispatch {dtype} call {call}: rows differ")
+                        ck.fail(f"rank {r} low-latency dispatch {dtype} call {call}: rows differ")
                     # bf16: only the counted rows of each block (the Triton kernels), on the handle's counts
                     counted = hl.tokens_per_expert if dtype == torch.bfloat16 else None
                     out = peer.combine_low_latency(experts.forward_padded(rv, counted), hl, w_st)
@@ -467,19 +523,19 @@ def main() -> int:
                         close(f"low-latency forward in a CUDA graph {dtype} replay {rep}", out_st, want(), tol=tol)
                     del graph
                 except Exception as exc:  # noqa: BLE001 - reported as a failure, with what raised
-                    fails.append(f"rank {r} low-latency capture {dtype}: {type(exc).__name__}: {str(exc)[:300]}")
+                    ck.fail(f"rank {r} low-latency capture {dtype}: {type(exc).__name__}: {str(exc)[:300]}")
             peer.close()
 
-    every: list[list[str] | None] = [None] * w
-    dist.all_gather_object(every, fails)
+    every = ck.gather()
+    flat = [f"{family}: {f}" for family, rec in every.items() for f in rec["failures"]]
     if r == 0:
-        flat = [f for fs in every for f in (fs or [])]
         for f in flat[:40]:
             print("FAIL", f)
-        print(f"overlap checks: {checks} per rank on {w} ranks, {len(flat)} failed", flush=True)
-    ok = not any(every)
+        print(f"overlap checks: {ck.checks} per rank on {w} ranks, {len(flat)} failed", flush=True)
+        if args.json:
+            write_results(args.json, every)
     C.destroy()
-    return 0 if ok else 1
+    return 1 if flat else 0
 
 
 if __name__ == "__main__":

@@ -1,40 +1,46 @@
 """On the GPUs of one node: overlap operators, tensor-parallel layers and the MoE layer over NCCL,
-checked by ``tests/gpu_overlap_check.py`` under torchrun (the same script runs on Gloo in
-``test_overlap_check_script_on_gloo``). Marker ``gpu`` for the GPU run."""
+checked by ``tests/gpu_overlap_check.py`` under torchrun, once for the module; one case per family
+of its checks (``gpu_overlap_check.families("cuda")``). The same script runs on CPU over Gloo in
+``test_overlap_check_script_on_gloo``, one case per family it has there (the default suite).
+Marker ``gpu`` for the GPU run."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-_NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+from tests import gpu_overlap_check
+from tests._checks import NO_MULTICAST, ScriptRun, run_script
+
+TIMEOUT_S = 900
 
 
-def _run(nproc: int, extra_env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **extra_env)
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(nproc), "tests/gpu_overlap_check.py"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=900)
-
-
-@pytest.mark.gpu
-def test_overlap_on_gpus() -> None:
+@pytest.fixture(scope="module")
+def gpu_run(tmp_path_factory: pytest.TempPathFactory) -> ScriptRun:
     n = torch.cuda.device_count()
     if n < 2:
         pytest.skip(f"needs 2 or more GPUs on one node; this machine has {n}")
-    res = _run(n, _NO_MULTICAST)
-    assert res.returncode == 0 and " 0 failed" in res.stdout, res.stdout[-6000:] + res.stderr[-4000:]
+    return run_script("tests/gpu_overlap_check.py", n, tmp_path_factory.mktemp("overlap_gpu") / "checks.json",
+                      env=NO_MULTICAST, timeout=TIMEOUT_S)
 
 
-def test_overlap_check_script_on_gloo() -> None:
-    res = _run(2, {"CUDA_VISIBLE_DEVICES": ""})
-    assert res.returncode == 0 and " 0 failed" in res.stdout, res.stdout[-6000:] + res.stderr[-4000:]
+@pytest.fixture(scope="module")
+def gloo_run(tmp_path_factory: pytest.TempPathFactory) -> ScriptRun:
+    return run_script("tests/gpu_overlap_check.py", 2, tmp_path_factory.mktemp("overlap_gloo") / "checks.json",
+                      env={"CUDA_VISIBLE_DEVICES": ""}, timeout=TIMEOUT_S)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(TIMEOUT_S + 60)  # the script's own limit reports first, with its output
+@pytest.mark.parametrize("family", gpu_overlap_check.families("cuda"))
+def test_overlap_on_gpus(gpu_run: ScriptRun, family: str) -> None:
+    gpu_run.assert_family(family)
+
+
+@pytest.mark.timeout(TIMEOUT_S + 60)
+@pytest.mark.parametrize("family", gpu_overlap_check.families("cpu"))
+def test_overlap_check_script_on_gloo(gloo_run: ScriptRun, family: str) -> None:
+    gloo_run.assert_family(family)
 
 
 @pytest.mark.gpu

@@ -31,6 +31,19 @@ def test_checks_are_counted_and_failed_by_family() -> None:
     assert ck.checks == 3 and ck.failures == ["a went wrong", "b went wrong", "twice"]
 
 
+def test_begin_names_the_family_of_the_checks_that_follow() -> None:
+    ck = Checks(["a", "b", "c"], rank=0)
+    ck.begin("a")
+    ck.count()
+    with ck.family("b"):
+        ck.begin("c")  # within the block, until the block ends
+        ck.count()
+    ck.count()  # "a" again
+    assert [ck.results()[f]["checks"] for f in "abc"] == [2, 0, 1]
+    with pytest.raises(KeyError, match="not among the declared"):
+        ck.begin("typo")
+
+
 def test_a_check_outside_the_declared_families_is_refused() -> None:
     ck = Checks(["a"], rank=0)
     with pytest.raises(RuntimeError, match="outside any family"):
