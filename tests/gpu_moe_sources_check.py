@@ -15,10 +15,14 @@ sequential forward of the same dispatcher checked beside it; ``chunks="auto"`` f
 table to the pipeline by source and to two token chunks over copy engines; one traced call's
 timeline (``PeerRows.timeline``) in the pipeline's order. Prints one line per failure and a
 summary; exits non-zero on any.
+
+The checks are grouped in families (``families()``; ``tests/_checks.py``), which ``--json``
+writes with their counts and failures, one pytest case each in ``tests/test_gpu_moe_sources.py``.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -33,8 +37,23 @@ import collectives as C  # noqa: E402
 from collectives.errors import InvalidArgumentError  # noqa: E402
 from overlap import ops  # noqa: E402
 from overlap.moe import GroupedSwiGLU, MoEDispatcher, reference_moe  # noqa: E402
+from tests._checks import Checks, dtype_name, write_results  # noqa: E402
 
 TOL = 3e-2  # of the largest output element: one rounding of the activation and of the output in bf16
+DTYPES = (torch.bfloat16, torch.float16)
+TOP_K = (1, 3)
+
+
+def _family(what: str, k: int, dtype: torch.dtype) -> str:
+    return f"moe/{what}/top{k}/{dtype_name(dtype)}"
+
+
+def families() -> tuple[str, ...]:
+    """The families a run records checks into: per dtype and top-k the pipeline by source (with
+    the layouts, the sequential forward and the traced timeline beside it), and the bad routings
+    where a token has more than one expert."""
+    return tuple(_family(what, k, d) for d in DTYPES for k in TOP_K
+                 for what in ("sources", "bad_routing") if what == "sources" or k > 1)
 
 
 def _swiglu64(m: GroupedSwiGLU, e: int, rows: torch.Tensor) -> torch.Tensor:
@@ -122,17 +141,20 @@ def _bad_routing_fails(disp: MoEDispatcher, every: list[tuple[torch.Tensor, ...]
 
 
 def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--json", help="write the results by family here (tests/_checks.py)")
+    args = p.parse_args()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local % torch.cuda.device_count())
     dist.init_process_group("cpu:gloo,cuda:nccl")
     comm = C.get_communicator(None)
     w, r = comm.size, comm.rank
     dev = torch.device("cuda", torch.cuda.current_device())
-    fails: list[str] = []
-    checks = 0
+    ck = Checks(families(), r)
     H, FF, E = 256, 192, 4 * w
-    for dtype in (torch.bfloat16, torch.float16):
-        for k in (1, 3):
+    for dtype in DTYPES:
+        for k in TOP_K:
+            ck.begin(_family("sources", k, dtype))
             disp = MoEDispatcher(E, H, dtype=dtype, device=dev, transport="peer", max_tokens=720, top_k=k,
                                  pipeline_transfers="copy_engine")
             torch.manual_seed(77)  # the same experts on every rank
@@ -145,11 +167,12 @@ def main() -> int:
                 every = [_inputs(q, call, H, E, k, dtype, dev) for q in range(w)]  # every rank's, for recv_x
                 x, idx, wt = every[r]
                 T = x.shape[0]
-                checks += 2
-                fails += _layout_fails(disp, every, r, w, f"rank {r} {dtype} k={k} call {call}")
+                ck.count(2)
+                ck.fail(*_layout_fails(disp, every, r, w, f"rank {r} {dtype} k={k} call {call}"))
                 if call == 1 and k > 1:
-                    checks += 2
-                    fails += _bad_routing_fails(disp, every, r, w, f"rank {r} {dtype}")
+                    with ck.family(_family("bad_routing", k, dtype)):
+                        ck.count(2)
+                        ck.fail(*_bad_routing_fails(disp, every, r, w, f"rank {r} {dtype}"))
                 peer = disp._peer_rows()
                 peer.trace = [] if call == 2 else None  # one call traced: its timeline is checked below
                 # calls 0 and 1: chunks="auto" following a tuned table (the pipeline by source, then
@@ -166,28 +189,32 @@ def main() -> int:
                 finally:
                     ops.set_tuned(None)
                 if call == 2:
-                    checks += 1
-                    fails += _timeline_fails(peer.timeline(), r, w, f"rank {r} {dtype} k={k}")
+                    ck.count()
+                    ck.fail(*_timeline_fails(peer.timeline(), r, w, f"rank {r} {dtype} k={k}"))
                     peer.trace = None
                 with torch.no_grad():
                     seq = disp.forward(x, idx, wt, mine)
                 want = reference_moe(x.double(), idx, wt.double(), lambda e, rows: _swiglu64(whole, e, rows))
                 scale = want.abs().max().item() if T else 1.0
                 for what, out in ((f"pipeline {tuned or 'by source'}", got), ("sequential", seq)):
-                    checks += 1
+                    ck.count()
                     err = (out.double() - want).abs().max().item() if T else 0.0
                     if out.shape != x.shape or not err <= TOL * max(scale, 1e-6):
-                        fails.append(f"rank {r} {what} {dtype} k={k} call {call}: max error {err:.3g} (scale {scale:.3g})")
-                checks += 1
+                        ck.fail(f"rank {r} {what} {dtype} k={k} call {call}: max error {err:.3g} (scale {scale:.3g})")
+                ck.count()
                 ran = (tuned[1], "tuned table: written by this check") if tuned else (w, "by source rank (chunks='sources')")
                 if disp.last_chunks != ran:
-                    fails.append(f"rank {r} call {call}: the pipeline ran {disp.last_chunks}, not {ran}")
+                    ck.fail(f"rank {r} call {call}: the pipeline ran {disp.last_chunks}, not {ran}")
             disp.close()
-    for f in fails:
+    for f in ck.failures:
         print(f, flush=True)
-    print(f"rank {r}: {checks} checks, {len(fails)} failed", flush=True)
+    print(f"rank {r}: {ck.checks} checks, {len(ck.failures)} failed", flush=True)
+    if args.json:
+        merged = ck.gather()  # object collectives: over Gloo, no NCCL communicator is made
+        if r == 0:
+            write_results(args.json, merged)
     C.destroy()
-    return 1 if fails else 0
+    return 1 if ck.failures else 0
 
 
 if __name__ == "__main__":

@@ -1,28 +1,29 @@
 """The MoE pipeline by source rank on GPUs (``tests/gpu_moe_sources_check.py`` under torchrun),
-at 2 and 3 ranks; ranks share GPUs where the machine has fewer (one GPU is enough). Marker ``gpu``."""
+once at 2 and once at 3 ranks; ranks share GPUs where the machine has fewer (one GPU is enough).
+One case per world size and family of its checks (``gpu_moe_sources_check.families()``).
+Marker ``gpu``."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-_NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+from tests import gpu_moe_sources_check
+from tests._checks import NO_MULTICAST, ScriptRun, run_script
+
+TIMEOUT_S = 600
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(TIMEOUT_S + 60)]  # the script's own limit reports first
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("nproc", [2, 3])
-def test_pipeline_by_source_rank_on_gpus(nproc: int) -> None:
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}ranks")
+def sources_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ScriptRun:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **_NO_MULTICAST)
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                          str(nproc), "tests/gpu_moe_sources_check.py"], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-4000:]
-    assert res.stdout.count(" 0 failed") == nproc, res.stdout[-6000:]
+    nproc = request.param
+    out = tmp_path_factory.mktemp(f"moe_sources_{nproc}") / "checks.json"
+    return run_script("tests/gpu_moe_sources_check.py", nproc, out, env=NO_MULTICAST, timeout=TIMEOUT_S)
+
+
+@pytest.mark.parametrize("family", gpu_moe_sources_check.families())
+def test_pipeline_by_source_rank_on_gpus(sources_run: ScriptRun, family: str) -> None:
+    sources_run.assert_family(family)
