@@ -4,7 +4,9 @@ One rank is given a different value of one setting (its environment, with the se
 cleared, or an attribute of its communicator); the group's first call must raise
 ``SettingsMismatch`` on every rank with the same text naming the setting, the ranks and their
 values, before any trace hook or torch.distributed call saw it. Equal settings pass, and the
-check costs one store exchange per communicator, not one per call.
+check costs one store exchange per communicator, not one per call. On GPUs (marker ``gpu``):
+peer memory sized from the agreed ``COMMOPS_PEER_BYTES`` (``tests/gpu_settings_check.py`` under
+torchrun), one case per family of its checks.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import torch.distributed as dist
 
 import collectives as C
 from collectives import _env
+from tests import gpu_settings_check
+from tests._checks import NO_MULTICAST, ScriptRun, run_script
 
 # isend and irecv are left as they are: P2POp accepts only those very functions (our schedules
 # send through batch_isend_irecv, counted here).
@@ -220,17 +224,18 @@ def test_the_settings_check_is_bounded_by_the_calls_timeout(worlds) -> None:  # 
         assert 2.5 < res["seconds"] < 8.0, res
 
 
-@pytest.mark.gpu
-def test_peer_memory_is_sized_from_the_agreed_peer_bytes() -> None:
-    import subprocess
-    import sys
+@pytest.fixture(scope="module")
+def peer_bytes_run(tmp_path_factory: pytest.TempPathFactory) -> ScriptRun:
+    """``tests/gpu_settings_check.py`` on two ranks (sharing a GPU where there is one), with no
+    ``COMMOPS_PEER_BYTES`` of its own."""
+    with pytest.MonkeyPatch.context() as mp:  # the script's environment is this one's, less that
+        mp.delenv("COMMOPS_PEER_BYTES", raising=False)
+        return run_script("tests/gpu_settings_check.py", 2, tmp_path_factory.mktemp("settings") / "checks.json",
+                          env=NO_MULTICAST, timeout=600)
 
-    root = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-               NVSHMEM_DISABLE_NVLS="1")
-    env.pop("COMMOPS_PEER_BYTES", None)
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "tests/gpu_settings_check.py"], cwd=root, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-6000:]
-    assert res.stdout.count(" 0 failed") == 2, res.stdout[-6000:]
+
+@pytest.mark.gpu
+@pytest.mark.timeout(660)  # the script's own limit reports first, with its output
+@pytest.mark.parametrize("family", gpu_settings_check.families())
+def test_peer_memory_is_sized_from_the_agreed_peer_bytes(peer_bytes_run: ScriptRun, family: str) -> None:
+    peer_bytes_run.assert_family(family)
