@@ -16,9 +16,10 @@
 # machine, then the cost model's predictions against peer_bench's and a2a_bench's measurements,
 # which run first). On 4 or 8 GPUs: NPROC=n launch/gpu_suite.sh OUT peer_check overlap_check
 # moe_check topology peer_bench a2a_bench model overlap moe.
-# Each runs under a time limit and writes STEP.log (and its JSON/plots); a failing step does not
-# stop the others. NVLink multicast stays off in every
-# process (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1).
+# Each runs under a time limit and writes STEP.log (and its JSON/plots; the three check steps
+# write their checks' counts and failures by family, tests/_checks.py); a failing step does not
+# stop the others. NVLink multicast stays off in every process (NCCL_NVLS_ENABLE=0,
+# TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1).
 set -u
 OUT=${1:?usage: launch/gpu_suite.sh OUTDIR [STEP ...]}
 shift
@@ -51,9 +52,9 @@ run() {  # run NAME LIMIT_S COMMAND...
 
 for step in $STEPS; do
   case $step in
-    peer_check) run peer_check 300 $R tests/gpu_peer_check.py ;;
-    overlap_check) run overlap_check 300 $R tests/gpu_overlap_check.py ;;
-    moe_check) run moe_check 300 $R tests/gpu_moe_sources_check.py ;;
+    peer_check) run peer_check 300 $R tests/gpu_peer_check.py --json "$OUT/peer_check.json" ;;
+    overlap_check) run overlap_check 300 $R tests/gpu_overlap_check.py --json "$OUT/overlap_check.json" ;;
+    moe_check) run moe_check 300 $R tests/gpu_moe_sources_check.py --json "$OUT/moe_check.json" ;;
     faults) run faults 300 python3 launch/faults/run_all.py --gpu --timeout 10 --json "$OUT/faults_gpu.json" ;;
     overlap_tune)
       rm -f "$TUNED"
