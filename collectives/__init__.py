@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ._types import DATA_OPS, OPS, REDUCE_OPS, ReduceOp
+from .algos import for_op
 from .bootstrap import LaunchInfo, init
 from .communicator import Communicator, destroy, get_communicator
 from . import dispatch as _dispatch
@@ -136,8 +137,6 @@ def algorithms(op: str, group: Group = None, *, dtype: torch.dtype | None = None
                backend: str | None = None) -> list[str]:
     """Algorithm names usable for canonical ``op`` ("all_reduce", "reduce_scatter", "all_gather",
     "all_to_all", "broadcast", "reduce") on ``group``'s backend (or the given ``backend``)."""
-    from .algos import for_op
-
     if op not in OPS:
         raise InvalidArgumentError("op", op, "is not a canonical op name", f"pass one of {', '.join(OPS)}")
     if backend is None:

@@ -77,6 +77,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import torch
+import torch.distributed.distributed_c10d as c10d
+
 from . import _env
 from .errors import UnsafePathError
 
@@ -296,6 +299,25 @@ def status() -> str:
     return str(_STATE["why"])
 
 
+# The modules whose objects the compiled module reads (dispatch's tables and hooks, the
+# communicators, _wait's bounds, the flight recorder and its layout, the CUDA launcher), handed in
+# by each of them when it is imported (``provide``). Their attributes are read when the module is
+# configured, as they are then. This module imports none of them, so that each can import it.
+_OWNERS: dict[str, ModuleType] = {}
+
+
+def provide(role: str, module: ModuleType) -> None:
+    """Name ``module`` as the one the compiled fast path reads ``role``'s objects from."""
+    _OWNERS[role] = module
+
+
+def _owner(role: str) -> ModuleType:
+    module = _OWNERS.get(role)
+    if module is None:  # the module did not provide itself: an internal error
+        raise AssertionError(f"the compiled fast path has no {role!r} module to read from")
+    return module
+
+
 def configure(module: ModuleType, *, current_device: Any, current_stream: Any, launch_address: int,
               py_launch: Any, threads: int, device_flag: str = "is_cuda", graph_launch_address: int = 0,
               capturing_address: int = 0) -> None:
@@ -305,23 +327,14 @@ def configure(module: ModuleType, *, current_device: Any, current_stream: Any, l
     launches that carry a one-kernel graph are launched as that graph where both
     ``graph_launch_address`` (``cuGraphLaunch``) and ``capturing_address`` (``cuStreamIsCapturing``)
     are given."""
-    import torch
-
-    import torch.distributed.distributed_c10d as c10d
-
-    from .communicator import _COMMS, _WORLD
-    from .dispatch import _FAST_BY_VALUE, _FAST_KEY, _FAST_KEY_OUT_OF_PLACE, _FAST_RUNNER, _HOOKS, _failed, _profiling
-    from ._wait import _LOCAL, _OPEN
-    from .recorder import _PROGRESS_SEQ, _SKIPPED, FIELDS, RECORDER
-
-    module.configure(tensor_type=torch.Tensor, hooks=_HOOKS, local=_LOCAL, open_bounds=_OPEN, profiling=_profiling,
-                     nvtx=_env.nvtx_enabled(), current_device=current_device, current_stream=current_stream,
-                     recorder=RECORDER, skipped=tuple(_SKIPPED), fail=_failed, py_launch=py_launch,
-                     launch_address=launch_address, threads=threads, device_flag=device_flag,
-                     comms=_COMMS.data,  # type: ignore[attr-defined]  # weak reference -> communicator
-                     world=_WORLD, c10d=c10d, fields=FIELDS, progress_seq=_PROGRESS_SEQ, fast_key=_FAST_KEY,
-                     fast_key_out_of_place=_FAST_KEY_OUT_OF_PLACE, by_value=_FAST_BY_VALUE, runner_index=_FAST_RUNNER,
-                     graph_launch_address=graph_launch_address,
+    d, c, w, r = (_owner(role) for role in ("dispatch", "communicator", "wait", "recorder"))
+    module.configure(tensor_type=torch.Tensor, hooks=d._HOOKS, local=w._LOCAL, open_bounds=w._OPEN,
+                     profiling=d._profiling, nvtx=_env.nvtx_enabled(), current_device=current_device,
+                     current_stream=current_stream, recorder=r.RECORDER, skipped=tuple(r._SKIPPED), fail=d._failed,
+                     py_launch=py_launch, launch_address=launch_address, threads=threads, device_flag=device_flag,
+                     comms=c._COMMS.data, world=c._WORLD, c10d=c10d, fields=r.FIELDS, progress_seq=r._PROGRESS_SEQ,
+                     fast_key=d._FAST_KEY, fast_key_out_of_place=d._FAST_KEY_OUT_OF_PLACE, by_value=d._FAST_BY_VALUE,
+                     runner_index=d._FAST_RUNNER, graph_launch_address=graph_launch_address,
                      capturing_address=capturing_address)
 
 
@@ -330,9 +343,7 @@ def configure_cuda() -> ModuleType | None:
     module = load()
     if module is None or _STATE.get("configured"):
         return module
-    from ._validate import _current_device
-    from .peer import _launch
-
+    launcher, validate = _owner("launch"), _owner("validate")
     try:
         address = ctypes.cast(ctypes.CDLL("libcuda.so.1").cuLaunchKernel, ctypes.c_void_p).value
     except (OSError, AttributeError) as exc:
@@ -341,12 +352,12 @@ def configure_cuda() -> ModuleType | None:
     graph_launch = capturing = 0
     if _env.GRAPH_LAUNCH.get():
         try:
-            graph_launch, capturing = _launch.graph_addresses()
+            graph_launch, capturing = launcher.graph_addresses()
         except (OSError, AttributeError):  # a driver without them: kernel launches
             pass
     try:
-        configure(module, current_device=_current_device, current_stream=_launch.current_stream,
-                  launch_address=int(address or 0), py_launch=_launch.launch, threads=_launch.THREADS,
+        configure(module, current_device=validate._current_device, current_stream=launcher.current_stream,
+                  launch_address=int(address or 0), py_launch=launcher.launch, threads=launcher.THREADS,
                   graph_launch_address=graph_launch, capturing_address=capturing)
     except ValueError as exc:  # a definition the compiled module cannot follow (the message says which)
         _unavailable(exc)

@@ -15,12 +15,14 @@ after another rank has sent (tests/test_validate_fuzz.py throws random bad calls
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from . import _native
 from .algos import for_op
 from ._types import BACKEND_DTYPES, FLOAT_DTYPES, REDUCIBLE_DTYPES, normalize_reduce_op
 from .errors import InvalidArgumentError, InvalidTypeError
@@ -274,3 +276,6 @@ def validate(call: Call) -> None:
         call.root = _root(call, rule.root[0], rule.root[1], call.root, call.group_root)
     if rule.sizes is not None:
         rule.sizes(call, out, inp)
+
+
+_native.provide("validate", sys.modules[__name__])  # what the compiled fast path reads (_native.py)

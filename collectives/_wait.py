@@ -24,6 +24,7 @@ minutes on a ``FileStore``, the group's on torchrun's ``TCPStore``) whatever the
 from __future__ import annotations
 
 import datetime
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed.distributed_c10d as c10d
 
+from . import _native
 from .errors import CollectiveTimeout, InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -165,3 +167,6 @@ def gpu_done(seconds: float, bound: float) -> None:
                                "(timed out)")
         time.sleep(delay)
         delay = min(2 * delay, 1e-3)
+
+
+_native.provide("wait", sys.modules[__name__])  # what the compiled fast path reads (_native.py)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from topology import discover, groups
 from topology.cost import Machine
 
-from . import _env
+from . import _env, _native
 from ._launcher import launcher_environment
 from ._types import BACKEND_DEVICES, ReduceOp
 from .algos import for_op
@@ -346,3 +347,6 @@ def destroy(group: dist.ProcessGroup | None = None) -> None:
         groups.clear()
     if dist.is_initialized():
         dist.destroy_process_group(group)
+
+
+_native.provide("communicator", sys.modules[__name__])  # what the compiled fast path reads (_native.py)

@@ -18,6 +18,7 @@ collective's path and its cost is measured against calling torch.distributed dir
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -32,6 +33,7 @@ from ._validate import _current_device, validate
 from ._wait import call_timeout, limit, wait
 from .algos import REGISTRY, Algorithm, ScheduledAlgorithm, for_op
 from .algos._schedule import Layout
+from .debug import check_call
 from .errors import CollectiveTimeout, CommopsError, RankLeft, UnsupportedError
 from .recorder import RECORDER, missing_ranks, ranks_gone
 from .recorder import STATE as _STATE, T_END as _T_END
@@ -289,8 +291,6 @@ def dispatch(call: Call) -> Work | None:
     call.seq = comm.seq
     entry = RECORDER.start(call, algo.name)
     if comm.debug:
-        from .debug import check_call
-
         try:
             check_call(call, algo.name)
         except BaseException as exc:
@@ -449,3 +449,6 @@ def _in_order(algo: Algorithm, call: Call, bound: Any) -> None:
         if call.async_op:  # a synchronous call queued here fails through dispatch's own handler, once
             _failed(call.comm, call.op, call.seq, exc)  # a timeout or a lost peer, typed as on the caller's thread
         raise
+
+
+_native.provide("dispatch", sys.modules[__name__])  # what the compiled fast path reads (_native.py)

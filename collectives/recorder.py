@@ -32,6 +32,7 @@ a guess (:func:`missing_ranks`).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import signal
@@ -43,6 +44,10 @@ import time
 from pathlib import Path
 from types import CodeType
 from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from . import _env, _native
 
 if TYPE_CHECKING:
     from .communicator import Communicator
@@ -100,7 +105,6 @@ class FlightRecorder:
         self._published: dict[Any, int] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()  # set by stop_progress: the publishing thread returns
-        from . import _env
 
         self.enabled = _env.RECORDER.get()
         self._scratch: list[Any] = [None] * len(FIELDS)  # what a call writes to while recording is off
@@ -169,12 +173,10 @@ class FlightRecorder:
 
     def dump(self, reason: str, directory: str | None = None) -> str | None:
         """Write this rank's entries to ``directory`` (or the trace directory); the file's path, or None."""
-        from . import _env
 
         where = directory or self.trace_dir or _env.TRACE_DIR.get()
         if not where:
             return None
-        import torch.distributed as dist
 
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
@@ -269,7 +271,6 @@ def _as_dict(e: list[Any]) -> dict[str, Any]:
 
 def _store() -> Any:
     try:
-        import torch.distributed as dist
 
         return dist.distributed_c10d._get_default_store()
     except Exception:  # noqa: BLE001 - no default store (a group made without one)
@@ -393,7 +394,6 @@ def set_trace_dir(directory: str | None) -> None:
 
 
 def _global_rank() -> int:
-    import torch.distributed as dist
 
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -430,7 +430,6 @@ def missing_ranks(comm: Communicator, seq: int, wait_s: float = 2 * PROGRESS_PER
         return []
     time.sleep(wait_s)
     # A rank cut off from the store (a link down) must not hang here: short store timeouts.
-    import datetime
 
     previous = getattr(store, "timeout", None)
     try:
@@ -451,3 +450,6 @@ def missing_ranks(comm: Communicator, seq: int, wait_s: float = 2 * PROGRESS_PER
         if previous is not None:
             store.set_timeout(previous)
     return out
+
+
+_native.provide("recorder", sys.modules[__name__])  # what the compiled fast path reads (_native.py)

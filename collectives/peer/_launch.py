@@ -37,10 +37,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .. import _native
 
 __all__ = ["Kernel", "OneKernelGraph", "THREADS", "HEADER", "KERNELS", "sources_of", "current_stream", "copy_async",
            "write_value", "launch"]
@@ -334,3 +337,6 @@ def wait_value(stream: int, addr: int, value: int) -> None:
     stream memory operation: no kernel, no SM; it has no bound of its own, which is the caller's
     to provide (``collectives.peer._watchdog``)."""
     _memop(2, "cuStreamWaitValue32", stream, addr, value, _WAIT_GEQ)
+
+
+_native.provide("launch", sys.modules[__name__])  # what the compiled fast path reads (_native.py)
