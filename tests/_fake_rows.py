@@ -24,7 +24,7 @@ IDS_HEADER = 16
 def _layout_tile() -> int:
     """Tokens per block of rows_ids / rows_layout: the host code's constant (a test may shrink it
     so that a few tokens span several tiles)."""
-    from overlap import _moe_peer
+    from overlap.moe import peer_rows as _moe_peer
 
     return _moe_peer.LAYOUT_TILE
 

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from collectives.errors import InvalidArgumentError
-from overlap import _grouped_gemm as G
-from overlap._grouped_gemm import sm_carveout
+from overlap.moe import _grouped_gemm as G
+from overlap.moe._grouped_gemm import sm_carveout
 from overlap.moe import GroupedSwiGLU
 
 pytestmark = pytest.mark.gpu

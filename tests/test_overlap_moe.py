@@ -413,7 +413,7 @@ def test_block_permutation_is_the_stable_sort_by_local_expert() -> None:
 
 
 def test_grouped_swiglu_says_which_path_ran_and_why_on_cpu() -> None:
-    from overlap._grouped_gemm import few_rows, gpu_bound
+    from overlap.moe._grouped_gemm import few_rows, gpu_bound
     from overlap.moe import _grouped_mm_works
 
     m = GroupedSwiGLU(2, 16, 24)
@@ -436,7 +436,7 @@ def test_grouped_swiglu_says_which_path_ran_and_why_on_cpu() -> None:
 
 
 def test_sm_carveout_holds_torchs_setting_within_and_puts_the_previous_one_back() -> None:
-    from overlap._grouped_gemm import sm_carveout
+    from overlap.moe._grouped_gemm import sm_carveout
 
     get = torch._C._get_sm_carveout_experimental
     assert get() is None

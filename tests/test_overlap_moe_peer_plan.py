@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from overlap import _moe_peer as P
+from overlap.moe import peer_rows as P
 from overlap.moe import sorted_pairs
 
 HIDDEN = 6

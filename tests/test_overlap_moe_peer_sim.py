@@ -19,7 +19,7 @@ import torch
 
 from collectives.errors import InvalidArgumentError
 from collectives.peer import _launch
-from overlap import _moe_peer as P
+from overlap.moe import peer_rows as P
 from overlap.moe import _DenseCombine, _DenseDispatch
 
 from ._fake_rows import run_ranks
@@ -413,7 +413,7 @@ def _expert_weights(g: int, ffn: int) -> tuple[torch.Tensor, ...]:
 ])
 def test_pipeline_by_source_rank_matches_the_float64_moe(monkeypatch: pytest.MonkeyPatch, world: int, e_loc: int,
                                                          k: int, tokens: list[int]) -> None:
-    from overlap import _grouped_gemm as G
+    from overlap.moe import _grouped_gemm as G
 
     monkeypatch.setattr(P, "_Streams", _SameStream)
     monkeypatch.setattr(G, "grouped_mm_segments", lambda x, w, st, ct, out, *, index=None, sms=None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from collectives.peer import _launch
 from collectives.peer import memory as M
-from overlap import _moe_peer as P
+from overlap.moe import peer_rows as P
 
 ROWS = Path(P.__file__).with_name("_moe_rows.cu")
 SOURCES = {path.name: path.read_text() for path in (*_launch.sources_of(), ROWS)}

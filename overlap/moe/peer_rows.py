@@ -465,7 +465,7 @@ class PeerRows:
         self.check()
         bad = counts[_errors_at(self.world, self.e_loc):][:2]
         if bad.any():
-            from .moe import _bad_routing
+            from .dispatcher import _bad_routing
 
             s = int(bad[_BAD_RANGE] or bad[_BAD_REPEAT]) - 1
             raise _bad_routing("topk_idx" if s == self.rank else f"topk_idx of rank {s}", topk_idx,
@@ -847,7 +847,7 @@ class PeerRows:
         from collectives.peer import _launch
 
         from . import _grouped_gemm
-        from .moe import _grouped_mm_works
+        from .dispatcher import _grouped_mm_works
 
         pm, W, r, k, row, e_loc = self.pm, self.world, self.rank, self.top_k, self.row_bytes, self.e_loc
         self._check_rows(x)

@@ -587,7 +587,7 @@ class MoEDispatcher:
 
     def _check_transport(self, x: torch.Tensor) -> None:
         if self.transport == "peer":
-            from . import _copy_engine
+            from .. import _copy_engine
 
             why = _copy_engine.unavailable(self.comm, x.device, x.dtype)
             if why:
@@ -649,7 +649,7 @@ class MoEDispatcher:
     def _peer_rows(self) -> Any:
         """The peer transport's buffers, built on first use (collective: every rank dispatches)."""
         if self._peer is None:
-            from . import _moe_peer
+            from . import peer_rows as _moe_peer
 
             self._peer = _moe_peer.PeerRows(self.comm, self.max_tokens, self.top_k, self._row_bytes,
                                             self.num_experts, pipeline_transfers=self.pipeline_transfers)
@@ -717,7 +717,7 @@ class MoEDispatcher:
             pieces += arrays
             split_lists: Any = None
             if self.transport == "peer":
-                from . import _moe_peer
+                from . import peer_rows as _moe_peer
 
                 p_scalars, arrays = _moe_peer.plan(self.comm.rank, w, e_loc, k, self.max_tokens,
                                                  [(every_ids[s][lo:hi], sources[s][c][0], hi - lo)
@@ -740,7 +740,7 @@ class MoEDispatcher:
                     views.append(on_dev[at:at + size])
                     at += size
                 if kind == "peer":
-                    from . import _moe_peer
+                    from . import peer_rows as _moe_peer
 
                     h.extra["peer"] = (self._peer_rows(), _moe_peer.build(info, views))
                 else:
@@ -863,7 +863,7 @@ class MoEDispatcher:
         """Whether this dispatch lays its routing out on the GPUs (transport "peer"): no host plan;
         for the layouts the kernels serve (dropless; k up to a warp's 32 lanes; local experts x
         ranks up to their table). Differentiable through the same kernels."""
-        from . import _moe_peer
+        from . import peer_rows as _moe_peer
 
         return (self.transport == "peer"
                 and self.capacity_factor is None  # drops need each expert's count before the rows
@@ -1069,7 +1069,7 @@ class MoEDispatcher:
             # 2xH200 anyway (bench/results/README.md, gpu_2xh200_moe)
             return 1, ("one chunk: auto follows a tuned table over transport 'peer' only (keyed by max_tokens, "
                        "the same on every rank)")
-        from .ops import _tuned_table
+        from ..ops import _tuned_table
 
         table = _tuned_table()
         if table is None:
