@@ -45,12 +45,12 @@ def test_overlap_check_script_on_gloo(gloo_run: ScriptRun, family: str) -> None:
 
 @pytest.mark.gpu
 def test_pinned_offsets_never_overwrite_a_pending_copy() -> None:
-    """``GroupedSwiGLU``'s offsets ring (``overlap.moe._PinnedSlots``): with the GPU held behind
+    """``GroupedSwiGLU``'s offsets ring (``overlap.moe.experts._PinnedSlots``): with the GPU held behind
     the host, more sends than slots must neither wait for the GPU nor overwrite a buffer whose copy
     has not run; every vector lands as sent."""
     import numpy as np
 
-    from overlap.moe import _PinnedSlots
+    from overlap.moe.experts import _PinnedSlots
 
     dev = torch.device("cuda", torch.cuda.current_device())
     ring = _PinnedSlots(slots=4)

@@ -338,9 +338,9 @@ def test_overlapped_pipeline_drops_per_chunk(worlds) -> None:  # noqa: ANN001
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 def test_grouped_experts_match_one_gemm_per_expert_in_float64(dtype: torch.dtype, tol: float) -> None:
-    from overlap.moe import _grouped_mm_works
+    from overlap.moe.experts import grouped_mm_works
 
-    if not _grouped_mm_works(torch.device("cpu"), dtype):
+    if not grouped_mm_works(torch.device("cpu"), dtype):
         pytest.skip(f"torch {torch.__version__} has no CPU grouped GEMM for {dtype}")
     torch.manual_seed(3)
     m = GroupedSwiGLU(4, 16, 24, dtype=dtype)
@@ -414,14 +414,14 @@ def test_block_permutation_is_the_stable_sort_by_local_expert() -> None:
 
 def test_grouped_swiglu_says_which_path_ran_and_why_on_cpu() -> None:
     from overlap.moe._grouped_gemm import few_rows, gpu_bound
-    from overlap.moe import _grouped_mm_works
+    from overlap.moe.experts import grouped_mm_works
 
     m = GroupedSwiGLU(2, 16, 24)
     x = torch.randn(5, 16)
     with torch.no_grad():
         m(x, [2, 3])
     # torch's grouped GEMM where this torch has one on CPU, else one GEMM per expert
-    why = "CUDA" if _grouped_mm_works(torch.device("cpu"), x.dtype) else "per expert"
+    why = "CUDA" if grouped_mm_works(torch.device("cpu"), x.dtype) else "per expert"
     assert m.last_path is not None and m.last_path[0] == "torch" and why in m.last_path[1], m.last_path
     m.fused = False
     m(x, [2, 3])

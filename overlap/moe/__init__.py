@@ -7,18 +7,17 @@ from .dispatcher import (
     DEVICE_ROUTING_MIN_PAIRS,
     MOE_TUNE_MIN_SPEEDUP,
     DispatchHandle,
-    GroupedSwiGLU,
     LowLatencyHandle,
     MoEDispatcher,
     _block_permutation,
     _DenseCombine,
     _DenseDispatch,
     _from_moe_table,
-    _grouped_mm_works,
-    _PinnedSlots,
-    reference_moe,
     sorted_pairs,
 )
+from .experts import GroupedSwiGLU
+from .layer import MoELayer
+from .reference import reference_moe
 
-__all__ = ["MoEDispatcher", "DispatchHandle", "LowLatencyHandle", "GroupedSwiGLU", "reference_moe", "sorted_pairs",
+__all__ = ["MoEDispatcher", "MoELayer", "DispatchHandle", "LowLatencyHandle", "GroupedSwiGLU", "reference_moe", "sorted_pairs",
            "DEVICE_ROUTING_MIN_PAIRS", "MOE_TUNE_MIN_SPEEDUP"]

@@ -54,6 +54,8 @@ import torch
 from collectives.errors import InvalidArgumentError
 from collectives.peer.memory import CE_PUSHED, CE_REDUCED, PACK_BYTES, PeerMemory
 
+from .experts import grouped_mm_works
+
 __all__ = ["PeerPlan", "plan", "build", "PeerRows", "layout_bytes", "buffer_bytes", "dense_backward_fits",
            "ce_block", "ce_section_bytes"]
 
@@ -847,7 +849,6 @@ class PeerRows:
         from collectives.peer import _launch
 
         from . import _grouped_gemm
-        from .dispatcher import _grouped_mm_works
 
         pm, W, r, k, row, e_loc = self.pm, self.world, self.rank, self.top_k, self.row_bytes, self.e_loc
         self._check_rows(x)
@@ -916,7 +917,7 @@ class PeerRows:
         first[W] = cnt.sum()
         own_rows = int(cnt[r].sum())  # this rank's own rows (the first); the peers' follow, in act
         act = x.new_empty((int(first[W]) - own_rows, experts.w1.shape[2]))  # the peers' rows (seg[3]: their starts)
-        torch_down = _grouped_mm_works(x.device, x.dtype)
+        torch_down = grouped_mm_works(x.device, x.dtype)
 
         def down(s: int) -> None:
             lo, rows = int(first[s]), int(cnt[s].sum())

@@ -1,0 +1,87 @@
+"""``MoELayer``: a mixture-of-experts MLP with expert parallelism (router, dispatch, experts, combine).
+
+Design note. The layer is the plain composition: a replicated top-k softmax router (Mixtral's
+renormalised choice), ``MoEDispatcher`` for the exchanges and ``GroupedSwiGLU`` for this rank's
+experts, the forward going through ``MoEDispatcher.forward_pipelined`` so that a tuned table or
+the caller's ``chunks`` can pipeline it. It lives beside the dispatcher (``overlap.layers``
+re-exports it with the tensor-parallel layers) because it only composes MoE parts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import collectives as C
+from collectives.errors import InvalidArgumentError
+
+from .dispatcher import MoEDispatcher
+from .experts import GroupedSwiGLU
+
+__all__ = ["MoELayer"]
+
+
+class MoELayer(nn.Module):
+    """A mixture-of-experts MLP with expert parallelism: top-k softmax router, SwiGLU experts.
+
+    The router (``[num_experts, hidden]``, no bias) is replicated: it is initialised on rank 0
+    and broadcast (construction is collective). Routing: softmax over the experts, the ``top_k`` largest, renormalised to sum
+    to one (Mixtral's choice). Rank r holds experts ``r*E/W ... (r+1)*E/W - 1``
+    (``GroupedSwiGLU``); tokens travel through ``MoEDispatcher``.
+
+    Args:
+        hidden, ffn_hidden: the model's width and each expert's inner width.
+        num_experts: ``E``, divisible by the group's size.
+        top_k: experts per token.
+        group: the expert-parallel group (default: world).
+        capacity_factor: ``None`` (dropless) or each expert's capacity factor.
+        chunks: the pipeline's chunks (``MoEDispatcher.forward_pipelined``): "auto", a count, or
+            "sources" (inference over transport "peer" with pipeline_transfers="copy_engine": the
+            pipeline by source rank).
+        exchange_pieces, transport, routing, pipeline_transfers: how the rows travel and where
+            their routing is worked out (``MoEDispatcher``).
+        max_tokens: the most tokens one forward takes on any rank (transport "peer" only, which
+            needs it; :meth:`close` then releases its buffers, collectively).
+
+    ``forward(x)`` takes this rank's tokens ``[..., hidden]`` (any count, zero included) and
+    returns the same shape; every rank calls it together.
+    """
+
+    def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int, group: Any = None, *,
+                 dtype: torch.dtype | None = None, device: Any = None, capacity_factor: float | None = None,
+                 chunks: int | str = "auto", exchange_pieces: int = 1, transport: str = "nccl",
+                 max_tokens: int | None = None, routing: str = "auto", pipeline_transfers: str = "auto") -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise InvalidArgumentError("top_k", top_k, f"is not in 1..num_experts ({num_experts})", "pick fewer experts per token")
+        self.group, self.top_k, self.chunks = group, top_k, chunks
+        self.dispatcher = MoEDispatcher(num_experts, hidden, group, dtype=dtype, device=device,
+                                        capacity_factor=capacity_factor, exchange_pieces=exchange_pieces,
+                                        transport=transport, max_tokens=max_tokens,
+                                        top_k=top_k if transport == "peer" else None, routing=routing,
+                                        pipeline_transfers=pipeline_transfers)
+        self.router = nn.Linear(hidden, num_experts, bias=False, dtype=dtype, device=device)
+        if dist.get_world_size(group) > 1:
+            C.broadcast(self.router.weight.data, group=group, group_src=0)
+        self.experts = GroupedSwiGLU(self.dispatcher.local_experts, hidden, ffn_hidden, dtype=dtype, device=device)
+
+    def close(self) -> None:
+        """Release the dispatcher's peer buffers, if any (collective)."""
+        self.dispatcher.close()
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``topk_idx``, ``topk_weights``) for tokens ``x [tokens, hidden]``."""
+        logits = self.router(x)
+        # at least fp32: a bf16 softmax ties experts that fp32 tells apart
+        probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
+        w, idx = probs.topk(self.top_k, dim=-1)
+        return idx, (w / w.sum(-1, keepdim=True)).to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        idx, w = self.route(flat)
+        out = self.dispatcher.forward_pipelined(flat, idx, w, self.experts, chunks=self.chunks)
+        return out.view(x.shape)
