@@ -30,6 +30,7 @@ from overlap import ops  # noqa: E402
 from overlap.layers import ColumnParallelLinear, MoELayer, RowParallelLinear  # noqa: E402
 from overlap.moe import GroupedSwiGLU, MoEDispatcher, reference_moe  # noqa: E402
 from tests._checks import Checks, write_results  # noqa: E402
+from overlap.moe.peer_rows import PeerDenseState  # noqa: E402
 
 TOL = 2e-4  # float32, sums of a few hundred terms of size ~1
 OPS = ("gemm_all_reduce", "gemm_reduce_scatter", "all_gather_gemm")
@@ -466,7 +467,7 @@ def main() -> int:
                     (out.float() * gout.float()).sum().backward()
                     grads.append((out.detach(), xg.grad, wg.grad))
                 ck.count()
-                if "peer_dense" not in hd.extra:
+                if not isinstance(hd.state, PeerDenseState):
                     ck.fail(f"rank {r}: the dropless peer dispatch with autograd did not use the device layout")
                 for name, a_, b_ in zip(("output", "x grad", "weights grad"), grads[1], grads[0]):
                     close(f"peer autograd {name} {dtype} call {call}", a_.float(), b_.float(), tol=tol)

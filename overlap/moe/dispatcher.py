@@ -58,7 +58,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -69,68 +69,10 @@ from collectives.errors import InvalidArgumentError, UnsupportedError
 
 from . import _grouped_gemm
 from .experts import GroupedSwiGLU
+from .handles import DispatchHandle, LowLatencyHandle, TransportState
+from .peer_rows import PeerDenseState, PeerPaddedState, PeerPlanState
 
 __all__ = ["MoEDispatcher", "DispatchHandle", "LowLatencyHandle"]
-
-
-@dataclass
-class DispatchHandle:
-    """The routing of one dispatch, which its combine (and both backward passes) replay.
-
-    Attributes:
-        tokens_per_expert: ``[E/W]`` rows received for each local expert (``recv_x`` is grouped
-            by these, in ascending local expert order).
-        send_counts: rows sent to each rank (``[W]``, the all-to-all's input splits).
-        recv_counts: rows received from each rank (``[W]``, its output splits).
-        recv_matrix: ``[W, E/W]`` rows received from each rank for each local expert.
-        order: the kept pairs' flat indices into ``topk_idx.view(-1)``, in send order.
-        token_of: the token of each sent row (``order // k``).
-        regroup: the permutation taking received rows (by source rank) to ``recv_x`` (by expert).
-        num_tokens, top_k: the dispatched batch's shape.
-        (``order``, ``token_of`` and ``regroup`` are empty when the routing was laid out on the
-        GPUs: transport "peer", dropless; its combine and both backward passes use that layout.)
-        dropped: pairs dropped by the capacity limit on this rank (0 when dropless).
-        ungroup: the inverse of ``regroup`` (``recv_x``'s rows back to arrival order, by a gather).
-        pair_row: for each of the ``num_tokens * top_k`` pairs, its sent row (dropless only;
-            empty otherwise): the returned rows are put in pair order by a gather, not a scatter.
-        expert_ends: ``[E/W]`` int32 on the device, the running sum of ``tokens_per_expert``
-            (where each local expert's rows of ``recv_x`` end), where the routing was laid out on
-            the GPUs (else ``None``): ``GroupedSwiGLU(..., ends=)`` takes it instead of copying
-            the counts from the host after they arrived.
-    """
-
-    tokens_per_expert: list[int]
-    send_counts: list[int]
-    recv_counts: list[int]
-    recv_matrix: torch.Tensor
-    order: torch.Tensor
-    token_of: torch.Tensor
-    regroup: torch.Tensor
-    num_tokens: int
-    top_k: int
-    dropped: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
-    ungroup: torch.Tensor | None = None
-    pair_row: torch.Tensor | None = None
-    expert_ends: torch.Tensor | None = None
-
-
-@dataclass
-class LowLatencyHandle:
-    """The routing of one ``MoEDispatcher.dispatch_low_latency``, kept on the device.
-
-    Attributes:
-        tokens_per_expert: ``[E/W]`` int64 on the device: local expert e's rows are the first
-            ``tokens_per_expert[e]`` of its block of ``recv_x`` (the rest of the block is undefined).
-        capacity: rows per local expert block (``W * max_tokens``, more than any routing fills).
-        num_tokens, top_k: the dispatched batch's shape.
-    """
-
-    tokens_per_expert: torch.Tensor
-    capacity: int
-    num_tokens: int
-    top_k: int
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _exchange_rows(rows: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
@@ -204,6 +146,13 @@ class _Pieces:
     dest: list[torch.Tensor]       # where each received row goes in recv_x
     send: list[list[int]]          # rows to each rank
     recv: list[list[int]]          # rows from each rank
+
+
+@dataclass(frozen=True)
+class PiecesState(TransportState):
+    """A handle of transport "nccl" with ``exchange_pieces`` > 1: its rows' exchange in pieces."""
+
+    pieces: _Pieces
 
 
 def _cut(n: int, pieces: int, c: int) -> tuple[int, int]:
@@ -379,18 +328,17 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, handle: DispatchHandle, group: Any) -> torch.Tensor:
         ctx.handle, ctx.group, ctx.shape = handle, group, x.shape
-        peer = handle.extra.get("peer")
-        if peer is not None:
+        state = handle.state
+        if isinstance(state, PeerPlanState):
             from collectives.dispatch import recorded
 
-            rows, p = peer
+            rows, p = state.rows, state.plan
             total = sum(handle.recv_counts)
             with recorded(C.get_communicator(group), "moe_dispatch", "peer",
                           torch.empty((total, *x.shape[1:]), dtype=x.dtype, device="meta"), x):
                 return rows.dispatch(p, x.contiguous(), total)
-        pieces = handle.extra.get("pieces")
-        if pieces is not None:
-            return _route_pieces(pieces, x, sum(handle.recv_counts), group)
+        if isinstance(state, PiecesState):
+            return _route_pieces(state.pieces, x, sum(handle.recv_counts), group)
         return _route(handle, x, group)
 
     @staticmethod
@@ -403,22 +351,21 @@ class _Dispatch(torch.autograd.Function):
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, rows: torch.Tensor, weights: torch.Tensor, handle: DispatchHandle, group: Any) -> torch.Tensor:
-        pieces = handle.extra.get("pieces")
+        state = handle.state
         ctx.handle, ctx.group, ctx.wshape, ctx.wdtype = handle, group, weights.shape, weights.dtype
         w = weights.reshape(-1).index_select(0, handle.order).to(rows.dtype)  # each sent row's weight
-        peer = handle.extra.get("peer")
-        if peer is not None and not ctx.needs_input_grad[1]:
+        if isinstance(state, PeerPlanState) and not ctx.needs_input_grad[1]:
             from collectives.dispatch import recorded
 
             ctx.save_for_backward(None, w)
-            transport, p = peer
+            transport, p = state.rows, state.plan
             with recorded(C.get_communicator(group), "moe_combine", "peer",
                           torch.empty((handle.num_tokens, *rows.shape[1:]), dtype=rows.dtype, device="meta"), rows):
                 return transport.combine(p, rows.contiguous(), weights)
-        if pieces is not None and not ctx.needs_input_grad[1]:
+        if isinstance(state, PiecesState) and not ctx.needs_input_grad[1]:
             # (the weights' gradient needs every returned row in send order: the one-piece path)
             ctx.save_for_backward(None, w)
-            return _combine_pieces(pieces, rows.contiguous(), weights, handle.num_tokens, group)
+            return _combine_pieces(state.pieces, rows.contiguous(), weights, handle.num_tokens, group)
         back = _return(handle, rows.contiguous(), group)
         ctx.save_for_backward(back, w)
         return _pair_sum(back, handle, handle.num_tokens, weights)
@@ -741,9 +688,9 @@ class MoEDispatcher:
                 if kind == "peer":
                     from . import peer_rows as _moe_peer
 
-                    h.extra["peer"] = (self._peer_rows(), _moe_peer.build(info, views))
+                    h.state = _moe_peer.PeerPlanState(self._peer_rows(), _moe_peer.build(info, views))
                 else:
-                    h.extra["pieces"] = _Pieces(views[0::3], views[1::3], views[2::3], *info)
+                    h.state = PiecesState(_Pieces(views[0::3], views[1::3], views[2::3], *info))
             handles.append(h)
         return handles
 
@@ -902,8 +849,7 @@ class MoEDispatcher:
         matrix = counts[:w * e_loc].reshape(w, e_loc).astype(np.int64)
         handle = DispatchHandle(matrix.sum(0).tolist(), counts[w * e_loc + w:w * e_loc + 2 * w].astype(np.int64).tolist(),
                                 matrix.sum(1).tolist(), torch.from_numpy(matrix), none, none, none, x.shape[0],
-                                topk_idx.shape[1], 0, expert_ends=layout.ends)
-        handle.extra["peer_dense"] = (rows, layout)
+                                topk_idx.shape[1], 0, PeerDenseState(rows, layout), expert_ends=layout.ends)
         return recv, handle
 
     def dispatch_low_latency(self, x: torch.Tensor, topk_idx: torch.Tensor) -> tuple[torch.Tensor, LowLatencyHandle]:
@@ -935,8 +881,7 @@ class MoEDispatcher:
         meta = torch.empty((0, x.shape[1]), dtype=x.dtype, device="meta")
         with recorded(self.comm, "moe_dispatch", "peer_low_latency", meta, x):
             recv, counts, layout = rows.dispatch_padded(x.contiguous(), topk_idx)
-        return recv, LowLatencyHandle(counts, layout.cap, x.shape[0], topk_idx.shape[1],
-                                      {"peer_padded": (rows, layout)})
+        return recv, LowLatencyHandle(counts, layout.cap, x.shape[0], topk_idx.shape[1], PeerPaddedState(rows, layout))
 
     def combine_low_latency(self, expert_out: torch.Tensor, handle: LowLatencyHandle,
                             topk_weights: torch.Tensor) -> torch.Tensor:
@@ -944,7 +889,9 @@ class MoEDispatcher:
         layout); only each block's first ``tokens_per_expert`` rows are read."""
         from collectives.dispatch import recorded
 
-        rows, layout = handle.extra["peer_padded"]
+        state = handle.state
+        assert isinstance(state, PeerPaddedState)  # what dispatch_low_latency returns
+        rows, layout = state.rows, state.layout
         meta = torch.empty((handle.num_tokens, self.hidden), dtype=expert_out.dtype, device="meta")
         with recorded(self.comm, "moe_combine", "peer_low_latency", meta, expert_out):
             return rows.combine_padded(layout, expert_out, topk_weights)
@@ -952,8 +899,9 @@ class MoEDispatcher:
     def check_routing(self, handle: LowLatencyHandle, topk_idx: torch.Tensor) -> None:
         """Raise ``InvalidArgumentError`` on every rank if any rank's ids in this low-latency
         dispatch were out of range or repeated an expert (waits for the dispatch)."""
-        rows, layout = handle.extra["peer_padded"]
-        rows.check_padded(layout, topk_idx)
+        state = handle.state
+        assert isinstance(state, PeerPaddedState)  # what dispatch_low_latency returns
+        state.rows.check_padded(state.layout, topk_idx)
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor) -> torch.Tensor:
         """``out [tokens, hidden]``, ``out[t] = sum_j topk_weights[t, j] * expert_out`` of pair (t, j).
@@ -964,11 +912,11 @@ class MoEDispatcher:
         if expert_out.shape[0] != sum(handle.tokens_per_expert):
             raise InvalidArgumentError("expert_out", expert_out, f"has {expert_out.shape[0]} rows; the dispatch "
                                        f"delivered {sum(handle.tokens_per_expert)}", "pass rows in recv_x's layout")
-        dense = handle.extra.get("peer_dense")
-        if dense is not None:
+        dense = handle.state
+        if isinstance(dense, PeerDenseState):
             from collectives.dispatch import recorded
 
-            rows, layout = dense
+            rows, layout = dense.rows, dense.layout
             with recorded(self.comm, "moe_combine", "peer", torch.empty((handle.num_tokens, expert_out.shape[1]),
                                                                          dtype=expert_out.dtype, device="meta"),
                           expert_out):

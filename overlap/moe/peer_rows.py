@@ -55,6 +55,7 @@ from collectives.errors import InvalidArgumentError
 from collectives.peer.memory import CE_PUSHED, CE_REDUCED, PACK_BYTES, PeerMemory
 
 from .experts import grouped_mm_works
+from .handles import TransportState
 
 __all__ = ["PeerPlan", "plan", "build", "PeerRows", "layout_bytes", "buffer_bytes", "dense_backward_fits",
            "ce_block", "ce_section_bytes"]
@@ -1020,3 +1021,30 @@ class PeerRows:
     def close(self) -> None:
         """Release the peer buffer (collective)."""
         self.pm.close()
+
+
+@dataclass(frozen=True)
+class PeerPlanState(TransportState):
+    """A handle the peer transport planned on the host (a capacity factor): its buffers and this
+    rank's plan; the backward passes use the host plan's all-to-all."""
+
+    rows: PeerRows
+    plan: PeerPlan
+
+
+@dataclass(frozen=True)
+class PeerDenseState(TransportState):
+    """A dispatch laid out on the GPUs (dropless): its buffers and device layout, which the combine
+    and both backward passes run on."""
+
+    rows: PeerRows
+    layout: DeviceLayout
+
+
+@dataclass(frozen=True)
+class PeerPaddedState(TransportState):
+    """A low-latency dispatch: its buffers and padded layout (``combine_low_latency``,
+    ``check_routing``)."""
+
+    rows: PeerRows
+    layout: DeviceLayout
