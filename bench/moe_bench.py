@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import collectives as C
 from overlap.layers import MoELayer
-from overlap.moe import MOE_TUNE_MIN_SPEEDUP, GroupedSwiGLU, MoEDispatcher
+from overlap.moe import MOE_TUNE_MIN_SPEEDUP, GroupedSwiGLU, MoEDispatcher, PeerTransport
 
 from .harness import _align, paired_ratio, time_interleaved
 from .harness import time_fn as _time
@@ -116,7 +116,7 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
         bounds["pipeline_transfers"] = "copy_engine"
     disp = MoEDispatcher(experts, hidden, comm.group, dtype=dtype, device=device, exchange_pieces=pieces,
                          transport=transport, **bounds)
-    where = disp._device_layout(idx) if transport == "peer" else disp._routes_on_device(idx)
+    where = disp.routes_on_device(idx)  # where its routing is worked out (the record's `routing`)
     mlp = GroupedSwiGLU(disp.local_experts, hidden, ffn_hidden, dtype=dtype, device=device)
     # the layer: a router (the same on every rank) in front of this dispatcher and these experts
     layer = MoELayer(hidden, ffn_hidden, experts, top_k, comm.group, dtype=dtype, device=device)
@@ -217,7 +217,9 @@ def _timeline(disp: MoEDispatcher, call: Callable[[], object], comm: C.Communica
     on their GPUs first; every rank's steps, on every rank. The traced call follows an untraced
     one without a wait, as in a loop of calls: a call that starts on an idle GPU is timed by how
     fast the host issues its first steps."""
-    rows = disp._peer_rows()
+    peer = disp.transport_impl
+    assert isinstance(peer, PeerTransport)  # (called for chunks "sources", the peer transport's)
+    rows = peer.rows()
     _align(comm, device)
     call()
     rows.trace = []

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import collectives as C  # noqa: E402
 from collectives.errors import InvalidArgumentError  # noqa: E402
 from overlap import ops  # noqa: E402
-from overlap.moe import GroupedSwiGLU, MoEDispatcher, reference_moe  # noqa: E402
+from overlap.moe import GroupedSwiGLU, MoEDispatcher, PeerTransport, reference_moe  # noqa: E402
 from tests._checks import Checks, dtype_name, write_results  # noqa: E402
 
 TOL = 3e-2  # of the largest output element: one rounding of the activation and of the output in bf16
@@ -173,7 +173,8 @@ def main() -> int:
                     with ck.family(_family("bad_routing", k, dtype)):
                         ck.count(2)
                         ck.fail(*_bad_routing_fails(disp, every, r, w, f"rank {r} {dtype}"))
-                peer = disp._peer_rows()
+                assert isinstance(disp.transport_impl, PeerTransport)
+                peer = disp.transport_impl.rows()
                 peer.trace = [] if call == 2 else None  # one call traced: its timeline is checked below
                 # calls 0 and 1: chunks="auto" following a tuned table (the pipeline by source, then
                 # two token chunks over copy engines); call 2 asks for the pipeline by source itself

@@ -29,8 +29,8 @@ from collectives.errors import InvalidArgumentError  # noqa: E402
 from overlap import ops  # noqa: E402
 from overlap.layers import ColumnParallelLinear, MoELayer, RowParallelLinear  # noqa: E402
 from overlap.moe import GroupedSwiGLU, MoEDispatcher, reference_moe  # noqa: E402
+from overlap.moe.peer import PeerDenseState  # noqa: E402
 from tests._checks import Checks, write_results  # noqa: E402
-from overlap.moe.peer_rows import PeerDenseState  # noqa: E402
 
 TOL = 2e-4  # float32, sums of a few hundred terms of size ~1
 OPS = ("gemm_all_reduce", "gemm_reduce_scatter", "all_gather_gemm")

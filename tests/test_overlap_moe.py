@@ -398,7 +398,7 @@ def test_block_permutation_is_the_stable_sort_by_local_expert() -> None:
     against its definition: a stable sort of the received rows by local expert."""
     import numpy as np
 
-    from overlap.moe import _block_permutation
+    from overlap.moe.routing import block_permutation
 
     rng = np.random.default_rng(1)
     for trial in range(200):
@@ -407,7 +407,7 @@ def test_block_permutation_is_the_stable_sort_by_local_expert() -> None:
         if trial % 7 == 0:
             matrix[:] = 0  # nothing received
         want = np.argsort(np.repeat(np.tile(np.arange(e_loc), w), matrix.reshape(-1)), kind="stable")
-        regroup, ungroup = _block_permutation(matrix)
+        regroup, ungroup = block_permutation(matrix)
         assert np.array_equal(regroup, want), matrix
         assert np.array_equal(ungroup[want], np.arange(want.size)), matrix
 

@@ -1,6 +1,6 @@
 """The peer MoE transport's device-side path (``PeerRows.dispatch_dense``, ``combine_dense``,
-``combine_backward_dense`` and the autograd functions over them) on CPU threads, with its kernels
-done by ``tests/_fake_rows.py``.
+``combine_backward_dense``, and ``PeerTransport`` under the dispatcher's autograd Functions) on
+CPU threads, with its kernels done by ``tests/_fake_rows.py``.
 
 Every rank regenerates every rank's inputs; the expected ``recv_x``, output and gradients come
 from the definitions (rank q's rows grouped by q's local expert, then source rank, then token; an
@@ -11,6 +11,7 @@ alternating halves of the buffer.
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 from typing import Any
 
@@ -19,8 +20,11 @@ import torch
 
 from collectives.errors import InvalidArgumentError
 from collectives.peer import _launch
+from overlap.moe import peer as PT
 from overlap.moe import peer_rows as P
-from overlap.moe import _DenseCombine, _DenseDispatch
+from overlap.moe.dispatcher import _Combine, _Dispatch
+from overlap.moe.peer import PeerDenseState, PeerOptions, PeerPaddedState, PeerTransport
+from overlap.moe.transport import TransportSetup
 
 from ._fake_rows import run_ranks
 
@@ -30,6 +34,15 @@ HIDDEN = 8
 @pytest.fixture(autouse=True)
 def _no_cuda_streams(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_launch, "current_stream", lambda device: 0)
+    # the threads share no communicator for the flight recorder to count calls on
+    monkeypatch.setattr(PT, "recorded", lambda *args: contextlib.nullcontext())
+
+
+def _transport(world: int, r: int, E: int, max_tokens: int, k: int, dtype: torch.dtype, mem: Any,
+               capacity_factor: float | None = None, group: Any = None) -> PeerTransport:
+    """Rank r's peer transport over the stand-in memory ``mem``."""
+    setup = TransportSetup(SimpleNamespace(size=world, rank=r), group, E, HIDDEN, dtype, None, capacity_factor)
+    return PeerTransport(setup, PeerOptions(max_tokens, k), memory=mem)
 
 
 def _inputs(world: int, E: int, k: int, tokens: list[int], seed: int, dtype: torch.dtype) -> list[tuple[Any, ...]]:
@@ -64,8 +77,9 @@ def _case(world: int, e_loc: int, k: int, rounds: list[list[int]], dtype: torch.
     tol = 1e-5 if dtype == torch.float32 else 3e-2
 
     def rank_fn(mem: Any, r: int) -> None:
-        rows = P.PeerRows(SimpleNamespace(size=world, rank=r), max_tokens, k, row_bytes, E, memory=mem)
-        assert mem.slot_bytes >= rows.slot_bytes_needed
+        transport = _transport(world, r, E, max_tokens, k, dtype, mem)
+        rows = transport.rows()
+        assert mem.slot_bytes >= rows.slot_bytes_needed and rows.row_bytes == row_bytes
         for c, tokens in enumerate(rounds):
             ins = _inputs(world, E, k, tokens, seed + c, dtype)
             idx, x, w, gout = ins[r]
@@ -82,12 +96,17 @@ def _case(world: int, e_loc: int, k: int, rounds: list[list[int]], dtype: torch.
             factor = (w.double() * (idx.double() + 1)).sum(1) if idx.numel() else torch.zeros(0, dtype=torch.float64)
             want_out = x.double() * factor.unsqueeze(-1)
             assert torch.allclose(out.double(), want_out, rtol=tol, atol=tol), (r, c)
-            # with autograd: the gradients of x and of the weights
+            # with autograd, through the transport: the gradients of x and of the weights
+            assert transport.routes_on_device(idx) and not transport.routes_ahead(idx)
             xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
             box: list[Any] = []
-            recv2 = _DenseDispatch.apply(xg, idx, rows, box)
+            recv2 = _Dispatch.apply(xg, idx, None, transport, box)
+            handle = box[0]
+            assert isinstance(handle.state, PeerDenseState) and torch.equal(recv2.double(), want_recv), (r, c)
+            assert handle.tokens_per_expert == torch.bincount(experts.long() - r * e_loc, minlength=e_loc).tolist()
             scale = (experts + 1).to(dtype).unsqueeze(-1)
-            out2 = _DenseCombine.apply(recv2 * scale, wg, rows, box[0])
+            out2 = _Combine.apply(recv2 * scale, wg, handle, transport)
+            assert torch.allclose(out2.double(), want_out, rtol=tol, atol=tol), (r, c)
             (out2 * gout).sum().backward()
             want_gx = gout.double() * factor.unsqueeze(-1)
             want_gw = (idx.double() + 1) * (x.double() * gout.double()).sum(-1, keepdim=True)
@@ -162,13 +181,20 @@ def _padded_case(world: int, e_loc: int, k: int, rounds: list[list[int]], seed: 
     row_bytes = HIDDEN * 4
 
     def rank_fn(mem: Any, r: int) -> None:
-        rows = P.PeerRows(SimpleNamespace(size=world, rank=r), max_tokens, k, row_bytes, E, memory=mem)
+        transport = _transport(world, r, E, max_tokens, k, torch.float32, mem)
+        rows = transport.rows()
         cap = world * max_tokens
         for c, tokens in enumerate(rounds):
             ins = _inputs(world, E, k, tokens, 50 + seed + c, torch.float32)
             idx, x, w, _ = ins[r]
             want_recv, experts = _expected_recv(ins, r, e_loc)
-            recv, counts, layout = rows.dispatch_padded(x.contiguous(), idx)
+            through = c % 2  # every other round through the transport's low-latency pair
+            if through:
+                recv, handle = transport.dispatch_low_latency(x, idx)
+                assert isinstance(handle.state, PeerPaddedState) and handle.capacity == cap
+                counts, layout = handle.tokens_per_expert, handle.state.layout
+            else:
+                recv, counts, layout = rows.dispatch_padded(x.contiguous(), idx)
             assert recv.shape == (e_loc, cap, HIDDEN) and layout.cap == cap
             per_expert = [int((experts == r * e_loc + e).sum()) for e in range(e_loc)]
             assert counts.tolist() == per_expert, (r, c)
@@ -177,7 +203,11 @@ def _padded_case(world: int, e_loc: int, k: int, rounds: list[list[int]], seed: 
             # every row of every block through the "expert" of its block: rows past the counts are
             # never read back
             scale = (torch.arange(e_loc, dtype=torch.float32) + r * e_loc + 1).view(e_loc, 1, 1)
-            out = rows.combine_padded(layout, recv * scale, w.float())
+            if through:
+                out = transport.combine_low_latency(recv * scale, handle, w.float())
+                transport.check_routing(handle, idx)
+            else:
+                out = rows.combine_padded(layout, recv * scale, w.float())
             factor = (w.double() * (idx.double() + 1)).sum(1) if idx.numel() else torch.zeros(0, dtype=torch.float64)
             assert torch.allclose(out.double(), x.double() * factor.unsqueeze(-1), rtol=1e-5, atol=1e-5), (r, c)
 
@@ -332,19 +362,38 @@ def test_a_bad_routing_in_the_copy_engine_pipeline_raises_everywhere_and_leaves_
     assert all("rank 2" in m for m in msgs[:2]) and "topk_idx" in msgs[2] and "nothing" not in msgs[2], msgs
 
 
+def _gathering(world: int) -> Any:
+    """``collectives.all_gather_single`` between the threads of ``run_ranks`` (the group is the rank)."""
+    import threading
+
+    parts: list[Any] = [None] * world
+    met = threading.Barrier(world, timeout=30)
+
+    def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: int) -> None:
+        parts[group] = inp.clone()
+        met.wait()
+        out.copy_(torch.cat(parts))
+        met.wait()
+
+    return SimpleNamespace(all_gather_single=all_gather_single)
+
+
+@pytest.mark.parametrize("via", ["rows", "transport"])
 @pytest.mark.parametrize("cf", [None, 0.5])
-def test_host_planned_dispatch_and_combine(cf: float | None) -> None:
+def test_host_planned_dispatch_and_combine(monkeypatch: pytest.MonkeyPatch, cf: float | None, via: str) -> None:
     """The path a capacity factor takes: the plan worked out on the host (``plan``), the rows moved
     by ``rows_gather``, ``rows_partial`` and ``rows_sum``; the expected rows keep each expert's
-    first pairs in token order up to the capacity."""
+    first pairs in token order up to the capacity. ``via="transport"``: the same through
+    ``PeerTransport.route`` (every rank's ids all-gathered), ``dispatch_rows`` and ``combine``."""
     import math
 
     import numpy as np
 
     from overlap.moe import sorted_pairs
 
-    world, e_loc, k, tokens = 3, 2, 2, [9, 4, 7]
+    world, e_loc, k, tokens = 3, 2, 2, ([9, 4, 7] if via == "rows" else [9, 0, 7])
     E, max_tokens, row_bytes = world * e_loc, 10, HIDDEN * 4
+    monkeypatch.setattr(PT, "C", _gathering(world))
 
     def kept(idx: torch.Tensor) -> set[tuple[int, int]]:
         cap = math.inf if cf is None else math.ceil(cf * idx.numel() / E)
@@ -357,7 +406,8 @@ def test_host_planned_dispatch_and_combine(cf: float | None) -> None:
         return out
 
     def rank_fn(mem: Any, r: int) -> None:
-        rows = P.PeerRows(SimpleNamespace(size=world, rank=r), max_tokens, k, row_bytes, E, memory=mem)
+        transport = _transport(world, r, E, max_tokens, k, torch.float32, mem, cf, group=r)
+        rows = transport.rows()
         for c in range(2):  # twice: the halves alternate
             ins = _inputs(world, E, k, tokens, 90 + c, torch.float32)
             sources = [(idx.numpy(), sorted_pairs(idx.numpy(), E, cf)[0], idx.shape[0]) for idx, _, _, _ in ins]
@@ -372,10 +422,21 @@ def test_host_planned_dispatch_and_combine(cf: float | None) -> None:
                             want.append(x[t].double())
                             experts.append(e)
             idx, x, w, _ = ins[r]
-            recv = rows.dispatch(plan, x.contiguous(), len(want))
+            if via == "rows":
+                recv = rows.dispatch(plan, x.contiguous(), len(want))
+            else:
+                assert transport.routes_on_device(idx) == (cf is None)  # route() plans on the host anyway
+                (handle,) = transport.route(idx, [(0, idx.shape[0])])
+                assert isinstance(handle.state, PT.PeerPlanState) and handle.state.rows is rows
+                assert handle.dropped == idx.numel() - len(keep[r]) and sum(handle.tokens_per_expert) == len(want)
+                recv = transport.dispatch_rows(x, handle)
             assert torch.equal(recv.double(), torch.stack(want)), (r, c)
             y = recv * (torch.tensor(experts, dtype=torch.float32) + 1).unsqueeze(-1)
-            out = rows.combine(plan, y.contiguous(), w.float())
+            if via == "rows":
+                out = rows.combine(plan, y.contiguous(), w.float())
+            else:
+                out, saved = transport.combine(y, w.float(), handle, weights_grad=False)
+                assert saved[0] is None and saved[1] is not None and saved[1].shape[0] == len(keep[r])
             expect = torch.zeros(idx.shape[0], HIDDEN, dtype=torch.float64)
             for t in range(idx.shape[0]):
                 for j, e in enumerate(idx[t].tolist()):

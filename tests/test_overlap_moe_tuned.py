@@ -7,7 +7,6 @@ GPUs (``tests/gpu_moe_sources_check.py``) and, over Gloo, in ``tests/test_overla
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,7 +15,8 @@ import torch.nn.functional as F
 
 from bench.moe_bench import MoERecord, tuned_moe_table
 from overlap import ops
-from overlap.moe import MOE_TUNE_MIN_SPEEDUP, GroupedSwiGLU, MoEDispatcher, _from_moe_table, reference_moe
+from overlap.moe import MOE_TUNE_MIN_SPEEDUP, GroupedSwiGLU, MoEDispatcher, reference_moe
+from overlap.moe.tuned import TunedLayer, _from_moe_table
 
 H, FF = 16, 24
 
@@ -62,10 +62,10 @@ def test_adding_to_a_table_keeps_other_operators_and_other_layers() -> None:
         tuned_moe_table([_record(2, 1.2)], {"world": 2}, into={"meta": {"world": 4}, "entries": []})
 
 
-def _disp(**kw: Any) -> Any:
-    base = {"comm": SimpleNamespace(size=2), "transport": "peer", "max_tokens": 8192, "hidden": H, "num_experts": 8,
+def _disp(**kw: Any) -> TunedLayer:
+    base = {"world": 2, "transport": "peer", "max_tokens": 8192, "hidden": H, "num_experts": 8,
             "pipeline_transfers": "copy_engine"}
-    return SimpleNamespace(**{**base, **kw})
+    return TunedLayer(**{**base, **kw})
 
 
 def _table(chunks: int | str, pipeline: str = "copy_engine", world: int = 2) -> dict[str, Any]:

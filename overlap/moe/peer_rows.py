@@ -55,7 +55,7 @@ from collectives.errors import InvalidArgumentError
 from collectives.peer.memory import CE_PUSHED, CE_REDUCED, PACK_BYTES, PeerMemory
 
 from .experts import grouped_mm_works
-from .handles import TransportState
+from .routing import bad_routing
 
 __all__ = ["PeerPlan", "plan", "build", "PeerRows", "layout_bytes", "buffer_bytes", "dense_backward_fits",
            "ce_block", "ce_section_bytes"]
@@ -468,11 +468,9 @@ class PeerRows:
         self.check()
         bad = counts[_errors_at(self.world, self.e_loc):][:2]
         if bad.any():
-            from .dispatcher import _bad_routing
-
             s = int(bad[_BAD_RANGE] or bad[_BAD_REPEAT]) - 1
-            raise _bad_routing("topk_idx" if s == self.rank else f"topk_idx of rank {s}", topk_idx,
-                              self.world * self.e_loc, repeated=not bad[_BAD_RANGE])
+            raise bad_routing("topk_idx" if s == self.rank else f"topk_idx of rank {s}", topk_idx,
+                             self.world * self.e_loc, repeated=not bad[_BAD_RANGE])
 
     def _geo(self, cap: int = 0, only: int | None = None, by_source: bool = False) -> int:
         """The kernels' layout word (kernels.cu): k, the local experts, a source filter (``only``:
@@ -1022,29 +1020,3 @@ class PeerRows:
         """Release the peer buffer (collective)."""
         self.pm.close()
 
-
-@dataclass(frozen=True)
-class PeerPlanState(TransportState):
-    """A handle the peer transport planned on the host (a capacity factor): its buffers and this
-    rank's plan; the backward passes use the host plan's all-to-all."""
-
-    rows: PeerRows
-    plan: PeerPlan
-
-
-@dataclass(frozen=True)
-class PeerDenseState(TransportState):
-    """A dispatch laid out on the GPUs (dropless): its buffers and device layout, which the combine
-    and both backward passes run on."""
-
-    rows: PeerRows
-    layout: DeviceLayout
-
-
-@dataclass(frozen=True)
-class PeerPaddedState(TransportState):
-    """A low-latency dispatch: its buffers and padded layout (``combine_low_latency``,
-    ``check_routing``)."""
-
-    rows: PeerRows
-    layout: DeviceLayout
