@@ -10,6 +10,7 @@ each expert in token order are kept), and the chunked forward.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -174,6 +175,59 @@ def test_bad_routing_is_refused_before_anything_is_sent(worlds) -> None:  # noqa
         assert "max_tokens" in msgs[6] and "top_k" in msgs[7] and "peer" in msgs[8] and "GPUs of one node" in msgs[8]
         assert "low-latency" in msgs[9] and "transport='peer'" in msgs[9] and "GPUs of one node" in msgs[10]
         assert "routing" in msgs[11] and "'gpu'" in msgs[11] and "exchange_pieces=1" in msgs[12]
+
+
+def _options_case(rank: int, world: int) -> list[str]:
+    """A transport's options object in place of its name and keyword arguments: the same
+    transport, the same results, the old attributes read from it; the old arguments are refused
+    beside it, and an option's bad value raises when the object is built."""
+    from overlap.layers import MoELayer
+    from overlap.moe import NcclOptions, PeerOptions
+
+    E = 2 * world
+    x, idx, w = _routing(rank, 5 + 2 * rank, E, 2, "random", 11)
+
+    def local(disp: MoEDispatcher) -> Any:
+        def run(rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
+            outs = [_expert(disp.first_expert + e, r) for e, r in enumerate(rows.split(per_expert))]
+            return torch.cat(outs) if outs else rows
+        return run
+
+    by_name = MoEDispatcher(E, H, dtype=torch.float64, routing="device")
+    by_options = MoEDispatcher(E, H, dtype=torch.float64, transport=NcclOptions(routing="device"))
+    pieces = MoEDispatcher(E, H, dtype=torch.float64, transport=NcclOptions(exchange_pieces=3))
+    want = reference_moe(x, idx, w, _expert)
+    for d in (by_name, by_options, pieces):
+        assert (d.forward(x, idx, w, local(d)) - want).abs().max().item() < 1e-12
+    assert by_options.transport == "nccl" and by_options.routing == "device" and by_options.exchange_pieces == 1
+    assert by_options.last_routing is not None and by_options.last_routing[0] == "device"
+    assert pieces.exchange_pieces == 3 and pieces.transport_options == NcclOptions("auto", 3)
+    peer = MoEDispatcher(E, H, transport=PeerOptions(max_tokens=8, top_k=2))  # its buffers wait for a dispatch
+    assert peer.transport == "peer" and (peer.max_tokens, peer.top_k, peer.pipeline_transfers) == (8, 2, "auto")
+    assert peer.offers_low_latency and not by_name.offers_low_latency
+    peer.pipeline_transfers = "sm"
+    assert peer.transport_options == PeerOptions(8, 2, "sm")
+    torch.manual_seed(5)
+    plain = MoELayer(H, 10, E, 2, dtype=torch.float64)
+    torch.manual_seed(5)
+    layer = MoELayer(H, 10, E, 2, dtype=torch.float64, transport=NcclOptions(exchange_pieces=2))
+    assert layer.dispatcher.exchange_pieces == 2
+    assert torch.allclose(layer(x), plain(x), rtol=1e-12, atol=1e-12)
+    with pytest.raises(UnsupportedError, match="routing"):
+        MoEDispatcher(E, H, transport="peer", max_tokens=8, top_k=2, routing="device")
+    return messages([lambda: MoEDispatcher(E, H, transport=NcclOptions(), routing="host"),
+                     lambda: NcclOptions(exchange_pieces=0),
+                     lambda: PeerOptions(max_tokens=8, top_k=0),
+                     lambda: MoEDispatcher(E, H, transport=PeerOptions(max_tokens=8, top_k=E + 1)),
+                     lambda: setattr(peer, "pipeline_transfers", "dma")])
+
+
+def test_a_transports_options_object_replaces_its_keyword_arguments(worlds) -> None:  # noqa: ANN001
+    for msgs in worlds(2).run(_options_case):
+        assert all("Fix:" in m for m in msgs), msgs
+        assert "routing" in msgs[0] and "NcclOptions" in msgs[0]
+        assert "exchange_pieces" in msgs[1] and "top_k" in msgs[2] and "needed by transport='peer'" in msgs[2]
+        assert "top_k" in msgs[3] and "exceeds" in msgs[3] and "pipeline_transfers" in msgs[4]
 
 
 def _layer_case(rank: int, world: int, tokens: list[int], capacity: float | None, routing: str = "auto") -> float:

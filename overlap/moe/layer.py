@@ -20,6 +20,7 @@ from collectives.errors import InvalidArgumentError
 
 from .dispatcher import MoEDispatcher
 from .experts import GroupedSwiGLU
+from .transport import TransportOptions
 
 __all__ = ["MoELayer"]
 
@@ -41,10 +42,12 @@ class MoELayer(nn.Module):
         chunks: the pipeline's chunks (``MoEDispatcher.forward_pipelined``): "auto", a count, or
             "sources" (inference over transport "peer" with pipeline_transfers="copy_engine": the
             pipeline by source rank).
-        exchange_pieces, transport, routing, pipeline_transfers: how the rows travel and where
-            their routing is worked out (``MoEDispatcher``).
-        max_tokens: the most tokens one forward takes on any rank (transport "peer" only, which
-            needs it; :meth:`close` then releases its buffers, collectively).
+        transport: a registered transport's name or its options object (``MoEDispatcher``), e.g.
+            ``PeerOptions(max_tokens=4096, top_k=2)``; :meth:`close` releases its buffers, if any
+            (collectively).
+        max_tokens, routing, exchange_pieces, pipeline_transfers: with a transport's name, its
+            options as keyword arguments (``MoEDispatcher``; transport "peer" needs ``max_tokens``,
+            the most tokens one forward takes on any rank, and takes this layer's ``top_k``).
 
     ``forward(x)`` takes this rank's tokens ``[..., hidden]`` (any count, zero included) and
     returns the same shape; every rank calls it together.
@@ -52,8 +55,9 @@ class MoELayer(nn.Module):
 
     def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int, group: Any = None, *,
                  dtype: torch.dtype | None = None, device: Any = None, capacity_factor: float | None = None,
-                 chunks: int | str = "auto", exchange_pieces: int = 1, transport: str = "nccl",
-                 max_tokens: int | None = None, routing: str = "auto", pipeline_transfers: str = "auto") -> None:
+                 chunks: int | str = "auto", exchange_pieces: int | None = None,
+                 transport: str | TransportOptions = "nccl", max_tokens: int | None = None, routing: str | None = None,
+                 pipeline_transfers: str | None = None) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise InvalidArgumentError("top_k", top_k, f"is not in 1..num_experts ({num_experts})", "pick fewer experts per token")
@@ -61,7 +65,8 @@ class MoELayer(nn.Module):
         self.dispatcher = MoEDispatcher(num_experts, hidden, group, dtype=dtype, device=device,
                                         capacity_factor=capacity_factor, exchange_pieces=exchange_pieces,
                                         transport=transport, max_tokens=max_tokens,
-                                        top_k=top_k if transport == "peer" else None, routing=routing,
+                                        # a transport's options object carries its own top_k, if it has one
+                                        top_k=top_k if isinstance(transport, str) else None, routing=routing,
                                         pipeline_transfers=pipeline_transfers)
         self.router = nn.Linear(hidden, num_experts, bias=False, dtype=dtype, device=device)
         if dist.get_world_size(group) > 1:
