@@ -2,7 +2,8 @@
 
 Every rank is a thread; its slot buffer is a CPU byte tensor every rank can read, ``ce_open`` is
 a barrier of the threads, and each kernel of ``collectives/peer/kernels.cu`` that
-``overlap/_moe_peer.py`` launches is done here, at once, by plain loops over the same
+the peer transport (``overlap/moe/peer_kernels.py``, ``pipeline.py``,
+``peer_rows.py``) launches is done here, at once, by plain loops over the same
 addresses (the launch's pointers are host addresses on CPU), as its comment in kernels.cu
 specifies. What this checks is the Python side: regions, offsets, the order of calls and
 barriers, the autograd wiring; the kernels themselves are checked on GPUs
@@ -24,9 +25,9 @@ IDS_HEADER = 16
 def _layout_tile() -> int:
     """Tokens per block of rows_ids / rows_layout: the host code's constant (a test may shrink it
     so that a few tokens span several tiles)."""
-    from overlap.moe import peer_rows as _moe_peer
+    from overlap.moe import peer_kernels
 
-    return _moe_peer.LAYOUT_TILE
+    return peer_kernels.LAYOUT_TILE
 
 
 _DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}

@@ -1,4 +1,4 @@
-"""The peer MoE transport's plan (``overlap._moe_peer.plan``), run by a stand-in of its three
+"""The peer MoE transport's plan (``overlap.moe.peer_plan.plan``), run by a stand-in of its three
 kernels on CPU tensors, one rank after another between the barriers.
 
 The stand-in does what overlap/_moe_rows.cu's ``rows_gather``, ``rows_partial`` and ``rows_sum``
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from overlap.moe import peer_rows as P
+from overlap.moe import peer_plan as P
 from overlap.moe import sorted_pairs
 
 HIDDEN = 6

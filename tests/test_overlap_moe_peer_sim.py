@@ -21,7 +21,10 @@ import torch
 from collectives.errors import InvalidArgumentError
 from collectives.peer import _launch
 from overlap.moe import peer as PT
+from overlap.moe import peer_kernels as PK
+from overlap.moe import peer_plan as PP
 from overlap.moe import peer_rows as P
+from overlap.moe import pipeline as PL
 from overlap.moe.dispatcher import _Combine, _Dispatch
 from overlap.moe.peer import PeerDenseState, PeerOptions, PeerPaddedState, PeerTransport
 from overlap.moe.transport import TransportSetup
@@ -113,7 +116,7 @@ def _case(world: int, e_loc: int, k: int, rounds: list[list[int]], dtype: torch.
             assert torch.allclose(xg.grad.double(), want_gx, rtol=tol, atol=tol), (r, c)
             assert torch.allclose(wg.grad.double(), want_gw, rtol=tol, atol=tol), (r, c)
 
-    run_ranks(world, P.buffer_bytes(world, max_tokens, k, row_bytes), rank_fn)
+    run_ranks(world, PP.buffer_bytes(world, max_tokens, k, row_bytes), rank_fn)
 
 
 @pytest.mark.parametrize("world,e_loc,k,rounds", [
@@ -132,7 +135,7 @@ def test_dense_layout_over_several_tiles(monkeypatch: pytest.MonkeyPatch, tile: 
     """rows_ids / rows_layout take a source's tokens a tile at a time, each tile's ranks starting
     from the counts of the tiles before it: with tiles of 1 and 3 tokens, a few tokens span many
     (a rank without tokens, and one whose last tile is partial, included)."""
-    monkeypatch.setattr(P, "LAYOUT_TILE", tile)
+    monkeypatch.setattr(PK, "LAYOUT_TILE", tile)
     _case(3, 2, 2, [[7, 0, 10], [4, 5, 3]], torch.float32, seed=70 + tile)
     _padded_case(2, 2, 3, [[8, 5]], tile)
 
@@ -161,7 +164,7 @@ def test_a_bad_routing_on_one_rank_raises_on_every_rank(bad: int, text: str) -> 
         assert bool((recv == 1).all())
         return msg
 
-    msgs = run_ranks(world, P.buffer_bytes(world, 8, k, HIDDEN * 4), rank_fn)
+    msgs = run_ranks(world, PP.buffer_bytes(world, 8, k, HIDDEN * 4), rank_fn)
     assert all(text in m and "Fix:" in m for m in msgs), msgs
     assert "rank 1" in msgs[0], msgs
 
@@ -211,7 +214,7 @@ def _padded_case(world: int, e_loc: int, k: int, rounds: list[list[int]], seed: 
             factor = (w.double() * (idx.double() + 1)).sum(1) if idx.numel() else torch.zeros(0, dtype=torch.float64)
             assert torch.allclose(out.double(), x.double() * factor.unsqueeze(-1), rtol=1e-5, atol=1e-5), (r, c)
 
-    run_ranks(world, P.buffer_bytes(world, max_tokens, k, row_bytes), rank_fn)
+    run_ranks(world, PP.buffer_bytes(world, max_tokens, k, row_bytes), rank_fn)
 
 
 def test_padded_dispatch_checks_the_routing_only_when_asked() -> None:
@@ -229,12 +232,12 @@ def test_padded_dispatch_checks_the_routing_only_when_asked() -> None:
             return str(exc)
         return "nothing raised"
 
-    msgs = run_ranks(world, P.buffer_bytes(world, 8, k, HIDDEN * 4), rank_fn)
+    msgs = run_ranks(world, PP.buffer_bytes(world, 8, k, HIDDEN * 4), rank_fn)
     assert all("same expert twice" in m for m in msgs) and "rank 1" in msgs[0], msgs
 
 
 class _SameStream:
-    """``_moe_peer._Streams`` on one CPU thread: everything runs in order already."""
+    """``pipeline._Streams`` on one CPU thread: everything runs in order already."""
 
     def __init__(self, rows: Any, device: Any) -> None:
         pass
@@ -276,7 +279,7 @@ class _SameStream:
 ])
 def test_pipelined_forward_over_the_device_layout(monkeypatch: pytest.MonkeyPatch, world: int, e_loc: int, k: int,
                                                   tokens: list[int], chunks: int, transfers: str) -> None:
-    monkeypatch.setattr(P, "_Streams", _SameStream)
+    monkeypatch.setattr(PL, "_Streams", _SameStream)
     E = world * e_loc
     max_tokens = max(tokens) + 1
     row_bytes = HIDDEN * 4
@@ -303,17 +306,17 @@ def test_pipelined_forward_over_the_device_layout(monkeypatch: pytest.MonkeyPatc
         recv, _ = rows.dispatch_dense(x.contiguous(), idx)
         assert torch.equal(recv.double(), _expected_recv(ins, r, e_loc)[0])
 
-    run_ranks(world, P.buffer_bytes(world, max_tokens, k, row_bytes, copy_engine=transfers == "copy_engine"), rank_fn)
+    run_ranks(world, PP.buffer_bytes(world, max_tokens, k, row_bytes, copy_engine=transfers == "copy_engine"), rank_fn)
 
 
 def test_pipeline_transfers_auto_runs_sm_kernels_and_copy_engine_needs_a_buffer_sized_for_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(P, "_Streams", _SameStream)
+    monkeypatch.setattr(PL, "_Streams", _SameStream)
     world, e_loc, k, T, chunks = 2, 2, 2, 400, 2
     row_bytes = HIDDEN * 4
     # what the SM pipeline needs (buffer_bytes without its 1 MiB floor), short of the copy-engine section
-    plain = max(2 * P.layout_bytes(world, T, k, row_bytes)[2], 2 * chunks * P.layout_bytes(world, T // chunks, k, row_bytes)[2])
-    assert plain < P.ce_section_bytes(world, T, k, row_bytes, chunks) <= P.buffer_bytes(world, T, k, row_bytes, copy_engine=True)
+    plain = max(2 * PP.layout_bytes(world, T, k, row_bytes)[2], 2 * chunks * PP.layout_bytes(world, T // chunks, k, row_bytes)[2])
+    assert plain < PP.ce_section_bytes(world, T, k, row_bytes, chunks) <= PP.buffer_bytes(world, T, k, row_bytes, copy_engine=True)
 
     def rank_fn(mem: Any, r: int) -> tuple[Any, str]:
         rows = P.PeerRows(SimpleNamespace(size=world, rank=r), T, k, row_bytes, world * e_loc, memory=mem)
@@ -336,7 +339,7 @@ def test_pipeline_transfers_auto_runs_sm_kernels_and_copy_engine_needs_a_buffer_
 
 def test_a_bad_routing_in_the_copy_engine_pipeline_raises_everywhere_and_leaves_it_usable(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(P, "_Streams", _SameStream)
+    monkeypatch.setattr(PL, "_Streams", _SameStream)
     world, e_loc, k, T = 3, 2, 2, 6
     E, row_bytes = world * e_loc, HIDDEN * 4
 
@@ -358,7 +361,7 @@ def test_a_bad_routing_in_the_copy_engine_pipeline_raises_everywhere_and_leaves_
         assert torch.allclose(out, x * w.sum(1, keepdim=True), rtol=1e-5, atol=1e-6), r
         return msg
 
-    msgs = run_ranks(world, P.buffer_bytes(world, T, k, row_bytes, copy_engine=True), rank_fn)
+    msgs = run_ranks(world, PP.buffer_bytes(world, T, k, row_bytes, copy_engine=True), rank_fn)
     assert all("rank 2" in m for m in msgs[:2]) and "topk_idx" in msgs[2] and "nothing" not in msgs[2], msgs
 
 
@@ -411,8 +414,8 @@ def test_host_planned_dispatch_and_combine(monkeypatch: pytest.MonkeyPatch, cf: 
         for c in range(2):  # twice: the halves alternate
             ins = _inputs(world, E, k, tokens, 90 + c, torch.float32)
             sources = [(idx.numpy(), sorted_pairs(idx.numpy(), E, cf)[0], idx.shape[0]) for idx, _, _, _ in ins]
-            scalars, arrays = P.plan(r, world, e_loc, k, max_tokens, sources)
-            plan = P.build(scalars, [torch.from_numpy(np.asarray(a, dtype=np.int64)) for a in arrays])
+            scalars, arrays = PP.plan(r, world, e_loc, k, max_tokens, sources)
+            plan = PP.build(scalars, [torch.from_numpy(np.asarray(a, dtype=np.int64)) for a in arrays])
             keep = [kept(idx) for idx, _, _, _ in ins]
             want, experts = [], []
             for e in range(r * e_loc, (r + 1) * e_loc):
@@ -444,7 +447,7 @@ def test_host_planned_dispatch_and_combine(monkeypatch: pytest.MonkeyPatch, cf: 
                         expect[t] += float(w[t, j]) * (e + 1) * x[t].double()
             assert torch.allclose(out.double(), expect, rtol=1e-5, atol=1e-5), (r, c)
 
-    run_ranks(world, P.buffer_bytes(world, max_tokens, k, row_bytes), rank_fn)
+    run_ranks(world, PP.buffer_bytes(world, max_tokens, k, row_bytes), rank_fn)
 
 
 def _segments_mm(x: torch.Tensor, w: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, out: torch.Tensor,
@@ -476,7 +479,7 @@ def test_pipeline_by_source_rank_matches_the_float64_moe(monkeypatch: pytest.Mon
                                                          k: int, tokens: list[int]) -> None:
     from overlap.moe import _grouped_gemm as G
 
-    monkeypatch.setattr(P, "_Streams", _SameStream)
+    monkeypatch.setattr(PL, "_Streams", _SameStream)
     monkeypatch.setattr(G, "grouped_mm_segments", lambda x, w, st, ct, out, *, index=None, sms=None:
                         _segments_mm(x, w, st, ct, out, index=index))
     monkeypatch.setattr(G, "grouped_swiglu_segments", lambda x, w1, w3, st, ct, out, *, index=None, sms=None:
@@ -513,14 +516,14 @@ def test_pipeline_by_source_rank_matches_the_float64_moe(monkeypatch: pytest.Mon
         recv, _ = rows.dispatch_dense(x.contiguous(), idx)  # and a plain dispatch after the section
         assert torch.equal(recv.double(), _expected_recv(_inputs(world, E, k, tokens, 91, torch.float32), r, e_loc)[0])
 
-    run_ranks(world, P.buffer_bytes(world, max_tokens, k, row_bytes, copy_engine=True), rank_fn)
+    run_ranks(world, PP.buffer_bytes(world, max_tokens, k, row_bytes, copy_engine=True), rank_fn)
 
 
 def test_pipeline_by_source_rank_needs_a_buffer_sized_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(P, "_Streams", _SameStream)
+    monkeypatch.setattr(PL, "_Streams", _SameStream)
     world, e_loc, k, T, row_bytes = 2, 2, 2, 20000, HIDDEN * 4
-    plain = P.buffer_bytes(world, T, k, row_bytes)
-    assert P.ce_section_bytes(world, T, k, row_bytes, 1) > plain
+    plain = PP.buffer_bytes(world, T, k, row_bytes)
+    assert PP.ce_section_bytes(world, T, k, row_bytes, 1) > plain
 
     def rank_fn(mem: Any, r: int) -> str:
         rows = P.PeerRows(SimpleNamespace(size=world, rank=r), T, k, row_bytes, world * e_loc, memory=mem)

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from collectives.peer import _launch
 from collectives.peer import memory as M
-from overlap.moe import peer_rows as P
+from overlap.moe import peer_kernels as K
+from overlap.moe import peer_plan as P
 
 ROWS = Path(P.__file__).with_name("_moe_rows.cu")
 SOURCES = {path.name: path.read_text() for path in (*_launch.sources_of(), ROWS)}
@@ -28,12 +29,12 @@ def test_the_host_and_the_kernels_agree_on_the_shared_constants() -> None:
     pairs = {
         "MAX_RANKS": M.MAX_RANKS, "MAX_BLOCKS": M.MAX_BLOCKS, "N_STAGES": M.N_STAGES,
         "CE_RING": M.CE_RING, "CE_STAGES": M.CE_STAGES, "CE_PUSHED": M.CE_PUSHED, "CE_REDUCED": M.CE_REDUCED,
-        "CE_PULLED": M.CE_PULLED, "IDS_HEADER": P.IDS_HEADER, "LAYOUT_TILE": P.LAYOUT_TILE, "MAX_BASE": P.MAX_BASE,
+        "CE_PULLED": M.CE_PULLED, "IDS_HEADER": P.IDS_HEADER, "LAYOUT_TILE": K.LAYOUT_TILE, "MAX_BASE": P.MAX_BASE,
     }
     differ = {name: (host, _define(name)) for name, host in pairs.items() if _define(name) != host}
     assert not differ, f"host value, kernels' value: {differ}"
     # the row kernels' blocks: 512 threads on both sides
-    assert P._THREADS == 512 and "__launch_bounds__(512) rows_layout" in SOURCES[ROWS.name]
+    assert K._THREADS == 512 and "__launch_bounds__(512) rows_layout" in SOURCES[ROWS.name]
 
 
 def test_each_kernel_is_defined_in_one_source_and_the_rows_in_their_own() -> None:

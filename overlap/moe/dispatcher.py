@@ -86,7 +86,67 @@ class _Combine(torch.autograd.Function):
         return grad_rows, grad_weights, None, None
 
 
-class MoEDispatcher:
+class _TransportAttributes:
+    """The dispatcher's attributes that its transport answers: its options (read as the old
+    keyword arguments of the same names, one of which can be set) and its records."""
+
+    transport: str
+    transport_impl: Transport
+
+    @property
+    def transport_options(self) -> TransportOptions:
+        """The transport's options."""
+        opts: TransportOptions = self.transport_impl.options
+        return opts
+
+    @property
+    def max_tokens(self) -> int:
+        """Transport "peer": the most tokens of one dispatch (0 where it does not apply)."""
+        return self.transport_options.arguments().max_tokens or 0
+
+    @property
+    def top_k(self) -> int:
+        """Transport "peer": the k of every routing (0 where it does not apply)."""
+        return self.transport_options.arguments().top_k or 0
+
+    @property
+    def routing(self) -> str:
+        """Transport "nccl": where it works out a routing ("auto" where it does not apply)."""
+        return self.transport_options.arguments().routing or "auto"
+
+    @property
+    def exchange_pieces(self) -> int:
+        """Transport "nccl": the pieces of each row exchange (1 where it does not apply)."""
+        return self.transport_options.arguments().exchange_pieces or 1
+
+    @property
+    def pipeline_transfers(self) -> str:
+        """Transport "peer": how its pipelines move rows ("auto" where it does not apply). Setting
+        it (between calls, on every rank alike) replaces the transport's options."""
+        return self.transport_options.arguments().pipeline_transfers or "auto"
+
+    @pipeline_transfers.setter
+    def pipeline_transfers(self, value: str) -> None:
+        args = replace(self.transport_options.arguments(), pipeline_transfers=value)  # (checks the value)
+        self.transport_impl.options = transport_spec(self.transport).options.from_arguments(args)
+
+    @property
+    def last_routing(self) -> tuple[str, str] | None:
+        """(where, why) the transport last worked a routing out, where it chooses (transport "nccl")."""
+        return self.transport_impl.last_routing
+
+    @property
+    def last_pipeline(self) -> tuple[str, str] | None:
+        """(how, why) the transport's last pipeline moved rows, where it chooses (transport "peer")."""
+        return self.transport_impl.last_pipeline
+
+    @property
+    def offers_low_latency(self) -> bool:
+        """Whether the transport has the low-latency pair (``dispatch_low_latency``)."""
+        return self.transport_impl.offers_low_latency
+
+
+class MoEDispatcher(_TransportAttributes):
     """Dispatch tokens to their experts' ranks and combine the experts' outputs, for one group.
 
     Args:
@@ -144,59 +204,6 @@ class MoEDispatcher:
         setup = TransportSetup(comm, group, num_experts, hidden, dtype, self.device, capacity_factor)
         self.transport_impl: Transport = spec.factory(setup, options)
         self.last_chunks: tuple[int, str] | None = None
-
-    # -- the transport's options, as the dispatcher's old attributes -------------------------------
-    @property
-    def transport_options(self) -> TransportOptions:
-        """The transport's options."""
-        opts: TransportOptions = self.transport_impl.options
-        return opts
-
-    @property
-    def max_tokens(self) -> int:
-        """Transport "peer": the most tokens of one dispatch (0 where it does not apply)."""
-        return self.transport_options.arguments().max_tokens or 0
-
-    @property
-    def top_k(self) -> int:
-        """Transport "peer": the k of every routing (0 where it does not apply)."""
-        return self.transport_options.arguments().top_k or 0
-
-    @property
-    def routing(self) -> str:
-        """Transport "nccl": where it works out a routing ("auto" where it does not apply)."""
-        return self.transport_options.arguments().routing or "auto"
-
-    @property
-    def exchange_pieces(self) -> int:
-        """Transport "nccl": the pieces of each row exchange (1 where it does not apply)."""
-        return self.transport_options.arguments().exchange_pieces or 1
-
-    @property
-    def pipeline_transfers(self) -> str:
-        """Transport "peer": how its pipelines move rows ("auto" where it does not apply). Setting
-        it (between calls, on every rank alike) replaces the transport's options."""
-        return self.transport_options.arguments().pipeline_transfers or "auto"
-
-    @pipeline_transfers.setter
-    def pipeline_transfers(self, value: str) -> None:
-        args = replace(self.transport_options.arguments(), pipeline_transfers=value)  # (checks the value)
-        self.transport_impl.options = transport_spec(self.transport).options.from_arguments(args)
-
-    @property
-    def last_routing(self) -> tuple[str, str] | None:
-        """(where, why) the transport last worked a routing out, where it chooses (transport "nccl")."""
-        return self.transport_impl.last_routing
-
-    @property
-    def last_pipeline(self) -> tuple[str, str] | None:
-        """(how, why) the transport's last pipeline moved rows, where it chooses (transport "peer")."""
-        return self.transport_impl.last_pipeline
-
-    @property
-    def offers_low_latency(self) -> bool:
-        """Whether the transport has the low-latency pair (``dispatch_low_latency``)."""
-        return self.transport_impl.offers_low_latency
 
     def close(self) -> None:
         """Release the transport's buffers, if any (collective). The dispatcher can be used

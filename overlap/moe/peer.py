@@ -48,7 +48,8 @@ from . import _grouped_gemm
 from .exchange import combine_backward, combine_rows, dispatch_backward, route_rows, sent_weights
 from .experts import GroupedSwiGLU
 from .handles import DispatchHandle, LowLatencyHandle, TransportState
-from .peer_rows import MAX_BASE, DeviceLayout, PeerPlan, PeerRows, build, dense_backward_fits, plan
+from .peer_plan import MAX_BASE, DeviceLayout, PeerPlan, build, dense_backward_fits, plan
+from .peer_rows import PeerRows
 from .routing import HostRange, check_ids, host_ranges, plan_handles, sorted_pairs
 from .transport import CombineGrads, Experts, Transport, TransportArguments, TransportOptions, TransportSetup
 from .tuned import TunedChoices, TunedLayer
