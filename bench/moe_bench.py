@@ -137,8 +137,9 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
         t_a2a = _time(lambda: dist.all_to_all_single(out, rows, plain.recv_counts, plain.send_counts,
                                                      group=comm.group), comm, device, iters, reps)
         t_seq = _time(lambda: disp.forward(x, idx, w, mlp), comm, device, iters, reps)
-        # the low-latency path is for decode-sized batches: its blocks hold W x tokens rows per expert
-        decode = transport == "peer" and tokens <= LOW_LATENCY_MAX_TOKENS
+        # the low-latency path (where the transport offers it) is for decode-sized batches: its
+        # blocks hold W x tokens rows per expert
+        decode = disp.offers_low_latency and tokens <= LOW_LATENCY_MAX_TOKENS
         low = _low_latency(disp, mlp, x, idx, w, comm, device, iters, reps, out, rows, plain) if decode else {}
     # a training step of the layer's exchange and experts: gradients to x, the weights, the experts
     xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -191,7 +192,7 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
             timeline = _timeline(disp, functools.partial(disp.forward_pipelined, x, idx, w, mlp, chunks=k), comm,
                                  device) if k == "sources" and device.type == "cuda" else []
             comm_us = t_dispatch + t_combine
-            how = disp.last_pipeline[0] if transport == "peer" and disp.last_pipeline else transport
+            how = disp.last_pipeline[0] if disp.last_pipeline else transport  # the transport's record, if it keeps one
             records.append(MoERecord(
                 name, tokens, hidden, ffn_hidden, experts, top_k, comm.size, str(dtype).removeprefix("torch."),
                 str(device), sent_bytes, t_dispatch, sent_bytes / t_dispatch / 1e3, t_combine,
