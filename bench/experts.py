@@ -4,7 +4,7 @@ torch's GEMMs, as functions that return records.
 The variants of a configuration are timed in the same rounds, alternating which goes first;
 ``fused_over_torch_paired`` is the median over rounds of the fused time over torch's in that
 round; ``fused_path`` says what ``fused=True`` ran (torch's path where the call is bound by its
-host: ``overlap._grouped_gemm.gpu_bound``). ``wrong_*`` counts output elements more than 2% of
+host: ``overlap.moe._grouped_gemm.gpu_bound``). ``wrong_*`` counts output elements more than 2% of
 the largest away from float64 products per expert (the activation rounded once to the run's
 dtype, as the fused kernel does).
 """

@@ -1,6 +1,6 @@
 """Benchmark one rank's experts: ``python launch/bench_experts.py`` on one CUDA GPU.
 
-``GroupedSwiGLU`` without autograd: its Triton kernels (``overlap/_grouped_gemm.py``) against
+``GroupedSwiGLU`` without autograd: its Triton kernels (``overlap/moe/_grouped_gemm.py``) against
 torch's GEMMs (``fused=False``, the anchor), side by side in rounds, at the rows one rank of two
 receives in the MoE benchmark's configurations (``launch/bench_moe.py``: tokens x top-k), expert
 sizes drawn unevenly around the mean, each checked against float64 (``bench/experts.py``); with

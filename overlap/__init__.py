@@ -2,11 +2,24 @@
 
     from overlap import gemm_all_reduce, gemm_reduce_scatter, all_gather_gemm
     from overlap.layers import ColumnParallelLinear, RowParallelLinear
+    from overlap import MoEDispatcher, MoELayer, GroupedSwiGLU, reference_moe   # overlap.moe
 
 Each operator equals a plain sequence (``reference_*`` beside it) and is differentiable; the
-layers follow Megatron-LM's semantics (``overlap/layers.py``).
+layers follow Megatron-LM's semantics (``overlap/layers.py``). The mixture of experts lives in
+``overlap/moe/`` (its design note says what each module holds).
 """
 
+from .moe import (
+    DispatchHandle,
+    GroupedSwiGLU,
+    LowLatencyHandle,
+    MoEDispatcher,
+    MoELayer,
+    NcclOptions,
+    PeerOptions,
+    reference_moe,
+    register_transport,
+)
 from .ops import (
     STRATEGIES,
     OverlapChoice,
@@ -24,4 +37,6 @@ __all__ = [
     "gemm_all_reduce", "gemm_reduce_scatter", "all_gather_gemm",
     "reference_gemm_all_reduce", "reference_gemm_reduce_scatter", "reference_all_gather_gemm",
     "OverlapChoice", "last_choice", "set_tuned", "STRATEGIES",
+    "MoEDispatcher", "MoELayer", "GroupedSwiGLU", "reference_moe", "DispatchHandle", "LowLatencyHandle",
+    "NcclOptions", "PeerOptions", "register_transport",
 ]

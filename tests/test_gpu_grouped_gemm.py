@@ -1,4 +1,4 @@
-"""On one CUDA GPU: the Triton grouped GEMM and its SwiGLU-fused form (``overlap/_grouped_gemm.py``)
+"""On one CUDA GPU: the Triton grouped GEMM and its SwiGLU-fused form (``overlap/moe/_grouped_gemm.py``)
 against float64 products of each expert's rows, and ``GroupedSwiGLU``'s fused inference path
 against its torch path. Marker ``gpu``.
 

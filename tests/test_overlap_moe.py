@@ -480,7 +480,7 @@ def test_grouped_swiglu_says_which_path_ran_and_why_on_cpu() -> None:
     m.fused = False
     m(x, [2, 3])
     assert m.last_path == ("torch", "fused=False")
-    # the measured cases behind the threshold (overlap/_grouped_gemm.py): a Qwen3-30B-like decode
+    # the measured cases behind the threshold (overlap/moe/_grouped_gemm.py): a Qwen3-30B-like decode
     # step was host-bound, a DeepSeek-V3-like one and the prefills were not
     assert not gpu_bound(1024, 16, 2048, 768, 2)
     assert gpu_bound(1024, 32, 7168, 2048, 2)

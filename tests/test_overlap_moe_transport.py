@@ -121,7 +121,8 @@ def _registered() -> Iterator[None]:
 # -- the cases ------------------------------------------------------------------------------------
 def _params(e: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(70_000 + e)
-    return torch.randn(H, H, generator=g, dtype=torch.float64) / H ** 0.5, torch.randn(H, generator=g, dtype=torch.float64)
+    w = torch.randn(H, H, generator=g, dtype=torch.float64) / H ** 0.5
+    return w, torch.randn(H, generator=g, dtype=torch.float64)
 
 
 def _expert(e: int, x: torch.Tensor) -> torch.Tensor:
@@ -227,7 +228,7 @@ def _dispatcher_case(rank: int, world: int, seed: int, k: int, capacity: float |
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_a_registered_transport_carries_dispatch_combine_and_the_pipelines(worlds, world_size: int) -> None:  # noqa: ANN001
+def test_a_registered_transport_carries_dispatch_combine_and_pipelines(worlds, world_size: int) -> None:  # noqa: ANN001
     w = worlds(world_size)
     for seed, (k, capacity) in enumerate([(2, None), (3, None), (1, None), (2, 0.5)]):
         for res in w.run(_dispatcher_case, 10 + seed, k, capacity):

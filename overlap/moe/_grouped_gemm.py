@@ -111,7 +111,7 @@ def few_rows(rows: int, experts: int) -> bool:
 def _kernel() -> Any:
     """The jitted kernel, from its own module (imported on first use: importing this one needs no
     Triton and compiles nothing)."""
-    from . import _grouped_gemm_triton
+    from . import _grouped_gemm_triton  # deferred: Triton is optional and compiles on import
 
     return _grouped_gemm_triton.gmm
 
@@ -156,7 +156,7 @@ def _sms(device: torch.device, sms: int | None) -> int:
 def _launch(x: torch.Tensor, w: torch.Tensor, w3: torch.Tensor | None, ends: torch.Tensor, out: torch.Tensor,
             cfg: tuple[int, int, int, int], sms: int | None, cap: int = 0, starts: torch.Tensor | None = None,
             index: torch.Tensor | None = None) -> torch.Tensor:
-    from triton.tools.tensor_descriptor import TensorDescriptor
+    from triton.tools.tensor_descriptor import TensorDescriptor  # deferred: Triton is optional
 
     bm, bn, warps, stages = cfg
     e, k, n = w.shape

@@ -118,7 +118,7 @@ class GroupedSwiGLU(nn.Module):
     per rank is a hundred small launches per call.
 
     Without autograd on CUDA (inference), ``fused`` (the default) computes the gate and up
-    products and the activation in one Triton kernel (``overlap/_grouped_gemm.py``) wherever the
+    products and the activation in one Triton kernel (``overlap/moe/_grouped_gemm.py``) wherever the
     call keeps the GPU busier than its host (``_grouped_gemm.gpu_bound``; a decode step of small
     experts does not): ``x w1`` and ``x w3`` are accumulated in float32 side by side and never
     stored, so the result is rounded once where torch's path rounds ``h1``, ``h3`` and their

@@ -141,7 +141,7 @@ class PeerTransport(Transport):
         self._memory = memory
         self._rows: PeerRows | None = None
         # the buffers are sized by the rows' bytes: known from the dtype, or at the first dispatch
-        self._row_bytes = setup.hidden * torch.empty((), dtype=setup.dtype).element_size() if setup.dtype is not None else 0
+        self._row_bytes = 0 if setup.dtype is None else setup.hidden * torch.empty((), dtype=setup.dtype).element_size()
         self._no_plan: dict[torch.device, torch.Tensor] = {}
         self._meta: dict[torch.dtype, torch.Tensor] = {}  # dispatch's output as the flight recorder notes it
         self._tuned = TunedChoices()

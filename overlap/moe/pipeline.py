@@ -317,7 +317,7 @@ class SourcePipeline(TokenPipelines):
     def pipelined_sources(self, x: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor,
                           experts: Any) -> torch.Tensor:
         """dispatch -> experts -> combine pipelined by source rank, ``experts`` a ``GroupedSwiGLU``
-        (its weights go to ``overlap/_grouped_gemm.py``'s kernels).
+        (its weights go to ``overlap/moe/_grouped_gemm.py``'s kernels).
 
         A token chunk shrinks every expert's GEMM, and its gather, partial sums and sums run
         beside the link time they hide (bench/results/README.md, gpu_2xh200_moe_pipeline). Here

@@ -264,7 +264,8 @@ def route_on_host(setup: TransportSetup, topk_idx: torch.Tensor, bounds: list[tu
     return plan_handles(host_ranges(local, counts, got), k, topk_idx.device, extra, make_state)
 
 
-def route_on_device(setup: TransportSetup, topk_idx: torch.Tensor, bounds: list[tuple[int, int]]) -> list[DispatchHandle]:
+def route_on_device(setup: TransportSetup, topk_idx: torch.Tensor, bounds: list[tuple[int, int]]
+                    ) -> list[DispatchHandle]:
     """``Transport.route`` by torch operations on the ids' device (transport "nccl", one piece).
 
     Each range's pairs are sorted by expert there (stably: ties in token order) and counted;

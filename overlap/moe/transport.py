@@ -60,8 +60,8 @@ from collectives.errors import InvalidArgumentError, UnsupportedError
 from .handles import DispatchHandle, LowLatencyHandle
 
 __all__ = ["Transport", "TransportSetup", "TransportOptions", "NoOptions", "TransportArguments", "CombineGrads",
-           "Experts", "TransportSpec", "register_transport", "unregister_transport", "registered_transports", "low_latency_transports",
-           "transport_spec", "resolve_transport"]
+           "Experts", "TransportSpec", "register_transport", "unregister_transport", "registered_transports",
+           "low_latency_transports", "transport_spec", "resolve_transport"]
 
 # What runs a rank's experts: rows in recv_x's layout and the rows per local expert -> their outputs
 Experts = Callable[[torch.Tensor, list[int]], torch.Tensor]
