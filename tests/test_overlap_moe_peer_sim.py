@@ -42,10 +42,10 @@ def _no_cuda_streams(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _transport(world: int, r: int, E: int, max_tokens: int, k: int, dtype: torch.dtype, mem: Any,
-               capacity_factor: float | None = None, group: Any = None) -> PeerTransport:
+               capacity_factor: float | None = None, group: Any = None, transfers: str = "auto") -> PeerTransport:
     """Rank r's peer transport over the stand-in memory ``mem``."""
     setup = TransportSetup(SimpleNamespace(size=world, rank=r), group, E, HIDDEN, dtype, None, capacity_factor)
-    return PeerTransport(setup, PeerOptions(max_tokens, k), memory=mem)
+    return PeerTransport(setup, PeerOptions(max_tokens, k, transfers), memory=mem)
 
 
 def _inputs(world: int, E: int, k: int, tokens: list[int], seed: int, dtype: torch.dtype) -> list[tuple[Any, ...]]:
@@ -285,8 +285,8 @@ def test_pipelined_forward_over_the_device_layout(monkeypatch: pytest.MonkeyPatc
     row_bytes = HIDDEN * 4
 
     def rank_fn(mem: Any, r: int) -> None:
-        rows = P.PeerRows(SimpleNamespace(size=world, rank=r), max_tokens, k, row_bytes, E, memory=mem,
-                          pipeline_transfers=transfers)
+        transport = _transport(world, r, E, max_tokens, k, torch.float32, mem, transfers=transfers)
+        rows = transport.rows()
         ins = _inputs(world, E, k, tokens, 70 + chunks, torch.float32)
         idx, x, w, _ = ins[r]
 
@@ -297,8 +297,12 @@ def test_pipelined_forward_over_the_device_layout(monkeypatch: pytest.MonkeyPatc
 
         T = x.shape[0]
         bounds = [(T * i // chunks, T * (i + 1) // chunks) for i in range(chunks)]
-        for _ in range(2):  # twice: the section's regions reused after its closing barrier
-            out = rows.pipelined_dense(x.contiguous(), idx, w.float(), experts, bounds)
+        for i in range(2):  # twice: the section's regions reused after its closing barrier
+            if i:  # the second time through the transport's pipeline, which the dispatcher calls
+                out = transport.pipeline(x, idx, w.float(), experts, bounds)
+                assert transport.last_pipeline == rows.last_pipeline
+            else:
+                out = rows.pipelined_dense(x.contiguous(), idx, w.float(), experts, bounds)
             factor = (w.double() * (idx.double() + 1)).sum(1) if idx.numel() else torch.zeros(0, dtype=torch.float64)
             assert torch.allclose(out.double(), x.double() * factor.unsqueeze(-1), rtol=1e-5, atol=1e-5), r
             assert rows.last_pipeline is not None and rows.last_pipeline[0] == transfers
@@ -502,14 +506,18 @@ def test_pipeline_by_source_rank_matches_the_float64_moe(monkeypatch: pytest.Mon
         return out
 
     def rank_fn(mem: Any, r: int) -> None:
-        rows = P.PeerRows(SimpleNamespace(size=world, rank=r), max_tokens, k, row_bytes, E, memory=mem,
-                          pipeline_transfers="copy_engine")
+        transport = _transport(world, r, E, max_tokens, k, torch.float32, mem, transfers="copy_engine")
+        rows = transport.rows()
         mine = weights[r * e_loc:(r + 1) * e_loc]
         experts = SimpleNamespace(**{name: torch.stack([m[i] for m in mine]).float()
                                      for i, name in enumerate(("w1", "w3", "w2"))})
         for c in range(2):  # twice, with fresh inputs: the section's block reused after its closing barrier
             idx, x, w, _ = _inputs(world, E, k, tokens, 90 + c, torch.float32)[r]
-            out = rows.pipelined_sources(x.contiguous(), idx, w, experts)
+            if c:  # the second time through the transport, which the dispatcher calls
+                out = transport.pipeline_by_source(x, idx, w, experts)
+                assert transport.last_pipeline == rows.last_pipeline
+            else:
+                out = rows.pipelined_sources(x.contiguous(), idx, w, experts)
             assert out.shape == x.shape
             assert torch.allclose(out.double(), ref(x, idx, w), rtol=1e-4, atol=1e-4), (r, c)
             assert rows.last_pipeline is not None and "by source" in rows.last_pipeline[1]

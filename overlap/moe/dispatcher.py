@@ -41,15 +41,14 @@ from .transport import (
     TransportSetup,
     low_latency_transports,
     resolve_transport,
-    transport_spec,
 )
 
 __all__ = ["MoEDispatcher"]
 
 
 class _Dispatch(torch.autograd.Function):
-    """``transport.dispatch`` (or ``dispatch_rows`` of a routed handle, which then goes in
-    ``box``); backward: ``transport.dispatch_backward``, a combine without weights."""
+    """``transport.dispatch`` (or ``dispatch_rows`` of an already routed handle), the handle put
+    in ``box``; backward: ``transport.dispatch_backward``, a combine without weights."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, topk_idx: torch.Tensor | None, handle: DispatchHandle | None,
@@ -128,7 +127,7 @@ class _TransportAttributes:
     @pipeline_transfers.setter
     def pipeline_transfers(self, value: str) -> None:
         args = replace(self.transport_options.arguments(), pipeline_transfers=value)  # (checks the value)
-        self.transport_impl.options = transport_spec(self.transport).options.from_arguments(args)
+        self.transport_impl.options = type(self.transport_options).from_arguments(args)
 
     @property
     def last_routing(self) -> tuple[str, str] | None:
