@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import collectives as C
-from collectives.peer import PeerMemory, _launch
+from collectives.peer import PeerMemory
 
 from .harness import time_interleaved
 
@@ -91,13 +91,13 @@ def measure_epilogue(comm: C.Communicator, pm: PeerMemory, m: int, k: int, n: in
 
     def beside() -> None:
         side.wait_stream(main)
-        _launch.copy_async(pm.slot_pointers[q], staged.data_ptr(), nbytes, side.cuda_stream)
+        pm.copy_engines.copy(side.cuda_stream, pm.slot_pointers[q], staged.data_ptr(), nbytes)
         torch.matmul(a, b, out=local)
         main.wait_stream(side)
 
     fns: dict[str, Callable[[], object]] = {
         "gemm": lambda: torch.matmul(a, b, out=local),
-        "push": lambda: _launch.copy_async(pm.slot_pointers[q], local.data_ptr(), nbytes, main.cuda_stream),
+        "push": lambda: pm.copy_engines.copy(main.cuda_stream, pm.slot_pointers[q], local.data_ptr(), nbytes),
         "gemm_into_peer": lambda: torch.matmul(a, b, out=peer_out),
         "gemm_beside_push": beside,
     }

@@ -41,7 +41,7 @@ from . import _copy_engine
 __all__ = [
     "gemm_all_reduce", "gemm_reduce_scatter", "all_gather_gemm",
     "reference_gemm_all_reduce", "reference_gemm_reduce_scatter", "reference_all_gather_gemm",
-    "OverlapChoice", "last_choice", "set_tuned", "STRATEGIES",
+    "OverlapChoice", "last_choice", "set_tuned", "tuned_table", "STRATEGIES",
 ]
 
 STRATEGIES = ("sequential", "chunked", "copy_engine")
@@ -141,7 +141,9 @@ def set_tuned(table: Any) -> None:
         _TUNED["table"] = table
 
 
-def _tuned_table() -> Any:
+def tuned_table() -> Any:
+    """The tuned table ``strategy="auto"`` follows (:func:`set_tuned`'s, else the file named by
+    ``COMMOPS_OVERLAP_TUNED``, read once), or None."""
     if "table" not in _TUNED:
         path = _env.OVERLAP_TUNED.get()
         if not path:
@@ -155,7 +157,7 @@ def _from_table(op: str, comm: C.Communicator, dtype: torch.dtype, m: int, k: in
     """The table's strategy for the measured shape nearest in M with the same op, dtype, K and N,
     from the entries timed in the same mode (``graph``: while a CUDA graph is being captured,
     entries timed replaying graphs, where no host cost is paid), else from the other mode's."""
-    table = _tuned_table()
+    table = tuned_table()
     if table is None or table.get("meta", {}).get("world", comm.size) != comm.size:
         return None
     name = str(dtype).removeprefix("torch.")

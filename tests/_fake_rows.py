@@ -58,8 +58,9 @@ class FakeMemory:
         self.hub, self.rank, self.world = hub, rank, hub.world
         self.slot_bytes = hub.slots[0].numel()
         self.device = torch.device("cpu")
-        self._index = 0
+        self.device_index = 0
         self.closed = False
+        self.copy_engines = FakeCopyEngines(self)
 
     def slot_view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         es = torch.empty((), dtype=dtype).element_size()
@@ -87,27 +88,6 @@ class FakeMemory:
     def slot_pointers(self) -> tuple[int, ...]:
         return tuple(t.data_ptr() for t in self.hub.slots)
 
-    @property
-    def copy_streams(self) -> tuple[None, None]:
-        return None, None
-
-    def ce_push(self, stream: Any, peer: int, offset: int, src: int, nbytes: int) -> None:
-        assert 0 <= offset and offset + nbytes <= self.slot_bytes, (peer, offset, nbytes)
-        self.hub.slots[peer][offset:offset + nbytes].copy_(_at(src, nbytes, torch.uint8))
-
-    def ce_signal(self, stream: Any, peer: int, slot: int, stage: int, value: int) -> None:
-        with self.hub.flagged:
-            self.hub.flags[peer][(slot, stage, self.rank)] = value
-            self.hub.flagged.notify_all()
-
-    def ce_wait(self, stream: Any, slot: int, stage: int, value: int, *, kernel: bool | None = None,
-                source: int | None = None) -> None:
-        mine = self.hub.flags[self.rank]
-        peers = [q for q in range(self.world) if q != self.rank and source in (None, q)]
-        with self.hub.flagged:
-            if not self.hub.flagged.wait_for(lambda: all(mine.get((slot, stage, q), 0) >= value for q in peers), 30):
-                raise TimeoutError(f"rank {self.rank}: copy-engine flag ({slot}, {stage}) never reached {value}")
-
     def check(self) -> None:
         pass
 
@@ -119,8 +99,12 @@ class FakeMemory:
         assert 0 <= offset and offset + n * es <= self.slot_bytes, (q, offset, n)
         return self.hub.slots[q][offset:offset + n * es].view(dtype)
 
-    def _kernel(self, kind: str, dtype: torch.dtype | None, vec: bool, nargs: int = 4,
-                bases: tuple[int, ...] | None = None) -> Any:
+    def stream(self) -> None:
+        return None
+
+    def kernel(self, kind: str, dtype: torch.dtype | None, vec: bool, nargs: int = 4,
+               bases: tuple[int, ...] | None = None, source: Any = None) -> Any:
+        assert source is not None and source.name == "rows.cu", (kind, source)  # the MoE kernels' own source
         target = self
         if bases is not None:  # "rank q's buffer" is this rank's, moved by bases[q] bytes
             target = copy.copy(self)
@@ -371,3 +355,32 @@ def run_ranks(world: int, slot_bytes: int, fn: Any) -> list[Any]:
         raise errors[0]
     assert not any(t.is_alive() for t in threads), "a rank hung"
     return results
+
+
+class FakeCopyEngines:
+    """What the MoE transport uses of a ``CopyEngines``: a copy is done when issued (every rank
+    is a thread issuing in its order)."""
+
+    def __init__(self, pm: FakeMemory) -> None:
+        self.pm = pm
+
+    @property
+    def streams(self) -> tuple[None, None]:
+        return None, None
+
+    def push(self, stream: Any, peer: int, offset: int, src: int, nbytes: int) -> None:
+        assert 0 <= offset and offset + nbytes <= self.pm.slot_bytes, (peer, offset, nbytes)
+        self.pm.hub.slots[peer][offset:offset + nbytes].copy_(_at(src, nbytes, torch.uint8))
+
+    def signal(self, stream: Any, peer: int, slot: int, stage: int, value: int) -> None:
+        with self.pm.hub.flagged:
+            self.pm.hub.flags[peer][(slot, stage, self.pm.rank)] = value
+            self.pm.hub.flagged.notify_all()
+
+    def wait(self, stream: Any, slot: int, stage: int, value: int, *, kernel: bool | None = None,
+                source: int | None = None) -> None:
+        mine = self.pm.hub.flags[self.pm.rank]
+        peers = [q for q in range(self.pm.world) if q != self.pm.rank and source in (None, q)]
+        with self.pm.hub.flagged:
+            if not self.pm.hub.flagged.wait_for(lambda: all(mine.get((slot, stage, q), 0) >= value for q in peers), 30):
+                raise TimeoutError(f"rank {self.pm.rank}: copy-engine flag ({slot}, {stage}) never reached {value}")

@@ -2,7 +2,7 @@
 tile, a header or a flag area sized differently on the two sides would make the kernels read and
 write past what the host allocated, on GPUs only, where nothing in this suite runs. The kernels'
 side is every text a module compiles: the common header ``collectives/peer/peer.cuh``, the
-collectives' ``kernels.cu`` and the MoE row kernels' ``overlap/_moe_rows.cu``."""
+collectives' ``kernels.cu`` and the MoE row kernels' ``overlap/moe/rows.cu``."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import re
 from pathlib import Path
 
 from collectives.peer import _launch
-from collectives.peer import memory as M
+from collectives.peer import copy_engines as CE, memory as M
 from overlap.moe import peer_kernels as K
 from overlap.moe import peer_plan as P
 
-ROWS = Path(P.__file__).with_name("_moe_rows.cu")
+ROWS = K.ROWS_SOURCE
 SOURCES = {path.name: path.read_text() for path in (*_launch.sources_of(), ROWS)}
 KERNELS = "\n".join(SOURCES.values())
 
@@ -28,8 +28,8 @@ def _define(name: str) -> int:
 def test_the_host_and_the_kernels_agree_on_the_shared_constants() -> None:
     pairs = {
         "MAX_RANKS": M.MAX_RANKS, "MAX_BLOCKS": M.MAX_BLOCKS, "N_STAGES": M.N_STAGES,
-        "CE_RING": M.CE_RING, "CE_STAGES": M.CE_STAGES, "CE_PUSHED": M.CE_PUSHED, "CE_REDUCED": M.CE_REDUCED,
-        "CE_PULLED": M.CE_PULLED, "IDS_HEADER": P.IDS_HEADER, "LAYOUT_TILE": K.LAYOUT_TILE, "MAX_BASE": P.MAX_BASE,
+        "CE_RING": CE.CE_RING, "CE_STAGES": CE.CE_STAGES, "CE_PUSHED": CE.CE_PUSHED, "CE_REDUCED": CE.CE_REDUCED,
+        "CE_PULLED": CE.CE_PULLED, "IDS_HEADER": P.IDS_HEADER, "LAYOUT_TILE": K.LAYOUT_TILE, "MAX_BASE": P.MAX_BASE,
     }
     differ = {name: (host, _define(name)) for name, host in pairs.items() if _define(name) != host}
     assert not differ, f"host value, kernels' value: {differ}"
@@ -46,5 +46,3 @@ def test_each_kernel_is_defined_in_one_source_and_the_rows_in_their_own() -> Non
     assert {"ce_fence", "ce_wait", "ce_wait_from"} <= kernels and not kernels & rows
     assert rows and all(name.startswith("rows_") for name in rows), sorted(rows)
     assert not any(name.startswith("rows_") for name in kernels)
-    # transitional: PeerMemory._kernel compiles rows_* kernels from this file when not told
-    assert M._ROWS_SOURCE.samefile(ROWS)

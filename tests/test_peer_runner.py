@@ -412,11 +412,9 @@ def test_kernels_are_made_once_per_source_and_the_transitional_name_finds_the_ro
     assert p.kernel("ce_fence", None, False, 1) is k  # kept
     p.kernel("one_shot", torch.bfloat16, True)
     p.kernel("rows_sum", torch.float16, False, 6, source=own)
-    p._kernel("rows_post", None, False, 9)  # transitional: overlap/_moe_peer.py's launches name no source
     assert made == [("ce_fence", 3, 1, (_launch.HEADER, _launch.KERNELS)),
                     ("one_shot_bf16_vec", 3, 4, (_launch.HEADER, _launch.KERNELS)),
-                    ("rows_sum_f16_scalar", 3, 6, (_launch.HEADER, own)),
-                    ("rows_post", 3, 9, (_launch.HEADER, M._ROWS_SOURCE))]
+                    ("rows_sum_f16_scalar", 3, 6, (_launch.HEADER, own))]
     p._err_np[:4] = (1, 0, 0, 1)
     p.comm, p.world, p.rank, p.timeout_s = SimpleNamespace(global_ranks=(0, 1)), 2, 0, 1.0
     with pytest.raises(CollectiveTimeout):  # after a timeout no kernel is handed out

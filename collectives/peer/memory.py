@@ -33,7 +33,7 @@ from .. import _env
 from .._agree import agree
 from ..errors import CollectiveTimeout, UnsupportedError
 from . import _launch
-from ._layout import (CE_PULLED, CE_PUSHED, CE_REDUCED, CE_RING, CE_STAGES, FENCE_CLEAR, FLAG_BYTES, LL_OFF, MAX_BLOCKS,
+from ._layout import (FENCE_CLEAR, FLAG_BYTES, LL_OFF, MAX_BLOCKS,
                       MAX_RANKS, N_STAGES, ONE_SHOT_LL_MAX_BYTES, PACK_BYTES, STREAM_WAIT, ll_set_bytes)
 from .copy_engines import CopyEngines
 
@@ -42,9 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = ["PeerMemory", "peer_memory", "has_peer_memory", "close_peer_memory", "peer_unavailable", "MAX_RANKS",
            "MAX_BLOCKS", "N_STAGES", "PACK_BYTES", "ONE_SHOT_LL_MAX_BYTES", "FLAG_BYTES", "DTYPES", "CE_CHUNK_BYTES",
-           "CE_MAX_CHUNKS", "CE_ALL_REDUCE_CHUNK_BYTES",
-           # transitional: overlap/_moe_peer.py still imports these from here (collectives.peer.copy_engines has them)
-           "CE_RING", "CE_STAGES", "CE_PUSHED", "CE_REDUCED", "CE_PULLED"]
+           "CE_MAX_CHUNKS", "CE_ALL_REDUCE_CHUNK_BYTES"]
 
 _CTX = np.dtype([("slots", "<u8", (MAX_RANKS,)), ("flags", "<u8", (MAX_RANKS,)), ("calls", "<u8"),
                  ("err", "<u8"), ("err_dev", "<u8"), ("rank", "<i4"), ("world", "<i4"), ("timeout_ns", "<u8"),
@@ -54,8 +52,6 @@ _STAGES = {0: "data pushed", 1: "reduced shard pushed", 2: "low-latency words pu
            STREAM_WAIT: "copy-engine section, stream waits"}
 _TAGS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 DTYPES = frozenset(_TAGS)
-# transitional: the MoE row kernels' source, for overlap/_moe_peer.py's launches that do not pass it
-_ROWS_SOURCE = Path(__file__).resolve().parents[2] / "overlap" / "_moe_rows.cu"
 
 
 class _Clears(Protocol):
@@ -436,34 +432,6 @@ class PeerMemory:
         self._views.clear()
         self._clear_states()  # the next call re-plans, and validate() refuses a closed PeerMemory
         self.closed = True
-
-    # -- transitional: overlap/_moe_peer.py still calls these (the names above replace them) -----
-    def _kernel(self, kind: str, dtype: torch.dtype | None, vec: bool, nargs: int = 4,
-                bases: tuple[int, ...] | None = None) -> _launch.Kernel:
-        # transitional: overlap/_moe_peer.py still calls this (kernel); a rows_* kind compiles _moe_rows.cu
-        return self.kernel(kind, dtype, vec, nargs, bases, _ROWS_SOURCE if kind.startswith("rows_") else None)
-
-    @property
-    def _index(self) -> int:  # transitional: overlap/_moe_peer.py still calls this (device_index)
-        return self.device_index
-
-    @property
-    def copy_streams(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
-        # transitional: overlap/_moe_peer.py still calls this (copy_engines.streams)
-        return self.copy_engines.streams
-
-    def ce_push(self, stream: int, peer: int, offset: int, src: int, nbytes: int) -> None:
-        # transitional: overlap/_moe_peer.py still calls this (copy_engines.push)
-        self.copy_engines.push(stream, peer, offset, src, nbytes)
-
-    def ce_signal(self, stream: int, peer: int, slot: int, stage: int, value: int) -> None:
-        # transitional: overlap/_moe_peer.py still calls this (copy_engines.signal)
-        self.copy_engines.signal(stream, peer, slot, stage, value)
-
-    def ce_wait(self, stream: int, slot: int, stage: int, value: int, *, kernel: bool | None = None,
-                source: int | None = None) -> None:
-        # transitional: overlap/_moe_peer.py still calls this (copy_engines.wait)
-        self.copy_engines.wait(stream, slot, stage, value, kernel=kernel, source=source)
 
     def __repr__(self) -> str:
         return (f"PeerMemory(rank={self.rank}/{self.world}, {self.device}, slots={self.slot_bytes} B, "

@@ -13,21 +13,24 @@ are bounded (``timeout_s``); after one gives up the kernels do nothing and the n
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from collectives.errors import InvalidArgumentError
-from collectives.peer import _launch
-from collectives.peer.memory import PACK_BYTES, PeerMemory
+from collectives.peer import PeerMemory
+from collectives.peer.memory import PACK_BYTES
 
 from .peer_plan import BAD_RANGE, BAD_REPEAT, DeviceLayout, Region, buffer_bytes, errors_at, layout_bytes, totals_at
 from .routing import bad_routing
 
 __all__ = ["RowKernels", "LAYOUT_TILE", "MAX_GRID"]
 
-_WARPS_PER_BLOCK = 16  # 512 threads (kernels.cu's __launch_bounds__)
+# The row kernels: compiled after collectives/peer/peer.cuh, against the same struct Ctx (PeerMemory.kernel).
+ROWS_SOURCE = Path(__file__).with_name("rows.cu")
+_WARPS_PER_BLOCK = 16  # 512 threads (rows.cu's __launch_bounds__)
 _THREADS = 32 * _WARPS_PER_BLOCK
 MAX_GRID = 256
 # the dense kernels split an item's row over up to this many warps when items are few (decode)
@@ -127,8 +130,8 @@ class RowKernels:
         nbytes = x.numel() * x.element_size()
         n_info = 0 if info is None else info.numel()
         blocks = max(1, min(2 * MAX_GRID, -(-nbytes // (16 * _THREADS))))  # a pack per thread
-        self.pm._kernel("rows_post", None, False, 9)(
-            blocks, _launch.current_stream(self.pm._index), g.x, g.ids, x.data_ptr(), nbytes, ids.data_ptr(), T * k, T,
+        self.pm.kernel("rows_post", None, False, 9, source=ROWS_SOURCE)(
+            blocks, self.pm.stream(), g.x, g.ids, x.data_ptr(), nbytes, ids.data_ptr(), T * k, T,
             0 if info is None else info.data_ptr(), n_info)
 
     def _post_weights(self, g: Region, weights: torch.Tensor) -> None:
@@ -144,11 +147,11 @@ class RowKernels:
         ranks = torch.empty(W * g.t_max * e_loc, dtype=torch.int32, device=info.device)
         n_tiles = -(-g.t_max // LAYOUT_TILE)
         tiles = torch.empty(W * n_tiles * e_loc, dtype=torch.int32, device=info.device)  # each tile's pairs per expert
-        stream = _launch.current_stream(self.pm._index)
+        stream = self.pm.stream()
         ke = self._geo()
-        self.pm._kernel("rows_ids", None, False, 6)(W * n_tiles, stream, g.ids, g.t_max, ke, info.data_ptr(),
+        self.pm.kernel("rows_ids", None, False, 6, source=ROWS_SOURCE)(W * n_tiles, stream, g.ids, g.t_max, ke, info.data_ptr(),
                                                      ids_all.data_ptr(), tiles.data_ptr())
-        self.pm._kernel("rows_layout", None, False, 6)(W * e_loc * n_tiles, stream, g.t_max, ke, ranks.data_ptr(),
+        self.pm.kernel("rows_layout", None, False, 6, source=ROWS_SOURCE)(W * e_loc * n_tiles, stream, g.t_max, ke, ranks.data_ptr(),
                                                         info.data_ptr(), ids_all.data_ptr(), tiles.data_ptr())
         return ids_all, ranks
 
@@ -182,7 +185,7 @@ class RowKernels:
     def _gather(self, g: Region, layout: DeviceLayout, x: torch.Tensor, bases: tuple[int, ...] | None = None
                 ) -> torch.Tensor:
         """``recv_x``: compact (``layout.cap`` 0, its rows counted on the host) or padded; rank s's
-        tokens read at ``g.x`` in its buffer (``bases``: in this one, see ``PeerMemory._kernel``)."""
+        tokens read at ``g.x`` in its buffer (``bases``: in this one, see ``PeerMemory.kernel``)."""
         if layout.cap:
             total = self.e_loc * layout.cap
         else:
@@ -190,8 +193,8 @@ class RowKernels:
             total = int(layout.counts[:self.world * self.e_loc].sum())
         recv = x.new_empty((total, x.shape[1]))
         if total:
-            kern = self.pm._kernel("rows_gather_dense", x.dtype, self._vec(recv.data_ptr()), 8, bases)
-            kern(self._grid(self.world * g.t_max * _ROW_SLICES), _launch.current_stream(self.pm._index), g.x,
+            kern = self.pm.kernel("rows_gather_dense", x.dtype, self._vec(recv.data_ptr()), 8, bases, source=ROWS_SOURCE)
+            kern(self._grid(self.world * g.t_max * _ROW_SLICES), self.pm.stream(), g.x,
                  layout.ranks.data_ptr(), layout.info.data_ptr(), layout.ids_all.data_ptr(), recv.data_ptr(), g.t_max,
                  x.shape[1], self._geo(layout.cap))
         return recv
@@ -213,8 +216,8 @@ class RowKernels:
         ``first_row``: ``rows`` holds the layout's rows from that one on)."""
         if rows.shape[0]:
             ptr = rows.data_ptr() - first_row * rows.shape[1] * rows.element_size()
-            kern = self.pm._kernel("rows_partial_dense", rows.dtype, self._vec(ptr), 9, bases)
-            kern(self._grid(self.world * t_max * _ROW_SLICES), _launch.current_stream(self.pm._index), p_off, w_off,
+            kern = self.pm.kernel("rows_partial_dense", rows.dtype, self._vec(ptr), 9, bases, source=ROWS_SOURCE)
+            kern(self._grid(self.world * t_max * _ROW_SLICES), self.pm.stream(), p_off, w_off,
                  layout.ranks.data_ptr(), layout.info.data_ptr(), layout.ids_all.data_ptr(), ptr, t_max,
                  rows.shape[1], self._geo(layout.cap, only, by_source))
 
@@ -222,8 +225,8 @@ class RowKernels:
              bases: tuple[int, ...] | None = None) -> None:
         """``out`` = each token's sum of the P rows (at ``p_off``) of the ranks it went to."""
         if layout.tokens:
-            kern = self.pm._kernel("rows_sum_dense", out.dtype, self._vec(out.data_ptr()), 7, bases)
-            kern(self._grid(layout.tokens * _ROW_SLICES), _launch.current_stream(self.pm._index), p_off,
+            kern = self.pm.kernel("rows_sum_dense", out.dtype, self._vec(out.data_ptr()), 7, bases, source=ROWS_SOURCE)
+            kern(self._grid(layout.tokens * _ROW_SLICES), self.pm.stream(), p_off,
                  layout.ids_all.data_ptr(), out.data_ptr(), t_max, out.shape[1], self._geo(layout.cap), layout.tokens)
 
     def check(self) -> None:

@@ -38,9 +38,8 @@ from __future__ import annotations
 import torch
 
 from collectives.errors import InvalidArgumentError
-from collectives.peer import _launch
 
-from .peer_kernels import MAX_GRID
+from .peer_kernels import MAX_GRID, ROWS_SOURCE
 from .peer_plan import DeviceLayout, PeerPlan, totals_at
 from .pipeline import SourcePipeline
 
@@ -63,8 +62,8 @@ class PeerRows(SourcePipeline):
             self.pm.slot_view(g.x, tuple(x.shape), x.dtype).copy_(x)
         self._fence()
         if p.n_items:
-            k = self.pm._kernel("rows_gather", x.dtype, self._vec(recv.data_ptr()), 7)
-            k(self._grid(p.n_items), _launch.current_stream(self.pm._index), p.items.data_ptr(), p.ptr.data_ptr(),
+            k = self.pm.kernel("rows_gather", x.dtype, self._vec(recv.data_ptr()), 7, source=ROWS_SOURCE)
+            k(self._grid(p.n_items), self.pm.stream(), p.items.data_ptr(), p.ptr.data_ptr(),
               p.dst.data_ptr(), recv.data_ptr(), p.n_items, x.shape[1], g.x)
         return recv
 
@@ -75,17 +74,17 @@ class PeerRows(SourcePipeline):
         self._check_tokens(n)
         hidden = self._check_weights(rows, weights, n)
         g = self._region(self._next_half(), self.max_tokens)
-        stream = _launch.current_stream(self.pm._index)
+        stream = self.pm.stream()
         self._post_weights(g, weights)
         self._fence()
         if p.n_items:
-            k = self.pm._kernel("rows_partial", rows.dtype, self._vec(rows.data_ptr()), 8)
+            k = self.pm.kernel("rows_partial", rows.dtype, self._vec(rows.data_ptr()), 8, source=ROWS_SOURCE)
             k(self._grid(p.n_items), stream, p.part.data_ptr(), p.ptr.data_ptr(), p.part_ent.data_ptr(),
               rows.data_ptr(), p.n_items, hidden, g.x, g.w)
         self._fence()
         out = rows.new_empty((n, hidden))
         if n:
-            k = self.pm._kernel("rows_sum", rows.dtype, self._vec(out.data_ptr()), 6)
+            k = self.pm.kernel("rows_sum", rows.dtype, self._vec(out.data_ptr()), 6, source=ROWS_SOURCE)
             k(self._grid(n), stream, p.sum_ptr.data_ptr(), p.sum_ent.data_ptr(), out.data_ptr(), n, hidden, g.x)
         return out
 
@@ -125,7 +124,7 @@ class PeerRows(SourcePipeline):
         W, k, T, t_max = self.world, self.top_k, layout.tokens, self.max_tokens
         g = self._region(self._next_half(), t_max)
         d_off = g.x + t_max * self.row_bytes  # D after this rank's gradient rows (dense_backward_fits)
-        stream = _launch.current_stream(self.pm._index)
+        stream = self.pm.stream()
         ke = self._geo(layout.cap)
         if T:
             self.pm.slot_view(g.x, (T, hidden), grad_out.dtype).copy_(grad_out)
@@ -133,7 +132,7 @@ class PeerRows(SourcePipeline):
         self._fence()
         grad_rows = torch.empty_like(rows)
         if rows.shape[0]:
-            kern = self.pm._kernel("rows_grad_dense", rows.dtype, self._vec(rows.data_ptr(), grad_rows.data_ptr()), 12)
+            kern = self.pm.kernel("rows_grad_dense", rows.dtype, self._vec(rows.data_ptr(), grad_rows.data_ptr()), 12, source=ROWS_SOURCE)
             kern(self._grid(W * t_max), stream, g.x, g.w, d_off, layout.ranks.data_ptr(), layout.info.data_ptr(),
                  layout.ids_all.data_ptr(), rows.data_ptr(), grad_rows.data_ptr(), t_max, hidden, ke, int(weights_grad))
         if not weights_grad:
@@ -141,7 +140,7 @@ class PeerRows(SourcePipeline):
         self._fence()
         gw = torch.empty(T * k, dtype=torch.float32, device=rows.device)
         if T:
-            self.pm._kernel("rows_dots_dense", None, False, 6)(max(1, min(MAX_GRID, -(-T * k // 512))), stream, d_off,
+            self.pm.kernel("rows_dots_dense", None, False, 6, source=ROWS_SOURCE)(max(1, min(MAX_GRID, -(-T * k // 512))), stream, d_off,
                                                                 layout.ids_all.data_ptr(), gw.data_ptr(), t_max, ke, T)
         return grad_rows, gw
 

@@ -4,7 +4,7 @@ Design note. A pipelined forward (``TokenPipelines.pipelined_dense``) runs the r
 chunk by chunk on a side stream, or, asked for, moves every byte by copy engines into each
 rank's place in the peers' buffers and runs the same kernels on local memory
 (``_pipelined_ce``): a kernel's context can name, as "rank q's buffer", a place in this rank's
-own (``PeerMemory._kernel``'s ``bases``), so no kernel needed a second version. On 2xH200 neither
+own (``PeerMemory.kernel``'s ``bases``), so no kernel needed a second version. On 2xH200 neither
 beat the plain sequence (bench/results/README.md). The pipeline by source rank
 (``SourcePipeline.pipelined_sources``) takes a source rank as its unit instead of a token chunk;
 its docstring has the timeline. ``_Streams`` orders the caller's stream, the side stream and
@@ -19,12 +19,11 @@ import numpy as np
 import torch
 
 from collectives.errors import InvalidArgumentError
-from collectives.peer import _launch
-from collectives.peer.memory import CE_PUSHED, CE_REDUCED
+from collectives.peer import CE_PUSHED, CE_REDUCED
 
 from . import _grouped_gemm
 from .experts import grouped_mm_works
-from .peer_kernels import RowKernels
+from .peer_kernels import ROWS_SOURCE, RowKernels
 from .peer_plan import MAX_CHUNKS, DeviceLayout, Region, ce_block, ce_section_bytes, errors_at, layout_bytes
 
 __all__ = ["TokenPipelines", "SourcePipeline"]
@@ -39,7 +38,7 @@ class _Streams:
         self.main = torch.cuda.current_stream(device)
         self.side = rows._side_stream()
         self.side.wait_stream(self.main)
-        self.copies = rows.pm.copy_streams
+        self.copies = rows.pm.copy_engines.streams
 
     def on_side(self) -> Any:
         return torch.cuda.stream(self.side)
@@ -201,7 +200,7 @@ class TokenPipelines(RowKernels):
         at its own place in the block (X, WT) and its ids in I, where the peers read them; the
         copy engines then copy the tokens and weights to the same place in every peer's buffer.
         The row kernels run on what lies in this rank's buffer (their context's "rank s" is
-        rank s's place here: ``PeerMemory._kernel``'s ``bases``): the gather reads X, the
+        rank s's place here: ``PeerMemory.kernel``'s ``bases``): the gather reads X, the
         partial sums write OUT (rank q's rows at q's place), whose blocks the copy engines copy
         into the peers' IN, and the sums read IN (and OUT for this rank's own part). A copy's
         arrival is a copy-engine flag that the peer sets after it (slot c; PUSHED for the tokens,
@@ -222,7 +221,7 @@ class TokenPipelines(RowKernels):
         partial_at = tuple(s * wb for s in range(W))  # weights at s's place; P written at OUT - r * wb + ...
         sum_at = tuple((OUT - IN) if q == r else (q - r) * rb for q in range(W))
         st = _Streams(self, x.device)
-        main = _launch.current_stream(pm._index)
+        main = pm.stream()
         self._fence()  # every peer is done with what it read before this section
         info = self._new_info(n, x.device)
         for c, (lo, hi) in enumerate(bounds):
@@ -241,13 +240,13 @@ class TokenPipelines(RowKernels):
         lays = [DeviceLayout(*layouts[c], info[c], counts[c], hi - lo) for c, (lo, hi) in enumerate(bounds)]
 
         def summed(c: int) -> None:
-            pm.ce_wait(main, c, CE_REDUCED, 1, kernel=True)
+            pm.copy_engines.wait(main, c, CE_REDUCED, 1, kernel=True)
             lo, hi = bounds[c]
             self._sum(c * size + IN, t_cap, lays[c], out[lo:hi], sum_at)
 
         for c, (lo, hi) in enumerate(bounds):
             b = c * size
-            pm.ce_wait(main, c, CE_PUSHED, 1, kernel=True)
+            pm.copy_engines.wait(main, c, CE_PUSHED, 1, kernel=True)
             recv = self._gather(Region(0, 0, b + X, t_cap), lays[c], x, gather_at)
             per_expert = counts[c][:W * self.e_loc].reshape(W, self.e_loc).sum(0).tolist()
             y = experts(recv, per_expert).contiguous()
@@ -256,8 +255,8 @@ class TokenPipelines(RowKernels):
             for q in peers:
                 t_q = int(counts[c][W * self.e_loc + q])
                 if t_q:
-                    pm.ce_push(ls, q, b + IN + r * rb, own + b + OUT + q * rb, t_q * row)
-                pm.ce_signal(ls, q, c, CE_REDUCED, 1)
+                    pm.copy_engines.push(ls, q, b + IN + r * rb, own + b + OUT + q * rb, t_q * row)
+                pm.copy_engines.signal(ls, q, c, CE_REDUCED, 1)
             if c:
                 summed(c - 1)
         summed(n - 1)
@@ -275,9 +274,9 @@ class TokenPipelines(RowKernels):
         own, x_at, w_at = pm.slot_pointers[r], b + X + r * t_cap * row, b + WT + r * t_cap * k * 4
         for q in ((r + d) % W for d in range(1, W)):
             if n:
-                pm.ce_push(stream, q, x_at, own + x_at, n * row)
-                pm.ce_push(stream, q, w_at, own + w_at, n * k * 4)
-            pm.ce_signal(stream, q, slot, CE_PUSHED, 1)
+                pm.copy_engines.push(stream, q, x_at, own + x_at, n * row)
+                pm.copy_engines.push(stream, q, w_at, own + w_at, n * k * 4)
+            pm.copy_engines.signal(stream, q, slot, CE_PUSHED, 1)
 
     def _refuse_bad_in_section(self, st: _Streams, counts: np.ndarray, topk_idx: torch.Tensor) -> None:
         """After a copy-engine section's counts: if any chunk's routing is bad (the same on every
@@ -360,7 +359,7 @@ class SourcePipeline(TokenPipelines):
         partial_at = tuple(s * wb for s in range(W))
         sum_at = tuple((OUT - IN) if q == r else (q - r) * rb for q in range(W))
         st = _Streams(self, x.device)
-        main = _launch.current_stream(pm._index)
+        main = pm.stream()
         n = x.shape[0]
         self._mark("start")
         self._fence()  # every peer is done with what it read before this section
@@ -383,7 +382,7 @@ class SourcePipeline(TokenPipelines):
         seg = torch.empty((4, W, e_loc), dtype=torch.int32, device=x.device)
         most = W * t_cap * min(k, e_loc)  # pairs at most: the counts are not on the host yet
         index = torch.empty(most, dtype=torch.int32, device=x.device)  # read within the segments only
-        pm._kernel("rows_index_dense", None, False, 7)(self._grid(W * t_cap), main, ranks.data_ptr(),
+        pm.kernel("rows_index_dense", None, False, 7, source=ROWS_SOURCE)(self._grid(W * t_cap), main, ranks.data_ptr(),
                                                         info[0].data_ptr(), ids_all.data_ptr(), index.data_ptr(),
                                                         t_cap, self._geo(by_source=True), seg.data_ptr())
         table = pm.slot_view(X, (W * t_cap, x.shape[1]), x.dtype)
@@ -428,7 +427,7 @@ class SourcePipeline(TokenPipelines):
             self._mark(f"partial {s}")
 
         for s in reversed(peers):  # rank r - 1 pushes to this rank first, r - 2 second, ...
-            pm.ce_wait(main, 0, CE_PUSHED, 1, kernel=True, source=s)
+            pm.copy_engines.wait(main, 0, CE_PUSHED, 1, kernel=True, source=s)
             self._mark(f"tokens of {s}")
             if cnt[s].any():
                 _grouped_gemm.grouped_swiglu_segments(table, experts.w1, experts.w3, seg[3, s], seg[1, s], act,
@@ -438,11 +437,11 @@ class SourcePipeline(TokenPipelines):
             ls = st.copy_stream(1)
             t_s = int(counts[0][W * e_loc + s])
             if t_s:
-                pm.ce_push(ls, s, IN + r * rb, own + OUT + s * rb, t_s * row)
-            pm.ce_signal(ls, s, 0, CE_REDUCED, 1)
+                pm.copy_engines.push(ls, s, IN + r * rb, own + OUT + s * rb, t_s * row)
+            pm.copy_engines.signal(ls, s, 0, CE_REDUCED, 1)
         down(r)
         if peers:
-            pm.ce_wait(main, 0, CE_REDUCED, 1, kernel=True)
+            pm.copy_engines.wait(main, 0, CE_REDUCED, 1, kernel=True)
         self._mark("partial rows back")
         self._sum(IN, t_cap, lay, out, sum_at)
         self._mark("sum")

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..ops import _tuned_table  # the overlap operators' table reader (ops.py has no public one)
+from ..ops import tuned_table
 from .experts import GroupedSwiGLU
 
 __all__ = ["MOE_TUNE_MIN_SPEEDUP", "TunedLayer", "TunedChoices"]
@@ -84,7 +84,7 @@ class TunedChoices:
 
     def choose(self, layer: TunedLayer, x: torch.Tensor, k: int, experts: Any) -> tuple[int | str, str]:
         """(chunks or "sources", why) for ``x [tokens, hidden]`` routed to ``k`` experts each."""
-        table = _tuned_table()
+        table = tuned_table()
         if table is None:
             return 1, ("one chunk: no tuned table (launch/bench_moe.py --tune writes one; overlap.set_tuned or "
                        "COMMOPS_OVERLAP_TUNED reads it)")
