@@ -1,14 +1,13 @@
 """GEMM + collective operators, each equal to a plain sequence that ships beside it as its reference.
 
-Design note. An operator takes the GEMM's operands and the group, and runs one of:
+Design note. An operator takes the GEMM's operands and the group, checks them, flattens them to
+rows and runs one strategy (``overlap/strategies/``, one module each behind one contract,
+registered by name; this module never tests a strategy's name):
 
 * ``sequential``: the GEMM, then the collective (through ``collectives``, so ``auto`` picks its
   algorithm): the baseline, and what ``auto`` runs wherever overlap is not known to pay;
 * ``chunked``: the GEMM in chunks, each chunk's collective issued asynchronously as soon as the
-  chunk is computed, so that it runs while the next chunk is computed: on CUDA NCCL's collective
-  on NCCL's own stream, on CPU asynchronous Gloo work. The chunking keeps each collective's
-  input contiguous: all-reduce chunks rows of ``a``, reduce-scatter chunks columns of ``b``,
-  all-gather chunks the rows of every rank's shard;
+  chunk is computed, so that it runs while the next chunk is computed;
 * ``copy_engine`` (the GPUs of one node): the data moves by copy engines through peer memory
   while the GEMM chunks run, and reductions ride in the GEMM's epilogue (``_copy_engine.py``).
 
@@ -32,11 +31,9 @@ import torch.distributed as dist
 
 import collectives as C
 from collectives import _env
-from collectives.dispatch import recorded
 from collectives.errors import InvalidArgumentError, UnsupportedError
-from collectives.peer import peer_memory
 
-from . import _copy_engine
+from .strategies import REGISTRY
 
 __all__ = [
     "gemm_all_reduce", "gemm_reduce_scatter", "all_gather_gemm",
@@ -44,7 +41,7 @@ __all__ = [
     "OverlapChoice", "last_choice", "set_tuned", "tuned_table", "STRATEGIES",
 ]
 
-STRATEGIES = ("sequential", "chunked", "copy_engine")
+STRATEGIES = REGISTRY  # name -> strategy (overlap/strategies/)
 DEFAULT_CHUNKS = 4
 
 # torch 2.13 renamed the single-tensor collectives; 2.11 only has the old names.
@@ -201,73 +198,29 @@ def _strategy(op: str, comm: C.Communicator, strategy: str, chunks: int, a: torc
             found = _capturable(op, comm, a, b, m, graph, found)
             _AUTO[key] = found
         return found
-    if strategy == "copy_engine":
-        why = _copy_engine.unavailable(comm, a.device, a.dtype)
-        if why:
-            raise UnsupportedError("strategy", strategy, f"cannot run here: {why}", "use 'auto', 'sequential' or 'chunked'")
-    return OverlapChoice(op, strategy, 1 if strategy == "sequential" else chunks, "requested by the caller")
+    why = STRATEGIES[strategy].unavailable(comm, a.device, a.dtype)
+    if why:
+        others = [name for name in STRATEGIES if name != strategy]
+        raise UnsupportedError("strategy", strategy, f"cannot run here: {why}", f"use 'auto' or one of {others}")
+    return OverlapChoice(op, strategy, chunks if STRATEGIES[strategy].chunked else 1, "requested by the caller")
 
 
 def _capturable(op: str, comm: C.Communicator, a: torch.Tensor, b: torch.Tensor, m: int, graph: bool,
                 found: OverlapChoice) -> OverlapChoice:
-    """``found``, unless a capture chose the copy-engine strategy before its peer buffers exist
-    (they cannot be built while capturing: the sequence then, saying so). Eagerly, when the
-    table's graph entry for this shape is the copy-engine strategy, build them now, so that a
-    capture after this warm-up call can follow it."""
+    """``found``, unless a capture chose a strategy whose buffers do not exist yet (the copy
+    engines' peer buffers cannot be built while capturing: the sequence then, saying so).
+    Eagerly, when the table's graph entry for this shape is such a strategy, build them now, so
+    that a capture after this warm-up call can follow it."""
     if graph:
-        if found.strategy == "copy_engine" and not _copy_engine.ready(comm):
-            return OverlapChoice(op, "sequential", 1, f"{found.reason}; but its peer buffers do not exist and "
+        if not STRATEGIES[found.strategy].ready(comm):
+            return OverlapChoice(op, "sequential", 1, f"{found.reason}; but its buffers do not exist and "
                                  "cannot be built while capturing: call the operator once before capturing")
         return found
     if a.device.type == "cuda":
         in_graph = _from_table(op, comm, a.dtype, m, b.shape[0], b.shape[1], True)
-        if in_graph is not None and in_graph.strategy == "copy_engine" and \
-                not _copy_engine.unavailable(comm, a.device, a.dtype):
-            _copy_engine.prepare(comm)  # collective: every rank makes this call with this shape
+        if in_graph is not None and not STRATEGIES[in_graph.strategy].unavailable(comm, a.device, a.dtype):
+            STRATEGIES[in_graph.strategy].prepare(comm)  # collective: every rank makes this call with this shape
     return found
-
-
-def _recorded(comm: C.Communicator, op: str, a: torch.Tensor, out_shape: tuple[int, ...]) -> Any:
-    """The copy-engine strategy communicates outside the verbs: it counts and is recorded like a
-    collective (``collectives.dispatch.recorded``), its result described by a meta tensor."""
-    return recorded(comm, op, "copy_engine", torch.empty(out_shape, dtype=a.dtype, device="meta"), a)
-
-
-# -- asynchronous collectives for the chunked strategy ---------------------------------------------
-class _Side:
-    """Runs each collective asynchronously after the work queued so far: NCCL on its own stream
-    (ordered after the current stream's work by the backend), Gloo on its threads.
-
-    ``run`` returns a handle whose ``wait()`` makes the caller's later work wait for that
-    collective only (on CUDA by ordering the current stream, not by blocking the host); ``join``
-    waits for all of them.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.works: list[Any] = []
-        # Collectives that run beside a GEMM must leave it the SMs: NCCL's kernels take a few
-        # blocks, while our peer-memory kernels take up to 128 and spin while they wait for a
-        # peer; chunked with auto's peer-memory algorithms measured 3-10x slower than the plain
-        # sequence on 2xH200 (launch/bench_overlap.py, 2026-11-30). So on CUDA: NCCL, started
-        # asynchronously, which costs the host one call and no stream switching.
-        self.algorithm = "native" if device.type == "cuda" else "auto"
-
-    def run(self, fn: Any) -> Any:
-        work = fn(True)
-        self.works.append(work)
-        return work
-
-    def join(self) -> None:
-        for w in self.works:
-            if w is not None:
-                w.wait()
-        self.works.clear()
-
-
-def _bounds(n: int, chunks: int) -> list[tuple[int, int]]:
-    """At most ``chunks`` [lo, hi) ranges of ``n`` items, of ceil(n / chunks) each but the last; none empty."""
-    step = max(1, -(-n // chunks))
-    return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
 
 
 # -- operators -------------------------------------------------------------------------------------
@@ -276,23 +229,8 @@ def _gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group: Any, bias: torch.T
     """The primitive of ``gemm_all_reduce`` (see there), without autograd."""
     comm = C.get_communicator(group)
     choice = _LAST[comm] = _strategy("gemm_all_reduce", comm, strategy, chunks, a, b, a.numel() // max(1, a.shape[-1]))
-    if choice.strategy == "sequential":
-        out = torch.matmul(a, b)
-        C.all_reduce(out, group=group)
-    elif choice.strategy == "copy_engine":
-        a2 = a.reshape(-1, a.shape[-1]).contiguous()
-        with _recorded(comm, "gemm_all_reduce", a2, (a2.shape[0], b.shape[1])):
-            out = _copy_engine.gemm_all_reduce(peer_memory(comm), a2, b, choice.chunks).view(*a.shape[:-1], b.shape[1])
-    else:
-        a2 = a.reshape(-1, a.shape[-1])
-        out2 = a2.new_empty((a2.shape[0], b.shape[1]))
-        side = _Side(a.device)
-        for lo, hi in _bounds(a2.shape[0], choice.chunks):
-            part = out2[lo:hi]
-            torch.matmul(a2[lo:hi], b, out=part)
-            side.run(lambda asy, p=part: C.all_reduce(p, group=group, async_op=asy, algorithm=side.algorithm))
-        side.join()
-        out = out2.view(*a.shape[:-1], b.shape[1])
+    a2 = a.reshape(-1, a.shape[-1])
+    out = STRATEGIES[choice.strategy].gemm_all_reduce(comm, a2, b, choice.chunks).view(*a.shape[:-1], b.shape[1])
     return out if bias is None else out + bias
 
 
@@ -308,28 +246,7 @@ def _gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: Any, scatter_d
     choice = _LAST[comm] = _strategy("gemm_reduce_scatter", comm, strategy, chunks, a, b, a.numel() // max(1, a.shape[-1]))
     lead = a.movedim(d, 0)
     rows = lead.reshape(-1, a.shape[-1])  # the scattered dimension first, flattened with the others
-    m = rows.shape[0]
-    if choice.strategy == "sequential":
-        full = torch.matmul(rows, b)
-        out2 = full.new_empty((m // w, b.shape[1]))
-        C.reduce_scatter_single(out2, full, group=group)
-    elif choice.strategy == "copy_engine":
-        with _recorded(comm, "gemm_reduce_scatter", rows, (m // w, b.shape[1])):
-            out2 = _copy_engine.gemm_reduce_scatter(peer_memory(comm), rows.contiguous(), b, choice.chunks)
-    else:
-        n = b.shape[1]
-        out2 = rows.new_empty((m // w, n))
-        side = _Side(a.device)
-        parts = []
-        for lo, hi in _bounds(n, choice.chunks):
-            full = torch.matmul(rows, b[:, lo:hi])
-            shard = full.new_empty((m // w, hi - lo))
-            side.run(lambda asy, s=shard, f=full: C.reduce_scatter_single(s, f, group=group, async_op=asy,
-                                                                          algorithm=side.algorithm))
-            parts.append((lo, hi, shard))
-        side.join()
-        for lo, hi, shard in parts:
-            out2[:, lo:hi] = shard
+    out2 = STRATEGIES[choice.strategy].gemm_reduce_scatter(comm, rows, b, choice.chunks)
     return out2.view(lead.shape[0] // w, *lead.shape[1:-1], b.shape[1]).movedim(0, d)
 
 
@@ -344,36 +261,8 @@ def _all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: Any, gather_
                                      a_shard.numel() // max(1, a_shard.shape[-1]) * w)
     lead = a_shard.movedim(d, 0)
     rows = lead.reshape(-1, a_shard.shape[-1]).contiguous()
-    m, n = rows.shape[0], b.shape[1]
-    full: torch.Tensor | None
-    if choice.strategy == "sequential":
-        full = rows.new_empty((m * w, rows.shape[1]))
-        C.all_gather_single(full, rows, group=group)
-        out2 = torch.matmul(full, b)
-    elif choice.strategy == "copy_engine":
-        with _recorded(comm, "all_gather_gemm", rows, (m * w, n)):
-            out2, kept = _copy_engine.all_gather_gemm(peer_memory(comm), rows, b, choice.chunks, keep_gathered)
-        full = None if kept is None else kept.view(m * w, -1)
-    else:
-        full = rows.new_empty((w, m, rows.shape[1])) if keep_gathered else None
-        out2 = rows.new_empty((m * w, n))
-        by_rank = out2.view(w, m, n)
-        side = _Side(a_shard.device)
-        gathered = []
-        for lo, hi in _bounds(m, choice.chunks):
-            g = rows.new_empty((w, hi - lo, rows.shape[1]))
-            part = rows[lo:hi].contiguous()
-            handle = side.run(lambda asy, g=g, p=part: C.all_gather_single(g.view(-1, p.shape[1]), p, group=group,
-                                                                           async_op=asy, algorithm=side.algorithm))
-            gathered.append((lo, hi, g, handle))
-        for lo, hi, g, handle in gathered:  # each chunk's GEMM waits for its own gather only
-            if handle is not None:
-                handle.wait()
-            by_rank[:, lo:hi] = torch.matmul(g, b)
-            if full is not None:
-                full[:, lo:hi] = g
-        side.join()
-        full = None if full is None else full.view(m * w, -1)
+    n = b.shape[1]
+    out2, full = STRATEGIES[choice.strategy].all_gather_gemm(comm, rows, b, choice.chunks, keep_gathered)
     out = out2.view(lead.shape[0] * w, *lead.shape[1:-1], n).movedim(0, d)
     if d:  # the plain sequence's matmul returns a contiguous result: so do we
         out = out.contiguous()
