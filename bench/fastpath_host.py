@@ -89,6 +89,9 @@ def _base_native(rev: str, repo: Path, where: Path) -> ModuleType:
         raise ImportError(f"cannot load {src}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    owners = getattr(module, "_OWNERS", None)
+    if owners is not None:  # a revision whose modules name themselves to _native (provide): to the loaded one too
+        owners.update(_native._OWNERS)
     return module
 
 

@@ -19,10 +19,25 @@ import torch.nn.functional as F
 
 import collectives as C
 from collectives.errors import InvalidArgumentError, UnsupportedError
-from overlap.moe import GroupedSwiGLU, MoEDispatcher, reference_moe
+from overlap.moe import GroupedSwiGLU, MoEDispatcher, MoELayer, reference_moe
 from tests.mp import messages
 
 H = 6
+
+
+def sharded_layer(rank: int, world: int, hidden: int, E: int, k: int, FF: int,
+                  **options: Any) -> tuple[Any, torch.nn.Linear, GroupedSwiGLU]:
+    """A float64 ``MoELayer`` holding rank ``rank``'s experts of one whole expert set, the router
+    and the whole set (for the single-process reference); seed torch first, alike on every rank."""
+    router = torch.nn.Linear(hidden, E, bias=False).double()
+    full = GroupedSwiGLU(E, hidden, FF, dtype=torch.float64)
+    layer = MoELayer(hidden, FF, E, k, dtype=torch.float64, **options)
+    lo = rank * (E // world)
+    with torch.no_grad():
+        layer.router.weight.copy_(router.weight)
+        for name in ("w1", "w2", "w3"):
+            getattr(layer.experts, name).copy_(getattr(full, name)[lo:lo + E // world])
+    return layer, router, full
 
 
 def _expert_params(e: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,18 +248,10 @@ def test_a_transports_options_object_replaces_its_keyword_arguments(worlds) -> N
 def _layer_case(rank: int, world: int, tokens: list[int], capacity: float | None, routing: str = "auto") -> float:
     import torch.nn.functional as F
 
-    from overlap.layers import MoELayer
-
     torch.manual_seed(4321)  # the same reference on every rank
     E, k, FF = 2 * world, 2, 10
-    router = torch.nn.Linear(H, E, bias=False).double()
-    full = GroupedSwiGLU(E, H, FF, dtype=torch.float64)
-    layer = MoELayer(H, FF, E, k, dtype=torch.float64, capacity_factor=capacity, routing=routing)
+    layer, router, full = sharded_layer(rank, world, H, E, k, FF, capacity_factor=capacity, routing=routing)
     lo = rank * (E // world)
-    with torch.no_grad():
-        layer.router.weight.copy_(router.weight)
-        for name in ("w1", "w2", "w3"):
-            getattr(layer.experts, name).copy_(getattr(full, name)[lo:lo + E // world])
 
     def data(q: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(77 + q)

@@ -25,10 +25,11 @@ import torch.nn.functional as F
 
 import collectives as C
 from collectives.errors import UnsupportedError
-from overlap.moe import GroupedSwiGLU, MoEDispatcher, MoELayer, reference_moe
+from overlap.moe import MoEDispatcher, reference_moe
 from overlap.moe.handles import DispatchHandle
 from overlap.moe.routing import route_on_host
 from overlap.moe.transport import CombineGrads, Experts, Transport, register_transport, unregister_transport
+from tests.test_overlap_moe import sharded_layer
 
 NAME = "plain_all_to_all"
 H = 5  # an odd width
@@ -240,14 +241,8 @@ def _layer_case(rank: int, world: int, seed: int, chunks: int | str) -> float:
         torch.manual_seed(900 + seed)  # the same reference on every rank
         E, k, FF = 3 * world, 2, 7
         tokens = _tokens(world, seed)
-        router = torch.nn.Linear(H, E, bias=False).double()
-        full = GroupedSwiGLU(E, H, FF, dtype=torch.float64)
-        layer = MoELayer(H, FF, E, k, dtype=torch.float64, transport=NAME, chunks=chunks)
+        layer, router, full = sharded_layer(rank, world, H, E, k, FF, transport=NAME, chunks=chunks)
         lo = rank * (E // world)
-        with torch.no_grad():
-            layer.router.weight.copy_(router.weight)
-            for name in ("w1", "w2", "w3"):
-                getattr(layer.experts, name).copy_(getattr(full, name)[lo:lo + E // world])
 
         def data(q: int) -> tuple[torch.Tensor, torch.Tensor]:
             g = torch.Generator().manual_seed(seed * 31 + q)
