@@ -1,7 +1,7 @@
 /* The dispatcher's fast path for repeated small GPU collectives, compiled (collectives/_native.py).
 
    It does exactly what the Python fast path in collectives/dispatch.py (dispatch_tensors) and the
-   prepared runner of collectives/peer/memory.py (PeerMemory.runner) do, on the same tables, so
+   prepared runner of collectives/algos/_peer.py (PeerAlgorithm.runner) do, on the same tables, so
    that either can serve any call and both see the same state:
 
      fast_dispatch(comm, op, output, input, reduce_op, algorithm)

@@ -1,10 +1,10 @@
 """A stand-in for the peer MoE transport's memory and kernels on CPU threads.
 
 Every rank is a thread; its slot buffer is a CPU byte tensor every rank can read, ``ce_open`` is
-a barrier of the threads, and each kernel of ``collectives/peer/kernels.cu`` that
+a barrier of the threads, and each kernel of ``overlap/moe/rows.cu`` that
 the peer transport (``overlap/moe/peer_kernels.py``, ``pipeline.py``,
 ``peer_rows.py``) launches is done here, at once, by plain loops over the same
-addresses (the launch's pointers are host addresses on CPU), as its comment in kernels.cu
+addresses (the launch's pointers are host addresses on CPU), as its comment in rows.cu
 specifies. What this checks is the Python side: regions, offsets, the order of calls and
 barriers, the autograd wiring; the kernels themselves are checked on GPUs
 (``tests/gpu_overlap_check.py``).

@@ -1,7 +1,7 @@
 """The peer MoE transport's plan (``overlap.moe.peer_plan.plan``), run by a stand-in of its three
 kernels on CPU tensors, one rank after another between the barriers.
 
-The stand-in does what overlap/_moe_rows.cu's ``rows_gather``, ``rows_partial`` and ``rows_sum``
+The stand-in does what overlap/moe/rows.cu's ``rows_gather``, ``rows_partial`` and ``rows_sum``
 are documented to do with the plan's index arrays; the expected ``recv_x`` and combined output come
 from the definitions of dispatch and combine (rank q's rows grouped by q's local expert, then
 source rank, then token; each expert keeps its first pairs in token order up to the capacity),

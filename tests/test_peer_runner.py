@@ -395,7 +395,7 @@ def test_memory_operations_bind_a_context_once_and_report_errors(monkeypatch: py
         _launch.write_value(7, 40, 5)
 
 
-def test_kernels_are_made_once_per_source_and_the_transitional_name_finds_the_rows(
+def test_kernels_are_made_once_per_source(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     made: list[tuple[Any, ...]] = []
 

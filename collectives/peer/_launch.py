@@ -2,7 +2,7 @@
 
 A module is one source compiled after the common header ``peer.cuh`` (types, flags, the
 barrier, packs, ``struct Ctx``): ``kernels.cu`` for the collectives, or another source that
-ships its own kernels against the same context (``overlap/_moe_rows.cu``, the MoE row kernels).
+ships its own kernels against the same context (``overlap/moe/rows.cu``, the MoE row kernels).
 The header and the source are concatenated into one text, each behind a ``#line`` directive
 that names its file (an ``#include`` would need an include path that NVRTC resolves the same
 way wherever the package is installed). Each module is compiled by NVRTC (through CuPy) on first

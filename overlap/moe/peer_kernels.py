@@ -1,4 +1,4 @@
-"""The peer transport's buffer and the launch of each of its row kernels (``collectives/peer/kernels.cu``).
+"""The peer transport's buffer and the launch of each of its row kernels (``overlap/moe/rows.cu``).
 
 Design note. ``RowKernels`` owns one dispatcher's peer buffer (``PeerMemory``) and turns tensors
 and regions of the buffer into the pointers, sizes and stream each row kernel takes: one method
@@ -35,7 +35,7 @@ _THREADS = 32 * _WARPS_PER_BLOCK
 MAX_GRID = 256
 # the dense kernels split an item's row over up to this many warps when items are few (decode)
 _ROW_SLICES = 8
-LAYOUT_TILE = 512  # tokens per block of rows_ids and rows_layout (kernels.cu)
+LAYOUT_TILE = 512  # tokens per block of rows_ids and rows_layout (rows.cu)
 
 
 class RowKernels:
@@ -176,7 +176,7 @@ class RowKernels:
                              self.world * self.e_loc, repeated=not bad[BAD_RANGE])
 
     def _geo(self, cap: int = 0, only: int | None = None, by_source: bool = False) -> int:
-        """The kernels' layout word (kernels.cu): k, the local experts, a source filter (``only``:
+        """The kernels' layout word (rows.cu): k, the local experts, a source filter (``only``:
         source rank ``only``'s tokens alone, for the kernels that take one), the compact layout's
         order (``by_source``: each source's rows together, grouped by expert) and ``cap`` (0: compact)."""
         return (self.top_k | (self.e_loc << 8) | ((0 if only is None else only + 1) << 24) | (int(by_source) << 31)

@@ -5,7 +5,7 @@ and where its partial rows go (:func:`plan`, from every rank's routing), applyin
 capacity limit itself; ``build`` puts the plan's arrays, already on the device, in a
 ``PeerPlan``. Dropless, the routing is laid out on the GPUs instead, and ``DeviceLayout`` holds
 what the layout kernels worked out. The sizes here (``layout_bytes``, ``buffer_bytes``,
-``ce_block``) are the peer buffer's map; the constants shared with ``kernels.cu`` are checked
+``ce_block``) are the peer buffer's map; the constants shared with ``rows.cu`` are checked
 against it by ``tests/test_peer_constants.py``. Nothing here launches a kernel.
 """
 
@@ -169,8 +169,8 @@ def layout_bytes(world: int, max_tokens: int, top_k: int, row_bytes: int) -> tup
     return wb, ib, half
 
 
-IDS_HEADER = 16  # ints before the ids in I (kernels.cu)
-MAX_BASE = 4096  # local experts x ranks the device-side layout serves (kernels.cu)
+IDS_HEADER = 16  # ints before the ids in I (rows.cu)
+MAX_BASE = 4096  # local experts x ranks the device-side layout serves (rows.cu)
 BAD_RANGE, BAD_REPEAT = 0, 1  # error words after info's counts
 MAX_CHUNKS = 8  # the most chunks of a pipelined forward over the device-side layout
 
@@ -181,7 +181,7 @@ def errors_at(world: int, e_loc: int) -> int:
 
 
 def totals_at(world: int, e_loc: int) -> int:
-    """Where info's per-local-expert totals (int64) start, in ints (kernels.cu's totals_at)."""
+    """Where info's per-local-expert totals (int64) start, in ints (rows.cu's totals_at)."""
     return (errors_at(world, e_loc) + 2 + 1) // 2 * 2
 
 

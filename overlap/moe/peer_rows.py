@@ -4,7 +4,7 @@ Design note. Over ``all_to_all_single`` a dispatch costs three passes over every
 expert) row: a gather into per-destination order, the transfer, and a regroup by expert; and a
 token bound for four experts of one rank crosses the link four times. Here each rank copies its
 tokens once into its own peer buffer, and every rank *pulls* what it needs with one kernel
-(``rows_gather`` in ``collectives/peer/kernels.cu``): each (source rank, token) it needs is read
+(``rows_gather`` in ``overlap/moe/rows.cu``): each (source rank, token) it needs is read
 once, over NVLink when the source is a peer, and written straight into every ``recv_x`` row that
 wants it. Combine is the mirror image: the experts' rank sums, per (token, source rank), the
 weighted rows of its own experts (``rows_partial``, the weights read from the token's rank),

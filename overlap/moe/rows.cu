@@ -1,4 +1,4 @@
-// The MoE row kernels of overlap/_moe_peer.py: indexed row copies and weighted row sums between
+// The MoE row kernels of overlap/moe/ (peer_kernels.py, peer_rows.py, pipeline.py): indexed row copies and weighted row sums between
 // the ranks' slot buffers, and the routing laid out on the device.
 //
 // Compiled after collectives/peer/peer.cuh (collectives/peer/_launch.py: the two texts
@@ -7,7 +7,7 @@
 
 // ---- rows: indexed row copies and weighted row sums between ranks' slot buffers ----------------
 //
-// For expert-parallel dispatch and combine (overlap/_moe_peer.py). A row is `row` elements; one
+// For expert-parallel dispatch and combine (overlap/moe/ (peer_kernels.py, peer_rows.py, pipeline.py)). A row is `row` elements; one
 // warp handles one item at a time (warp w of the grid takes items w, w + warps, ...), its lanes
 // striding over the row's 16-byte packs. None of these kernels waits: the caller orders them
 // between ce_fence barriers, and they do nothing once a wait has failed (err_dev set).
