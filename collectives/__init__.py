@@ -24,6 +24,7 @@ from ._types import DATA_OPS, OPS, REDUCE_OPS, ReduceOp
 from .algos import for_op
 from .bootstrap import LaunchInfo, init
 from .communicator import Communicator, destroy, get_communicator
+from . import _ops
 from . import dispatch as _dispatch
 from .dispatch import Call, add_trace_hook, dispatch_tensors, remove_trace_hook
 from .errors import (
@@ -57,6 +58,9 @@ __all__ = [
 ]
 
 Group = dist.ProcessGroup | None
+# True while torch.compile traces (a constant in the trace): the verbs then trace to the
+# torch.ops.commops ops (collectives/_ops.py); eagerly, one call of about 0.07 us.
+_compiling = torch.compiler.is_compiling
 
 
 def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Group = None, async_op: bool = False, *,
@@ -70,6 +74,8 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Group = None
         async_op: return a :class:`Work` handle instead of waiting.
         algorithm: "auto" or a name from :func:`algorithms` ("all_reduce").
     """
+    if _compiling():
+        return _ops.traced_all_reduce(tensor, op, group, async_op, algorithm)
     fast = _dispatch._native_verb  # a repeat, compiled (collectives/_native.py); None: it is not one
     if fast is not None and fast("all_reduce", tensor, tensor, op, group, async_op, algorithm) is None:
         return None
@@ -80,6 +86,8 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Group = None
 def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM, group: Group = None,
                           async_op: bool = False, *, algorithm: str = "auto") -> Work | None:
     """Reduce ``input`` ([world * n]) across ranks; rank r receives elements [r*n, (r+1)*n) into ``output`` ([n])."""
+    if _compiling():
+        return _ops.traced_reduce_scatter(output, input, op, group, async_op, algorithm)
     fast = _dispatch._native_verb
     if fast is not None and fast("reduce_scatter", output, input, op, group, async_op, algorithm) is None:
         return None
@@ -90,6 +98,8 @@ def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: Any = R
 def all_gather_single(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Group = None,
                       async_op: bool = False, *, algorithm: str = "auto") -> Work | None:
     """Gather every rank's ``input_tensor`` ([n]) in rank order into ``output_tensor`` ([world * n])."""
+    if _compiling():
+        return _ops.traced_all_gather(output_tensor, input_tensor, group, async_op, algorithm)
     fast = _dispatch._native_verb
     if fast is not None and fast("all_gather", output_tensor, input_tensor, None, group, async_op, algorithm) is None:
         return None
@@ -108,6 +118,9 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     """Exchange rows of ``input`` (dim 0): ``input_split_sizes[q]`` rows go to rank q, and
     ``output_split_sizes[q]`` rows from rank q land in ``output``, in rank order. ``None`` splits
     dim 0 evenly. Uneven and zero-length splits are allowed (not with ``algorithm="bruck"``)."""
+    if _compiling():
+        return _ops.traced_all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, async_op,
+                                             algorithm)
     return get_communicator(group).all_to_all_single(output, input, output_split_sizes, input_split_sizes,
                                                      async_op, algorithm=algorithm)
 
@@ -115,6 +128,8 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
 def broadcast(tensor: torch.Tensor, src: int | None = None, group: Group = None, async_op: bool = False, *,
               group_src: int | None = None, algorithm: str = "auto") -> Work | None:
     """Copy ``tensor`` from global rank ``src`` (or group rank ``group_src``) to every rank, in place."""
+    if _compiling():
+        return _ops.traced_broadcast(tensor, src, group, async_op, group_src, algorithm)
     return get_communicator(group).broadcast(tensor, src, async_op, group_src=group_src, algorithm=algorithm)
 
 
@@ -125,11 +140,15 @@ def reduce(tensor: torch.Tensor, dst: int | None = None, op: Any = ReduceOp.SUM,
     Only ``dst``'s tensor holds the result; with commops' own algorithms the other ranks' tensors
     are left unchanged (the backends' own may use them as scratch).
     """
+    if _compiling():
+        return _ops.traced_reduce(tensor, dst, op, group, async_op, group_dst, algorithm)
     return get_communicator(group).reduce(tensor, dst, op, async_op, group_dst=group_dst, algorithm=algorithm)
 
 
 def barrier(group: Group = None, async_op: bool = False) -> Work | None:
     """Wait until every rank of ``group`` has called ``barrier``."""
+    if _compiling():
+        return _ops.traced_barrier(group, async_op)
     return get_communicator(group).barrier(async_op)
 
 

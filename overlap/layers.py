@@ -69,10 +69,11 @@ class _ScatterLastDim(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        comm = C.get_communicator(group)
-        ctx.group, ctx.world = group, comm.size
-        n = x.shape[-1] // comm.size
-        return x[..., comm.rank * n:(comm.rank + 1) * n].contiguous()
+        # torch.distributed's rank queries, not the communicator's: torch.compile reads them as constants
+        rank, ctx.world = dist.get_rank(group), dist.get_world_size(group)
+        ctx.group = group
+        n = x.shape[-1] // ctx.world
+        return x[..., rank * n:(rank + 1) * n].contiguous()
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> Any:
@@ -87,10 +88,9 @@ class _GatherLastDim(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        comm = C.get_communicator(group)
-        ctx.rank, ctx.n = comm.rank, x.shape[-1]
+        ctx.rank, ctx.n = dist.get_rank(group), x.shape[-1]
         parts = x.movedim(-1, 0).contiguous()
-        full = parts.new_empty((parts.shape[0] * comm.size, *parts.shape[1:]))
+        full = parts.new_empty((parts.shape[0] * dist.get_world_size(group), *parts.shape[1:]))
         C.all_gather_single(full, parts, group=group)
         return full.movedim(0, -1)
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 import collectives as C
 from collectives import _env
+from collectives import _ops as _c_ops
 from collectives.errors import InvalidArgumentError, UnsupportedError
 
 from .strategies import REGISTRY
@@ -269,78 +270,154 @@ def _all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: Any, gather_
     return (out, full) if keep_gathered else out
 
 
-# -- autograd --------------------------------------------------------------------------------------
-# Backward passes follow the tensor-parallel convention (Megatron's mappings): an all-reduced
-# result is the same on every rank and its loss is counted once, so its gradient needs no
-# communication; a reduce-scattered or all-gathered result is a different slice on every rank,
-# so its gradient is all-gathered, resp. reduce-scattered, overlapped with the GEMM it feeds.
+# -- ops and autograd ------------------------------------------------------------------------------
+# Each operator is also a torch.library op of collectives' namespace (torch.ops.commops.<name>,
+# collectives/_ops.py says how ops name their group), with a shape-only fake implementation and
+# its gradient registered: torch.compile keeps it in the graph, backward passes included, and
+# the strategy is still chosen inside it when it runs. Backward passes follow the tensor-parallel
+# convention (Megatron's mappings): an all-reduced result is the same on every rank and its loss
+# is counted once, so its gradient needs no communication; a reduce-scattered or all-gathered
+# result is a different slice on every rank, so its gradient is all-gathered, resp.
+# reduce-scattered, overlapped with the GEMM it feeds. Results have the plain sequences' layouts.
+_LIB = torch.library.Library("commops", "FRAGMENT")
+SCHEMAS = {
+    "gemm_all_reduce": "(Tensor a, Tensor b, Tensor? bias, str group, str strategy, int chunks) -> Tensor",
+    "gemm_reduce_scatter": "(Tensor a, Tensor b, int scatter_dim, str group, str strategy, int chunks) -> Tensor",
+    # the gathered operand too, as rows [world * m, K]: the weight gradient's
+    "all_gather_gemm": "(Tensor a_shard, Tensor b, int gather_dim, str group, str strategy, int chunks) "
+                       "-> (Tensor, Tensor)",
+}
+
+
+def _group(name: str) -> Any:
+    return _c_ops.communicator(name).group
+
+
+def _op_gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group: str, strategy: str,
+                        chunks: int) -> torch.Tensor:
+    return _gemm_all_reduce(a, b, _group(group), bias, strategy, chunks).contiguous()
+
+
+def _op_gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, scatter_dim: int, group: str, strategy: str,
+                            chunks: int) -> torch.Tensor:
+    return _gemm_reduce_scatter(a, b, _group(group), scatter_dim, strategy, chunks)
+
+
+def _op_all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, gather_dim: int, group: str, strategy: str,
+                        chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    out, full = _all_gather_gemm(a_shard, b, _group(group), gather_dim, strategy, chunks, keep_gathered=True)
+    return out.contiguous(), full.contiguous()
+
+
+def _result_shape(a: torch.Tensor, b: torch.Tensor, dim: int | None = None, factor: float = 1) -> list[int]:
+    shape = [*a.shape[:-1], b.shape[1]]
+    if dim is not None:
+        shape[dim] = int(shape[dim] * factor)
+    return shape
+
+
+def _fake_gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group: str, strategy: str,
+                          chunks: int) -> torch.Tensor:
+    return a.new_empty(_result_shape(a, b))
+
+
+def _fake_gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, scatter_dim: int, group: str, strategy: str,
+                              chunks: int) -> torch.Tensor:
+    d = _check_dim("scatter_dim", scatter_dim, a, a.dim() - 1)
+    w = _c_ops._size(group)
+    if a.shape[d] % w:
+        raise InvalidArgumentError("scatter_dim", scatter_dim, f"has size {a.shape[d]}, which {w} ranks do not divide",
+                                   f"make dimension {scatter_dim} a multiple of {w} or scatter along another")
+    # the plain sequence's layout: the scattered dimension outermost in memory
+    shape = _result_shape(a, b, d, 1 / w)
+    return a.new_empty((shape[d], *shape[:d], *shape[d + 1:])).movedim(0, d)
+
+
+def _fake_all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, gather_dim: int, group: str, strategy: str,
+                          chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    d = _check_dim("gather_dim", gather_dim, a_shard, a_shard.dim() - 1)
+    w = _c_ops._size(group)
+    rows = a_shard.numel() // max(1, a_shard.shape[-1]) * w
+    return a_shard.new_empty(_result_shape(a_shard, b, d, w)), a_shard.new_empty((rows, a_shard.shape[-1]))
+
 
 def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
     return t.movedim(d, 0).reshape(-1, t.shape[-1])
 
 
-class _GemmAllReduceFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group: Any, strategy: str,
-                chunks: int) -> torch.Tensor:
-        ctx.save_for_backward(a, b)
-        ctx.bias_shape = None if bias is None else bias.shape
-        return _gemm_all_reduce(a, b, group, bias, strategy, chunks)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        a, b = ctx.saved_tensors
-        ga = torch.matmul(g, b.t()) if ctx.needs_input_grad[0] else None
-        gb = _rows(a, 0).t() @ _rows(g, 0) if ctx.needs_input_grad[1] else None
-        gbias = None
-        if ctx.bias_shape is not None and ctx.needs_input_grad[2]:
-            gbias = g.sum_to_size(ctx.bias_shape)
-        return ga, gb, gbias, None, None, None
+def _setup_gemm_all_reduce(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    a, b, bias = inputs[:3]
+    ctx.save_for_backward(a, b)
+    ctx.bias_shape = None if bias is None else bias.shape
 
 
-class _GemmReduceScatterFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, group: Any, dim: int, strategy: str,
-                chunks: int) -> torch.Tensor:
-        ctx.save_for_backward(a, b)
-        ctx.group, ctx.dim, ctx.strategy, ctx.chunks = group, dim, strategy, chunks
-        return _gemm_reduce_scatter(a, b, group, dim, strategy, chunks)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        a, b = ctx.saved_tensors
-        d = ctx.dim % (a.dim())
-        # the gradient's all-gather, overlapped with the data-gradient GEMM
-        ga, g_rows = _all_gather_gemm(g.contiguous(), b.t(), ctx.group, d, ctx.strategy, ctx.chunks, keep_gathered=True)
-        gb = _rows(a, d).t() @ g_rows if ctx.needs_input_grad[1] else None
-        return (ga if ctx.needs_input_grad[0] else None), gb, None, None, None, None
+def _backward_gemm_all_reduce(ctx: Any, g: torch.Tensor) -> Any:
+    a, b = ctx.saved_tensors
+    ga = torch.matmul(g, b.t()) if ctx.needs_input_grad[0] else None
+    gb = _rows(a, 0).t() @ _rows(g, 0) if ctx.needs_input_grad[1] else None
+    gbias = g.sum_to_size(ctx.bias_shape) if ctx.bias_shape is not None and ctx.needs_input_grad[2] else None
+    return ga, gb, gbias, None, None, None
 
 
-class _AllGatherGemmFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, a_shard: torch.Tensor, b: torch.Tensor, group: Any, dim: int, strategy: str,
-                chunks: int) -> torch.Tensor:
-        out, full_rows = _all_gather_gemm(a_shard, b, group, dim, strategy, chunks, keep_gathered=True)
-        ctx.save_for_backward(full_rows, b)
-        ctx.group, ctx.dim, ctx.strategy, ctx.chunks = group, dim, strategy, chunks
-        return out
+def _setup_gemm_reduce_scatter(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    a, b, ctx.dim, ctx.group, ctx.strategy, ctx.chunks = inputs
+    ctx.save_for_backward(a, b)
 
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        full_rows, b = ctx.saved_tensors
-        d = ctx.dim % (g.dim())
-        gb = full_rows.t() @ _rows(g, d) if ctx.needs_input_grad[1] else None
-        # the data gradient's reduce-scatter, overlapped with its GEMM
-        ga = _gemm_reduce_scatter(g.contiguous(), b.t(), ctx.group, d, ctx.strategy, ctx.chunks) \
-            if ctx.needs_input_grad[0] else None
-        return ga, gb, None, None, None, None
+
+def _backward_gemm_reduce_scatter(ctx: Any, g: torch.Tensor) -> Any:
+    a, b = ctx.saved_tensors
+    d = ctx.dim % a.dim()
+    # the gradient's all-gather, overlapped with the data-gradient GEMM
+    ga, g_rows = torch.ops.commops.all_gather_gemm(g.contiguous(), b.t().contiguous(), d, ctx.group, ctx.strategy,
+                                                   ctx.chunks)
+    gb = _rows(a, d).t() @ g_rows if ctx.needs_input_grad[1] else None
+    return (ga if ctx.needs_input_grad[0] else None), gb, None, None, None, None
+
+
+def _setup_all_gather_gemm(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    _, b, ctx.dim, ctx.group, ctx.strategy, ctx.chunks = inputs
+    ctx.save_for_backward(output[1], b)
+
+
+def _backward_all_gather_gemm(ctx: Any, g: torch.Tensor, _g_gathered: Any) -> Any:
+    full_rows, b = ctx.saved_tensors
+    d = ctx.dim % g.dim()
+    gb = full_rows.t() @ _rows(g, d) if ctx.needs_input_grad[1] else None
+    # the data gradient's reduce-scatter, overlapped with its GEMM
+    ga = torch.ops.commops.gemm_reduce_scatter(g.contiguous(), b.t().contiguous(), d, ctx.group, ctx.strategy,
+                                               ctx.chunks) if ctx.needs_input_grad[0] else None
+    return ga, gb, None, None, None, None
+
+
+def _register() -> None:
+    kernels = {"gemm_all_reduce": _op_gemm_all_reduce, "gemm_reduce_scatter": _op_gemm_reduce_scatter,
+               "all_gather_gemm": _op_all_gather_gemm}
+    fakes = {"gemm_all_reduce": _fake_gemm_all_reduce, "gemm_reduce_scatter": _fake_gemm_reduce_scatter,
+             "all_gather_gemm": _fake_all_gather_gemm}
+    gradients = {"gemm_all_reduce": (_backward_gemm_all_reduce, _setup_gemm_all_reduce),
+                 "gemm_reduce_scatter": (_backward_gemm_reduce_scatter, _setup_gemm_reduce_scatter),
+                 "all_gather_gemm": (_backward_all_gather_gemm, _setup_all_gather_gemm)}
+    if _c_ops.defined("gemm_all_reduce"):  # this module imported again (its first copy's ops serve)
+        return
+    for name, schema in SCHEMAS.items():
+        _LIB.define(name + schema)
+        _LIB.impl(name, kernels[name], "CompositeExplicitAutograd")
+        torch.library.register_fake(f"commops::{name}", fakes[name], lib=_LIB)
+        backward, setup = gradients[name]
+        torch.library.register_autograd(f"commops::{name}", backward, setup_context=setup, lib=_LIB)
+
+
+_register()
 
 
 # -- public operators ------------------------------------------------------------------------------
-def _needs_grad(*ts: torch.Tensor | None) -> bool:
-    """Whether autograd must record the call: inference calls skip ``Function.apply``, a
-    measurable share of a decode-sized call's host time."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
+_compiling = torch.compiler.is_compiling
+
+
+def _direct(*ts: torch.Tensor | None) -> bool:
+    """Whether to run the primitive without the op: eager, and nothing for autograd to record
+    (the dispatcher's round trip is a measurable share of a decode-sized call's host time)."""
+    return not _compiling() and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts))
 
 
 def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group: Any = None, *, bias: torch.Tensor | None = None,
@@ -355,13 +432,13 @@ def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group: Any = None, *, bias
         strategy: "auto", "sequential", "chunked" (``chunks`` row blocks of ``a``) or "copy_engine"
             (``chunks`` per rank's row block).
     Returns:
-        A new ``[..., N]`` tensor, the same on every rank. Differentiable (``_GemmAllReduceFn``):
-        the backward pass communicates nothing.
+        A new ``[..., N]`` tensor, the same on every rank. The op ``torch.ops.commops.gemm_all_reduce``
+        paired with ``_backward_gemm_all_reduce``: the backward pass communicates nothing.
     """
     _check_operands("gemm_all_reduce", a, b)
-    if not _needs_grad(a, b, bias):
+    if _direct(a, b, bias):
         return _gemm_all_reduce(a, b, group, bias, strategy, chunks)
-    return _GemmAllReduceFn.apply(a, b, bias, group, strategy, chunks)
+    return torch.ops.commops.gemm_all_reduce(a, b, bias, _c_ops.group_name(group), strategy, chunks)
 
 
 def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: Any = None, *, scatter_dim: int = 0,
@@ -376,14 +453,14 @@ def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: Any = None, *, 
         strategy: "auto", "sequential", "chunked" (``chunks`` column blocks of ``b``) or
             "copy_engine" (``chunks`` per rank's row block).
     Returns:
-        This rank's slice: the result with ``scatter_dim`` divided by the group's size.
-        Differentiable (``_GemmReduceScatterFn``): the backward all-gathers the gradient,
-        overlapped with the data-gradient GEMM.
+        This rank's slice: the result with ``scatter_dim`` divided by the group's size. The op
+        ``torch.ops.commops.gemm_reduce_scatter`` paired with ``_backward_gemm_reduce_scatter``:
+        the backward all-gathers the gradient, overlapped with the data-gradient GEMM.
     """
     _check_operands("gemm_reduce_scatter", a, b)
-    if not _needs_grad(a, b):
+    if _direct(a, b):
         return _gemm_reduce_scatter(a, b, group, scatter_dim, strategy, chunks)
-    return _GemmReduceScatterFn.apply(a, b, group, scatter_dim, strategy, chunks)
+    return torch.ops.commops.gemm_reduce_scatter(a, b, scatter_dim, _c_ops.group_name(group), strategy, chunks)
 
 
 def all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: Any = None, *, gather_dim: int = 0,
@@ -397,11 +474,12 @@ def all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: Any = None, *
         strategy: "auto", "sequential", "chunked" or "copy_engine" (``chunks`` row blocks of every
             rank's slice).
     Returns:
-        ``[..., N]`` with ``gather_dim`` multiplied by the group's size. Differentiable
-        (``_AllGatherGemmFn``): the backward reduce-scatters the data gradient, overlapped with
-        its GEMM; it keeps the gathered operand for the weight gradient.
+        ``[..., N]`` with ``gather_dim`` multiplied by the group's size. The op
+        ``torch.ops.commops.all_gather_gemm`` paired with ``_backward_all_gather_gemm``: the
+        backward reduce-scatters the data gradient, overlapped with its GEMM; the gathered
+        operand is kept for the weight gradient.
     """
     _check_operands("all_gather_gemm", a_shard, b, "a_shard")
-    if not _needs_grad(a_shard, b):
+    if _direct(a_shard, b):
         return _all_gather_gemm(a_shard, b, group, gather_dim, strategy, chunks)
-    return _AllGatherGemmFn.apply(a_shard, b, group, gather_dim, strategy, chunks)
+    return torch.ops.commops.all_gather_gemm(a_shard, b, gather_dim, _c_ops.group_name(group), strategy, chunks)[0]

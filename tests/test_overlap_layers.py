@@ -14,12 +14,14 @@ from torch import nn
 
 import collectives as C
 from overlap.layers import ColumnParallelLinear, RowParallelLinear
+from tests._compiled import compile_checked
 from tests.mp import messages
 
 H, S, B = 6, 12, 2  # hidden, sequence (divisible by 2, 3, 4), batch
 
 
-def _mlp_case(rank: int, world: int, sequence_parallel: bool, strategy: str, variant: str) -> float:
+def _mlp_case(rank: int, world: int, sequence_parallel: bool, strategy: str, variant: str,
+              backend: str | None = None) -> float:
     ffn = 4 * world * 2
     torch.manual_seed(1234)  # the same full modules and data on every rank
     ref1 = nn.Linear(H, ffn).double()
@@ -40,7 +42,16 @@ def _mlp_case(rank: int, world: int, sequence_parallel: bool, strategy: str, var
         p.grad = None
     rows = slice(rank * S // world, (rank + 1) * S // world)
     xs = (x.detach()[rows] if sequence_parallel else x.detach()).clone().requires_grad_()
-    y = fc2(torch.nn.functional.gelu(fc1(xs)))
+    def mlp(t: torch.Tensor) -> torch.Tensor:
+        return fc2(torch.nn.functional.gelu(fc1(t)))
+
+    if backend is not None:
+        mlp, traced = compile_checked(mlp, backend, xs)  # type: ignore[assignment]
+        assert {"commops.all_gather_gemm", "commops.gemm_reduce_scatter"} <= traced if sequence_parallel \
+            else "commops.gemm_all_reduce" in traced, traced
+        for p in (*fc1.parameters(), *fc2.parameters()):  # explain ran the forward once
+            p.grad = None
+    y = mlp(xs)
     (y * (g[rows] if sequence_parallel else g)).sum().backward()
 
     f = fc1.out_per_rank

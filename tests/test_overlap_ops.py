@@ -16,6 +16,7 @@ import torch
 
 import collectives as C
 from overlap import ops
+from tests._compiled import compile_checked
 from tests.mp import messages
 
 K, N = 5, 7
@@ -38,11 +39,21 @@ def _same_layout(out: torch.Tensor, ref: torch.Tensor) -> None:
         (out.shape, out.dtype, out.stride(), ref.shape, ref.dtype, ref.stride())
 
 
-def _case_all_reduce(rank: int, world: int, strategy: str, chunks: int, shape: tuple[int, ...], seed: int) -> float:
+def _call(op: Any, backend: str | None, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``op(*args, **kwargs)``, eagerly or (``backend``) compiled with fullgraph, traced to its torch.ops op."""
+    if backend is None:
+        return op(*args, **kwargs)  # type: ignore[no-any-return]
+    compiled, traced = compile_checked(op, backend, *args, **kwargs)
+    assert f"commops.{op.__name__}" in traced, traced
+    return compiled(*args, **kwargs)  # type: ignore[no-any-return]
+
+
+def _case_all_reduce(rank: int, world: int, strategy: str, chunks: int, shape: tuple[int, ...], seed: int,
+                     backend: str | None = None) -> float:
     mine = _operands(rank, shape, seed)
     a, b = (t.float().requires_grad_() for t in mine[:2])
     bias = _operands(0, shape, seed)[2].float().requires_grad_()  # one bias, the same on every rank
-    out = ops.gemm_all_reduce(a, b, bias=bias, strategy=strategy, chunks=chunks)
+    out = _call(ops.gemm_all_reduce, backend, a, b, bias=bias, strategy=strategy, chunks=chunks)
     ref = ops.reference_gemm_all_reduce(a.detach(), b.detach(), bias=bias.detach())
     _same_layout(out, ref)
     G = _grad_out(tuple(out.shape), seed)  # the same on every rank: a replicated output's loss, counted once
@@ -60,9 +71,9 @@ def _case_all_reduce(rank: int, world: int, strategy: str, chunks: int, shape: t
 
 
 def _case_reduce_scatter(rank: int, world: int, strategy: str, chunks: int, shape: tuple[int, ...], dim: int,
-                         seed: int) -> float:
+                         seed: int, backend: str | None = None) -> float:
     a, b, _ = (t.float().requires_grad_() for t in _operands(rank, shape, seed))
-    out = ops.gemm_reduce_scatter(a, b, scatter_dim=dim, strategy=strategy, chunks=chunks)
+    out = _call(ops.gemm_reduce_scatter, backend, a, b, scatter_dim=dim, strategy=strategy, chunks=chunks)
     ref = ops.reference_gemm_reduce_scatter(a.detach(), b.detach(), scatter_dim=dim)
     _same_layout(out, ref)
     Gs = [_grad_out(tuple(out.shape), seed, q) for q in range(world)]  # each rank's slice feeds its own loss
@@ -79,9 +90,9 @@ def _case_reduce_scatter(rank: int, world: int, strategy: str, chunks: int, shap
 
 
 def _case_all_gather(rank: int, world: int, strategy: str, chunks: int, shape: tuple[int, ...], dim: int,
-                     seed: int) -> float:
+                     seed: int, backend: str | None = None) -> float:
     a, b, _ = (t.float().requires_grad_() for t in _operands(rank, shape, seed))
-    out = ops.all_gather_gemm(a, b, gather_dim=dim, strategy=strategy, chunks=chunks)
+    out = _call(ops.all_gather_gemm, backend, a, b, gather_dim=dim, strategy=strategy, chunks=chunks)
     ref = ops.reference_all_gather_gemm(a.detach(), b.detach(), gather_dim=dim)
     _same_layout(out, ref)
     Gs = [_grad_out(tuple(out.shape), seed, q) for q in range(world)]
