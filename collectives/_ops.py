@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from ._types import normalize_reduce_op
+from ._types import REDUCE_OPS, normalize_reduce_op, torch_reduce_op
 from .communicator import Communicator, get_communicator
 from .dispatch import dispatch_tensors
 from .errors import InvalidArgumentError, UnsupportedError
@@ -91,17 +91,18 @@ def group_name(group: Any) -> str:
     return str(group.group_name)
 
 
+def _process_group(name: str) -> dist.ProcessGroup | None:
+    # torch 2.13 types the name as GroupName, a NewType of str that 2.11 lacks
+    return None if name == "" else _resolve_process_group(name)  # type: ignore[arg-type]
+
+
 def communicator(name: str) -> Communicator:
     """The communicator of the group an op names (:func:`group_name`)."""
-    return get_communicator(None if name == "" else _resolve_process_group(name))
+    return get_communicator(_process_group(name))
 
 
 def _size(name: str) -> int:
-    return dist.get_world_size(None if name == "" else _resolve_process_group(name))
-
-
-def _rank(name: str) -> int:
-    return dist.get_rank(None if name == "" else _resolve_process_group(name))
+    return dist.get_world_size(_process_group(name))
 
 
 def _dim(name: str, dim: int, t: torch.Tensor) -> int:
@@ -349,8 +350,18 @@ class _Done(Work):
 DONE = _Done()
 
 
+# torch's reduce-op members and our names, scanned by identity: torch 2.11's Dynamo cannot hash
+# a member (a dict lookup breaks the graph) but compares objects by identity
+_MEMBERS = tuple((torch_reduce_op(name), name) for name in REDUCE_OPS)
+
+
 def _op_name(op: Any) -> str:
-    return op if isinstance(op, str) else normalize_reduce_op(op)
+    if isinstance(op, str):
+        return op
+    for member, name in _MEMBERS:
+        if op is member:
+            return name
+    return normalize_reduce_op(op)
 
 
 def traced_all_reduce(tensor: torch.Tensor, op: Any, group: Any, async_op: bool, algorithm: str) -> Work | None:
