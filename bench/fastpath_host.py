@@ -14,16 +14,22 @@ take turns on the same communicator, tensor and flight recorder: a round times o
 that module's own prepared runner. Each block must have run every call (``comm.seq`` moved by
 ``calls``): a side that misses, and so returns early, fails loudly instead of looking fast.
 
+The third entry, ``verb``, is ``collectives.all_reduce`` itself: the base revision's source of
+that function (defined over the working tree's package, so that the rest of the path is the
+same) against the working tree's, both reaching the working tree's build through
+``dispatch._native_verb``: what the verb's own Python adds to a repeated call.
+
 The per-call figures are medians over rounds; ``ratio`` is the median over rounds of head's
 time over base's in the same round (:func:`bench.harness.paired_ratio`), with its 10th and 90th
 percentiles. Tried and rejected: two processes, one per build, alternately (each process's
 share of a loaded 2-core machine differs from the other's; in one process both see the same
-stretch of it), and timing through ``collectives.all_reduce`` (its Python frame, shared, would
-dilute the difference).
+stretch of it), and timing the builds through ``collectives.all_reduce`` (its Python frame, shared,
+would dilute the difference: the ``verb`` entry measures that frame itself).
 """
 
 from __future__ import annotations
 
+import ast
 import ctypes
 import importlib.util
 import statistics
@@ -39,7 +45,7 @@ from typing import Any
 import torch
 
 import collectives as C
-from collectives import _native
+from collectives import _native, dispatch
 from collectives.dispatch import _fast_key
 
 from .harness import paired_ratio
@@ -55,7 +61,7 @@ _NOOP_LAUNCH = "int noop_launch(void *f, unsigned gx, unsigned gy, unsigned gz, 
 class HostCostRecord:
     """One entry point of the compiled module, ``base`` against the working tree (``head``)."""
 
-    entry: str  # "fast_verb" (the verbs' way in) or "fast_dispatch" (dispatch_tensors')
+    entry: str  # "fast_verb" (the verbs' way in), "fast_dispatch" (dispatch_tensors') or "verb" (collectives.all_reduce)
     base: str  # the base revision, as given
     base_us: float  # median per-call microseconds over rounds
     head_us: float
@@ -147,10 +153,17 @@ def fastpath_host_cost(comm: C.Communicator, base: str, *, calls: int = 200, rou
             ready = {x.data_ptr(): (0xF00D, 7, _Params(0xBEEF), "one_shot_all_reduce")}
             entries[side] = (module.Runner(ready, err.data_ptr(), 0, slow, True), sum_op)
         saved = dict(comm._fast)
+        saved_verb = dispatch._native_verb
         try:
             out = []
-            for entry in ("fast_verb", "fast_dispatch"):
-                calls_of = {side: _caller(entry, getattr(m, entry), comm, x, sum_op) for side, m in modules.items()}
+            for entry in ("fast_verb", "fast_dispatch", "verb"):
+                if entry == "verb":  # both verbs over the working tree's build: only their Python differs
+                    dispatch._native_verb = modules["head"].fast_verb
+                    calls_of = {"base": _verb_loop(_base_verb(base, repo), x, sum_op),
+                                "head": _verb_loop(C.all_reduce, x, sum_op)}
+                    entries["base"] = entries["head"]
+                else:
+                    calls_of = {side: _caller(entry, getattr(m, entry), comm, x, sum_op) for side, m in modules.items()}
                 per = _in_rounds(calls_of, entries, comm, key, calls, rounds)
                 ratios = [h / b for h, b in zip(per["head"], per["base"], strict=True)]
                 out.append(HostCostRecord(
@@ -159,10 +172,30 @@ def fastpath_host_cost(comm: C.Communicator, base: str, *, calls: int = 200, rou
                     _percentile(per["base"], 0.1), _percentile(per["base"], 0.9),
                     _percentile(per["head"], 0.1), _percentile(per["head"], 0.9), rounds, calls))
         finally:
+            dispatch._native_verb = saved_verb
             comm._fast.clear()
             comm._fast.update(saved)
         del dll
     return out
+
+
+def _base_verb(rev: str, repo: Path) -> Callable[..., Any]:
+    """``rev``'s ``collectives.all_reduce``: its source, defined over the working tree's package
+    (its module's names), so that only the verb's own code differs from the working tree's."""
+    tree = ast.parse(_git_show(rev, "collectives/__init__.py", repo))
+    found = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "all_reduce"]
+    if not found:
+        raise RuntimeError(f"{rev}'s collectives/__init__.py defines no all_reduce")
+    namespace = dict(vars(C))
+    exec(compile(ast.Module(body=found, type_ignores=[]), f"{rev}:collectives/__init__.py", "exec"), namespace)
+    return namespace["all_reduce"]  # type: ignore[no-any-return]
+
+
+def _verb_loop(verb: Callable[..., Any], x: torch.Tensor, reduce_op: Any) -> Callable[[int], None]:
+    def loop(n: int) -> None:
+        for _ in range(n):
+            verb(x, reduce_op)
+    return loop
 
 
 class _Params:

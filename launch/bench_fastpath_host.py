@@ -5,7 +5,8 @@
 One process, one rank (a Gloo group of one, through a FileStore in a temporary directory), CPU
 tensors and stand-ins for the GPU (``bench/fastpath_host.py`` says which and why): prints, for
 ``fast_verb`` and ``fast_dispatch``, the median per-call microseconds of each build and the
-median of their per-round ratios.
+median of their per-round ratios, and the same for ``verb``, the base revision's
+``collectives.all_reduce`` against the working tree's over the working tree's build.
 """
 
 import argparse

@@ -2,8 +2,8 @@
 ``torchrun --nproc-per-node N tests/gpu_compile_check.py [--json out.json]``.
 
 On CUDA over NCCL (one rank per GPU; world 1 on one GPU): the verbs in place and functional
-(gradients included), the overlap operators and a two-layer tensor-parallel MLP forward and
-backward, compiled with ``fullgraph=True`` (Inductor) and compared with float64 references
+(gradients included), the overlap operators, a two-layer tensor-parallel MLP and ``MoELayer``
+forward and backward, compiled with ``fullgraph=True`` (Inductor) and compared with float64 references
 built from every rank's data; the same programs compiled with ``mode="reduce-overhead"``,
 replayed from CUDA graphs with fresh inputs (and no graph skipped); eager and compiled code
 captured with ``torch.cuda.graph`` and replayed; and the native algorithm's fast path for
@@ -33,8 +33,9 @@ from overlap import ops  # noqa: E402
 from overlap.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from tests._checks import Checks, write_results  # noqa: E402
 from tests._compiled import compile_checked  # noqa: E402
+from tests.test_overlap_moe import _layer_case  # noqa: E402
 
-COMPILED = ("compiled/verbs", "compiled/functional", "compiled/overlap", "compiled/tp_mlp")
+COMPILED = ("compiled/verbs", "compiled/functional", "compiled/overlap", "compiled/tp_mlp", "compiled/moe_layer")
 CUDA_ONLY = ("reduce_overhead/verbs", "reduce_overhead/tp_mlp", "cuda_graph/eager", "cuda_graph/compiled",
              "native_fast_path")
 TOL = 1e-4  # float32 against float64 references, sums of a few dozen terms of size ~1
@@ -222,6 +223,16 @@ def main() -> int:
 
     with ck.family("compiled/tp_mlp"):
         guarded("compiled tp mlp", lambda: mlp_checks(None))
+
+    def moe_checks() -> None:
+        for tokens in ([9 + 2 * q for q in range(w)], [0] + [5] * (w - 1)):
+            ck.count()
+            err = _layer_case(r, w, tokens, None, "auto", "inductor", dev.type)  # float64, outputs and gradients
+            if not err < 1e-10:
+                ck.fail(f"rank {r} compiled MoELayer, tokens {tokens}: max error {err:.3g} against the single-process layer")
+
+    with ck.family("compiled/moe_layer"):
+        guarded("compiled moe layer", moe_checks)
 
     if cuda:
         from torch._dynamo.utils import counters

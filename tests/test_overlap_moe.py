@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import collectives as C
 from collectives.errors import InvalidArgumentError, UnsupportedError
 from overlap.moe import GroupedSwiGLU, MoEDispatcher, MoELayer, reference_moe
+from tests._compiled import compile_checked
 from tests.mp import messages
 
 H = 6
@@ -245,29 +246,38 @@ def test_a_transports_options_object_replaces_its_keyword_arguments(worlds) -> N
         assert "top_k" in msgs[3] and "exceeds" in msgs[3] and "pipeline_transfers" in msgs[4]
 
 
-def _layer_case(rank: int, world: int, tokens: list[int], capacity: float | None, routing: str = "auto") -> float:
+def _layer_case(rank: int, world: int, tokens: list[int], capacity: float | None, routing: str = "auto",
+                backend: str | None = None, device: str = "cpu") -> float:
+    """``MoELayer`` (float64, eager or compiled with ``backend``) against the single-process layer:
+    outputs and every gradient. ``device``: where it runs ("cuda" over NCCL too)."""
     import torch.nn.functional as F
 
     torch.manual_seed(4321)  # the same reference on every rank
     E, k, FF = 2 * world, 2, 10
     layer, router, full = sharded_layer(rank, world, H, E, k, FF, capacity_factor=capacity, routing=routing)
+    layer, router, full = layer.to(device), router.to(device), full.to(device)
     lo = rank * (E // world)
 
     def data(q: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(77 + q)
-        return torch.randn(tokens[q], H, generator=g, dtype=torch.float64), \
-            torch.randn(tokens[q], H, generator=g, dtype=torch.float64)
+        return torch.randn(tokens[q], H, generator=g, dtype=torch.float64).to(device), \
+            torch.randn(tokens[q], H, generator=g, dtype=torch.float64).to(device)
 
     x, G = data(rank)
     xs = x.clone().requires_grad_()
-    (layer(xs) * G).sum().backward()
+    forward = layer
+    if backend is not None:
+        forward, traced = compile_checked(layer, backend, xs)
+        assert "commops.moe_layer" in traced, traced
+        layer.zero_grad(set_to_none=True)
+    (forward(xs) * G).sum().backward()
 
     def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
         return (F.silu(rows @ full.w1[e]) * (rows @ full.w3[e])) @ full.w2[e]
 
     # The reference over every rank's tokens (the experts' gradients sum over them); this rank's
     # part also gives the input's and the router's gradients.
-    loss = torch.zeros((), dtype=torch.float64)
+    loss = torch.zeros((), dtype=torch.float64, device=device)
     mine = None
     for q in range(world):
         xq, Gq = data(q)
