@@ -10,13 +10,14 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import collectives as C
 
-__all__ = ["dispatch_overhead", "recorder_and_debug_cost"]
+__all__ = ["dispatch_overhead", "recorder_and_debug_cost", "issue_ways"]
 
 
 def _per_call(fn: Callable[[], object], calls: int, device: torch.device) -> float:
@@ -106,3 +107,58 @@ def recorder_and_debug_cost(comm: C.Communicator, device: torch.device, *, calls
     return {"recorder_us": t[0].item() * 1e6, "debug_check_us": t[1].item() * 1e6,
             "recorder_calls_per_round": calls, "debug_calls_per_round": n}
 
+
+
+def issue_ways(comm: C.Communicator, device: torch.device, *, calls: int = 200,
+               rounds: int = 41) -> dict[str, Any]:
+    """Per-call microseconds of ways to issue a one-element sum all-reduce on ``device`` (blocks
+    interleaved, the order flipped every round): ``torch.distributed.all_reduce``, the process
+    group's ``allreduce`` and the backend's (each then ``wait``), ``collectives.all_reduce`` with
+    ``native`` and ``auto``, and ``torch.compile``'d one-line functions calling ours and torch's.
+    Returns the medians (``us``) and the medians of the paired differences to torch's
+    (``minus_torch_us``), the slowest rank's."""
+    x = torch.ones(1, device=device)
+    g = comm.group
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    opts.asyncOp = False
+    backend = g._get_backend(device)
+
+    def waited(work: Any) -> None:
+        if work is not None:  # None: the backend synchronised itself
+            work.wait()
+
+    def ours(t: torch.Tensor) -> torch.Tensor:
+        C.all_reduce(t, group=g, algorithm="native")
+        return t
+
+    def theirs(t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, group=g)
+        return t
+
+    compiled_ours, compiled_theirs = torch.compile(ours, fullgraph=True), torch.compile(theirs, fullgraph=True)
+    ways: dict[str, Callable[[], object]] = {
+        "torch": lambda: dist.all_reduce(x, group=g),
+        "process_group_method": lambda: waited(g.allreduce([x], opts)),
+        "backend_method": lambda: waited(backend.allreduce([x], opts)),
+        "ours_native": lambda: C.all_reduce(x, group=g, algorithm="native"),
+        "ours_auto": lambda: C.all_reduce(x, group=g),
+        "ours_compiled": lambda: compiled_ours(x),
+        "torch_compiled": lambda: compiled_theirs(x),
+    }
+    for _ in range(3):
+        for fn in ways.values():
+            _per_call(fn, calls // 4 + 1, device)
+    per: dict[str, list[float]] = {k: [] for k in ways}
+    names = list(ways)
+    for i in range(rounds):
+        dist.barrier(group=g)
+        for k in (names if i % 2 == 0 else names[::-1]):
+            per[k].append(_per_call(ways[k], calls, device) * 1e6)
+    us = {k: statistics.median(v) for k, v in per.items()}
+    minus = {k: statistics.median([a - b for a, b in zip(per[k], per["torch"], strict=True)]) for k in ways}
+    t = torch.tensor([*us.values(), *minus.values()], dtype=torch.float64, device=device)
+    dist.all_reduce(t, dist.ReduceOp.MAX, group=g)
+    n = len(ways)
+    return {"us": dict(zip(names, t[:n].tolist())), "minus_torch_us": dict(zip(names, t[n:].tolist())),
+            "calls_per_round": calls, "rounds": rounds, "world": comm.size}

@@ -205,6 +205,8 @@ def _moe_layer_backward(grad: torch.Tensor, ticket: torch.Tensor, x: torch.Tenso
                         params: list[torch.Tensor]) -> list[torch.Tensor]:
     out, xl, wl, own = _KEPT.take(ticket)
     inputs = [xl, wl, *own]
+    if not out.requires_grad:  # nothing was recorded (no tokens reached any expert): no gradient flows
+        return [torch.zeros_like(t) for t in inputs]
     wanted = [t for t in inputs if t.requires_grad]
     grads = dict(zip(map(id, wanted), torch.autograd.grad(out, wanted, grad, allow_unused=True), strict=True))
     return [g if (g := grads.get(id(t))) is not None else torch.zeros_like(t) for t in inputs]
