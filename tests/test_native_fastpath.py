@@ -431,5 +431,5 @@ def body_host_cost(rank: int, world: int) -> list:  # type: ignore[type-arg]
 def test_host_cost_benchmark_runs(worlds) -> None:  # noqa: ANN001
     """The smallest run of ``launch/bench_fastpath_host.py``: HEAD's build against the working tree's."""
     [r] = worlds(1).run(body_host_cost)
-    assert [e[0] for e in r] == ["fast_verb", "fast_dispatch"]
+    assert [e[0] for e in r] == ["fast_verb", "fast_dispatch", "verb"]
     assert all(e[1] > 0 and e[2] > 0 and e[3] > 0 and e[4:] == (3, 20) for e in r)
