@@ -240,7 +240,8 @@ def test_every_verb_op_passes_opcheck(worlds, world_size: int) -> None:  # noqa:
 
 
 def test_every_op_of_the_namespace_is_checked() -> None:
-    """A new op needs a case above (and the overlap ops' in test_compile_overlap.py)."""
+    """A new op needs a case above (the overlap and MoE ops': in test_compile_overlap.py, test_compile_moe.py)."""
+    import overlap.moe._ops
     import overlap.ops
 
     checked = {"all_reduce_", "reduce_scatter_", "all_gather_", "all_to_all_single_", "broadcast_", "reduce_",
@@ -248,3 +249,5 @@ def test_every_op_of_the_namespace_is_checked() -> None:
                "broadcast_backward", "barrier"}
     assert set(C._ops.SCHEMAS) == checked
     assert set(overlap.ops.SCHEMAS) == {"gemm_all_reduce", "gemm_reduce_scatter", "all_gather_gemm"}
+    assert set(overlap.moe._ops.SCHEMAS) == {"moe_layer", "moe_layer_backward", "moe_dispatch_low_latency",
+                                             "moe_combine_low_latency"}  # test_compile_overlap.py, test_compile_moe.py

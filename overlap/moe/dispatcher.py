@@ -30,6 +30,7 @@ import torch
 import collectives as C
 from collectives.errors import InvalidArgumentError, UnsupportedError
 
+from . import _ops
 from .experts import GroupedSwiGLU
 from .handles import DispatchHandle, LowLatencyHandle
 from .transport import (
@@ -44,6 +45,8 @@ from .transport import (
 )
 
 __all__ = ["MoEDispatcher"]
+
+_compiling = torch.compiler.is_compiling
 
 
 class _Dispatch(torch.autograd.Function):
@@ -203,6 +206,8 @@ class MoEDispatcher(_TransportAttributes):
         setup = TransportSetup(comm, group, num_experts, hidden, dtype, self.device, capacity_factor)
         self.transport_impl: Transport = spec.factory(setup, options)
         self.last_chunks: tuple[int, str] | None = None
+        # what the low-latency ops find it by under torch.compile (overlap/moe/_ops.py)
+        self.op_name = _ops.name_for(self, _ops.DISPATCHERS, "dispatcher")
 
     def close(self) -> None:
         """Release the transport's buffers, if any (collective). The dispatcher can be used
@@ -303,8 +308,12 @@ class MoEDispatcher(_TransportAttributes):
         counted rows) and ``combine_low_latency`` can be captured in one CUDA graph and replayed.
         Where the transport offers it (``offers_low_latency``: transport "peer"), dropless,
         without autograd. The ids are not checked before the exchange (that would wait):
-        ``check_routing(handle, topk_idx)`` does, waiting.
+        ``check_routing(handle, topk_idx)`` does, waiting. Under ``torch.compile`` it is the op
+        ``torch.ops.commops.moe_dispatch_low_latency`` (``overlap/moe/_ops.py``), and its handle
+        is combined in the same compiled function.
         """
+        if _compiling():
+            return _ops.traced_dispatch_low_latency(self, x, topk_idx)
         self._check(x, topk_idx, None)
         self._refuse_low_latency()
         if torch.is_grad_enabled() and x.requires_grad:
@@ -317,6 +326,8 @@ class MoEDispatcher(_TransportAttributes):
                             topk_weights: torch.Tensor) -> torch.Tensor:
         """``out [tokens, hidden]`` from ``expert_out [E/W, capacity, hidden]`` (``dispatch_low_latency``'s
         layout); only each block's first ``tokens_per_expert`` rows are read."""
+        if _compiling():
+            return _ops.traced_combine_low_latency(self, expert_out, handle, topk_weights)
         self._refuse_low_latency()
         return self.transport_impl.combine_low_latency(expert_out, handle, topk_weights)
 

@@ -6,27 +6,12 @@ experts, the forward going through ``MoEDispatcher.forward_pipelined`` so that a
 the caller's ``chunks`` can pipeline it. It lives beside the dispatcher (``overlap.layers``
 re-exports it with the tensor-parallel layers) because it only composes MoE parts.
 
-Under ``torch.compile`` the router is traced like any module and the rest (dispatch, experts,
-combine) is one op, ``torch.ops.commops.moe_layer(x, topk_idx, topk_weights, params, layer,
-keep)``, that finds its layer by name when it runs (vLLM's convention for its MoE layers): its
-output has the input's shape, so the graph has no shape that depends on the routing, and the
-host-side plan of the exchanges (the routing handles, counts and index tensors, sized by the
-data) never enters the graph. Its gradient is ``moe_layer_backward``: with ``keep`` (autograd
-will need it) the op runs the block with autograd on and keeps that eager graph under a ticket,
-a one-element int64 tensor it returns; the backward op finds it by the ticket's value and
-differentiates it (``torch.autograd.grad``). A kept graph is released by its backward or when
-its ticket is freed without one. Tried and rejected: dispatch and combine as two ops with the
-handle between them (the rows received, and so every expert's GEMM, have data-dependent sizes,
-which the graph would hold as unbacked sizes through the user's expert code; the handle's
-transport state is not a tensor).
+Under ``torch.compile`` the router is traced and the rest is one op, ``moe_layer``
+(``overlap/moe/_ops.py`` says how it keeps the routing out of the graph and differentiates it).
 """
 
 from __future__ import annotations
 
-import contextlib
-import itertools
-import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -34,9 +19,9 @@ import torch.distributed as dist
 from torch import nn
 
 import collectives as C
-from collectives import _ops as _c_ops
-from collectives.errors import InvalidArgumentError, UnsupportedError
+from collectives.errors import InvalidArgumentError
 
+from . import _ops
 from .dispatcher import MoEDispatcher
 from .experts import GroupedSwiGLU
 from .transport import TransportOptions
@@ -91,8 +76,7 @@ class MoELayer(nn.Module):
         if dist.get_world_size(group) > 1:
             C.broadcast(self.router.weight.data, group=group, group_src=0)
         self.experts = GroupedSwiGLU(self.dispatcher.local_experts, hidden, ffn_hidden, dtype=dtype, device=device)
-        self.op_name = f"moe{next(_NAMES)}"  # what torch.ops.commops.moe_layer finds this layer by
-        _LAYERS[self.op_name] = self
+        self.op_name = _ops.name_for(self, _ops.LAYERS, "moe")  # what torch.ops.commops.moe_layer finds it by
 
     def close(self) -> None:
         """Release the dispatcher's peer buffers, if any (collective)."""
@@ -123,129 +107,4 @@ class MoELayer(nn.Module):
         return self.dispatcher.forward_pipelined(flat, idx, w, self.experts, chunks=self.chunks)
 
 
-# -- under torch.compile ---------------------------------------------------------------------------
 _compiling = torch.compiler.is_compiling
-_NAMES = itertools.count()
-_LAYERS: weakref.WeakValueDictionary[str, MoELayer] = weakref.WeakValueDictionary()
-_LIB = torch.library.Library(_c_ops.NAMESPACE, "FRAGMENT")
-SCHEMAS = {
-    "moe_layer": "(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor[] params, str layer, bool keep) "
-                 "-> (Tensor, Tensor)",
-    # the gradients of x, topk_weights and each of params (zeros where none flows)
-    "moe_layer_backward": "(Tensor grad, Tensor ticket, Tensor x, Tensor topk_weights, Tensor[] params) -> Tensor[]",
-}
-
-
-class _Kept:
-    """Eager autograd graphs of ``moe_layer`` calls, by ticket, until their backward takes them."""
-
-    def __init__(self) -> None:
-        self._next = itertools.count(1)
-        self._graphs: dict[int, tuple[Any, ...]] = {}
-
-    def keep(self, graph: tuple[Any, ...]) -> torch.Tensor:
-        n = next(self._next)
-        self._graphs[n] = graph
-        ticket = torch.tensor([n], dtype=torch.int64)
-        weakref.finalize(ticket, self._graphs.pop, n, None)  # no backward came: release it with its ticket
-        return ticket
-
-    def take(self, ticket: torch.Tensor) -> tuple[Any, ...]:
-        n = int(ticket.item())
-        graph = self._graphs.pop(n, None)
-        if graph is None:
-            raise UnsupportedError("ticket", n, "names no kept MoELayer graph (its backward already ran, or the "
-                                   "forward ran without autograd)", "run backward once per compiled forward "
-                                   "(retain_graph=True is not supported through a compiled MoELayer)")
-        return graph
-
-
-_KEPT = _Kept()
-
-
-def _layer(name: str) -> MoELayer:
-    layer = _LAYERS.get(name)
-    if layer is None:
-        raise UnsupportedError("layer", name, "names no live MoELayer", "keep the layer alive while compiled code "
-                               "that calls it runs")
-    return layer
-
-
-# the dispatch keys that turn autograd's recording off below the Autograd kernel, which is where
-# the dispatcher runs an op's implementation
-_AUTOGRAD_KEYS = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.AutogradOther,
-                  torch._C.DispatchKey.AutogradNestedTensor)
-
-
-@contextlib.contextmanager
-def _recording() -> Iterator[None]:
-    """Autograd recording on inside an op's implementation (the eager graph ``moe_layer`` keeps)."""
-    exclude = torch._C._dispatch_tls_local_exclude_set()
-    for key in _AUTOGRAD_KEYS:
-        exclude = exclude.remove(key)
-    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), torch.enable_grad():
-        yield
-
-
-def _moe_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, params: list[torch.Tensor],
-               layer: str, keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    mod = _layer(layer)
-    if not keep:
-        with torch.no_grad():
-            return mod._block(x, topk_idx, topk_weights), torch.zeros(1, dtype=torch.int64)
-    with _recording():
-        xl = x.detach().requires_grad_()
-        wl = topk_weights.detach().requires_grad_()
-        out = mod._block(xl, topk_idx, wl)
-    # the module's own parameters (what the eager graph holds), in the order of params
-    return out.detach(), _KEPT.keep((out, xl, wl, list(mod.experts.parameters())))
-
-
-def _moe_layer_backward(grad: torch.Tensor, ticket: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor,
-                        params: list[torch.Tensor]) -> list[torch.Tensor]:
-    out, xl, wl, own = _KEPT.take(ticket)
-    inputs = [xl, wl, *own]
-    if not out.requires_grad:  # nothing was recorded (no tokens reached any expert): no gradient flows
-        return [torch.zeros_like(t) for t in inputs]
-    wanted = [t for t in inputs if t.requires_grad]
-    grads = dict(zip(map(id, wanted), torch.autograd.grad(out, wanted, grad, allow_unused=True), strict=True))
-    return [g if (g := grads.get(id(t))) is not None else torch.zeros_like(t) for t in inputs]
-
-
-def _fake_moe_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, params: list[torch.Tensor],
-                    layer: str, keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(x), torch.empty(1, dtype=torch.int64)
-
-
-def _fake_moe_layer_backward(grad: torch.Tensor, ticket: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor,
-                             params: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [torch.empty_like(t) for t in (x, topk_weights, *params)]
-
-
-def _setup_moe_layer(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    x, _, w, params, _, ctx.keep = inputs
-    ctx.save_for_backward(output[1], x, w, *params)
-
-
-def _backward_moe_layer(ctx: Any, grad: torch.Tensor, _grad_ticket: Any) -> Any:
-    if not ctx.keep:
-        raise UnsupportedError("keep", False, "kept no graph for a backward pass", "call the layer with autograd on")
-    ticket, x, w, *params = ctx.saved_tensors
-    gx, gw, *gparams = torch.ops.commops.moe_layer_backward(grad.contiguous(), ticket, x, w, params)
-    return gx, None, gw, gparams, None, None
-
-
-def _register() -> None:
-    if _c_ops.defined("moe_layer"):  # this module imported again (its first copy's ops serve)
-        return
-    for name, schema in SCHEMAS.items():
-        _LIB.define(name + schema)
-    _LIB.impl("moe_layer", _moe_layer, "CompositeExplicitAutograd")
-    _LIB.impl("moe_layer_backward", _moe_layer_backward, "CompositeExplicitAutograd")
-    torch.library.register_fake("commops::moe_layer", _fake_moe_layer, lib=_LIB)
-    torch.library.register_fake("commops::moe_layer_backward", _fake_moe_layer_backward, lib=_LIB)
-    torch.library.register_autograd("commops::moe_layer", _backward_moe_layer, setup_context=_setup_moe_layer,
-                                    lib=_LIB)
-
-
-_register()

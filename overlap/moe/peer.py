@@ -324,6 +324,9 @@ class PeerTransport(Transport):
         return grad_rows, (gw.view(weights.shape).to(weights.dtype) if gw is not None else None)
 
     # -- the low-latency pair ---------------------------------------------------------------------
+    def low_latency_capacity(self) -> int:
+        return self.comm.size * self.options.max_tokens  # PeerRows.dispatch_padded's cap
+
     def dispatch_low_latency(self, x: torch.Tensor, topk_idx: torch.Tensor) -> tuple[torch.Tensor, LowLatencyHandle]:
         k = self.options.top_k
         if not self.routes_on_device(topk_idx) or topk_idx.shape[1] != k:

@@ -284,6 +284,11 @@ class Transport(ABC):
         block's first ``tokens_per_expert`` rows. Collective."""
         raise self._no_low_latency()
 
+    def low_latency_capacity(self) -> int:
+        """Rows per local expert block of ``dispatch_low_latency`` (the same for every call: what
+        the traced op's shape says before it runs). Only where ``offers_low_latency``."""
+        raise self._no_low_latency()
+
     def check_routing(self, handle: LowLatencyHandle, topk_idx: torch.Tensor) -> None:
         """Raise ``InvalidArgumentError`` on every rank if any rank's ids in this low-latency
         dispatch were bad (waits for the dispatch)."""
