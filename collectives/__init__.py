@@ -24,7 +24,8 @@ from ._types import DATA_OPS, OPS, REDUCE_OPS, ReduceOp
 from .algos import for_op
 from .bootstrap import LaunchInfo, init
 from .communicator import Communicator, destroy, get_communicator
-from . import _ops
+from . import _ops  # noqa: F401 - defines torch.ops.commops, what the verbs trace to
+from . import _traced
 from . import dispatch as _dispatch
 from .dispatch import Call, add_trace_hook, dispatch_tensors, remove_trace_hook
 from .errors import (
@@ -75,7 +76,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Group = None
         algorithm: "auto" or a name from :func:`algorithms` ("all_reduce").
     """
     if _compiling():
-        return _ops.traced_all_reduce(tensor, op, group, async_op, algorithm)
+        return _traced.all_reduce(tensor, op, group, async_op, algorithm)
     fast = _dispatch._native_verb  # a repeat, compiled (collectives/_native.py); None: it is not one
     if fast is not None and fast("all_reduce", tensor, tensor, op, group, async_op, algorithm) is None:
         return None
@@ -87,7 +88,7 @@ def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: Any = R
                           async_op: bool = False, *, algorithm: str = "auto") -> Work | None:
     """Reduce ``input`` ([world * n]) across ranks; rank r receives elements [r*n, (r+1)*n) into ``output`` ([n])."""
     if _compiling():
-        return _ops.traced_reduce_scatter(output, input, op, group, async_op, algorithm)
+        return _traced.reduce_scatter(output, input, op, group, async_op, algorithm)
     fast = _dispatch._native_verb
     if fast is not None and fast("reduce_scatter", output, input, op, group, async_op, algorithm) is None:
         return None
@@ -99,7 +100,7 @@ def all_gather_single(output_tensor: torch.Tensor, input_tensor: torch.Tensor, g
                       async_op: bool = False, *, algorithm: str = "auto") -> Work | None:
     """Gather every rank's ``input_tensor`` ([n]) in rank order into ``output_tensor`` ([world * n])."""
     if _compiling():
-        return _ops.traced_all_gather(output_tensor, input_tensor, group, async_op, algorithm)
+        return _traced.all_gather(output_tensor, input_tensor, group, async_op, algorithm)
     fast = _dispatch._native_verb
     if fast is not None and fast("all_gather", output_tensor, input_tensor, None, group, async_op, algorithm) is None:
         return None
@@ -119,7 +120,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     ``output_split_sizes[q]`` rows from rank q land in ``output``, in rank order. ``None`` splits
     dim 0 evenly. Uneven and zero-length splits are allowed (not with ``algorithm="bruck"``)."""
     if _compiling():
-        return _ops.traced_all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, async_op,
+        return _traced.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, async_op,
                                              algorithm)
     return get_communicator(group).all_to_all_single(output, input, output_split_sizes, input_split_sizes,
                                                      async_op, algorithm=algorithm)
@@ -129,7 +130,7 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group: Group = None,
               group_src: int | None = None, algorithm: str = "auto") -> Work | None:
     """Copy ``tensor`` from global rank ``src`` (or group rank ``group_src``) to every rank, in place."""
     if _compiling():
-        return _ops.traced_broadcast(tensor, src, group, async_op, group_src, algorithm)
+        return _traced.broadcast(tensor, src, group, async_op, group_src, algorithm)
     return get_communicator(group).broadcast(tensor, src, async_op, group_src=group_src, algorithm=algorithm)
 
 
@@ -141,14 +142,14 @@ def reduce(tensor: torch.Tensor, dst: int | None = None, op: Any = ReduceOp.SUM,
     are left unchanged (the backends' own may use them as scratch).
     """
     if _compiling():
-        return _ops.traced_reduce(tensor, dst, op, group, async_op, group_dst, algorithm)
+        return _traced.reduce(tensor, dst, op, group, async_op, group_dst, algorithm)
     return get_communicator(group).reduce(tensor, dst, op, async_op, group_dst=group_dst, algorithm=algorithm)
 
 
 def barrier(group: Group = None, async_op: bool = False) -> Work | None:
     """Wait until every rank of ``group`` has called ``barrier``."""
     if _compiling():
-        return _ops.traced_barrier(group, async_op)
+        return _traced.barrier(group, async_op)
     return get_communicator(group).barrier(async_op)
 
 

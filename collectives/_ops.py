@@ -20,7 +20,7 @@ The public verbs (``collectives.all_reduce`` and the others) keep their signatur
 call the dispatch point directly, as before (``torch.compiler.is_compiling`` is their one added
 check, about 0.07 us; a dispatcher round trip through a Python op would add 2.5-10 us to a call
 whose whole host cost is a few); under ``torch.compile`` they trace to these ops
-(``traced_*`` below). With ``async_op=True`` a traced verb returns a handle that is already
+(``_traced.py``). With ``async_op=True`` a traced verb returns a handle that is already
 complete: in a graph the op is ordered on its stream like any other op, which is what waiting
 on the handle gives eagerly.
 
@@ -49,13 +49,13 @@ import torch.distributed as dist
 from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from ._types import REDUCE_OPS, normalize_reduce_op, torch_reduce_op
+from ._types import normalize_reduce_op
+from ._traced import group_name
 from .communicator import Communicator, get_communicator
 from .dispatch import dispatch_tensors
 from .errors import InvalidArgumentError, UnsupportedError
-from .work import Work
 
-__all__ = ["NAMESPACE", "SCHEMAS", "group_name", "communicator", "DONE"]
+__all__ = ["NAMESPACE", "SCHEMAS", "group_name", "communicator"]
 
 NAMESPACE = "commops"
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
@@ -82,15 +82,6 @@ SCHEMAS = {
 
 
 # -- groups by name --------------------------------------------------------------------------------
-def group_name(group: Any) -> str:
-    """What an op takes for ``group``: its ``group_name``, "" for None (the default group)."""
-    if group is None:
-        return ""
-    if isinstance(group, Communicator):
-        group = group.group
-    return str(group.group_name)
-
-
 def _process_group(name: str) -> dist.ProcessGroup | None:
     # torch 2.13 types the name as GroupName, a NewType of str that 2.11 lacks
     return None if name == "" else _resolve_process_group(name)  # type: ignore[arg-type]
@@ -334,73 +325,3 @@ def _register() -> None:
 
 
 _register()
-
-
-# -- the verbs under torch.compile -----------------------------------------------------------------
-class _Done(Work):
-    """The handle a traced verb returns for ``async_op=True``: complete (see the module docstring)."""
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-
-DONE = _Done()
-
-
-# torch's reduce-op members and our names, scanned by identity: torch 2.11's Dynamo cannot hash
-# a member (a dict lookup breaks the graph) but compares objects by identity
-_MEMBERS = tuple((torch_reduce_op(name), name) for name in REDUCE_OPS)
-
-
-def _op_name(op: Any) -> str:
-    if isinstance(op, str):
-        return op
-    for member, name in _MEMBERS:
-        if op is member:
-            return name
-    return normalize_reduce_op(op)
-
-
-def traced_all_reduce(tensor: torch.Tensor, op: Any, group: Any, async_op: bool, algorithm: str) -> Work | None:
-    torch.ops.commops.all_reduce_(tensor, _op_name(op), group_name(group), algorithm)
-    return DONE if async_op else None
-
-
-def traced_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any, group: Any, async_op: bool,
-                          algorithm: str) -> Work | None:
-    torch.ops.commops.reduce_scatter_(output, input, _op_name(op), group_name(group), algorithm)
-    return DONE if async_op else None
-
-
-def traced_all_gather(output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool,
-                      algorithm: str) -> Work | None:
-    torch.ops.commops.all_gather_(output, input, group_name(group), algorithm)
-    return DONE if async_op else None
-
-
-def traced_all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Any,
-                             input_split_sizes: Any, group: Any, async_op: bool, algorithm: str) -> Work | None:
-    out_splits = None if output_split_sizes is None else list(output_split_sizes)
-    in_splits = None if input_split_sizes is None else list(input_split_sizes)
-    torch.ops.commops.all_to_all_single_(output, input, out_splits, in_splits, group_name(group), algorithm)
-    return DONE if async_op else None
-
-
-def traced_broadcast(tensor: torch.Tensor, src: int | None, group: Any, async_op: bool, group_src: int | None,
-                     algorithm: str) -> Work | None:
-    torch.ops.commops.broadcast_(tensor, src, group_src, group_name(group), algorithm)
-    return DONE if async_op else None
-
-
-def traced_reduce(tensor: torch.Tensor, dst: int | None, op: Any, group: Any, async_op: bool, group_dst: int | None,
-                  algorithm: str) -> Work | None:
-    torch.ops.commops.reduce_(tensor, dst, group_dst, _op_name(op), group_name(group), algorithm)
-    return DONE if async_op else None
-
-
-def traced_barrier(group: Any, async_op: bool) -> Work | None:
-    torch.ops.commops.barrier(group_name(group))
-    return DONE if async_op else None

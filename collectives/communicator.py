@@ -25,7 +25,7 @@ import torch.distributed as dist
 from topology import discover, groups
 from topology.cost import Machine
 
-from . import _env, _native
+from . import _env, _native, _traced
 from ._launcher import launcher_environment
 from ._types import BACKEND_DEVICES, ReduceOp
 from .algos import for_op
@@ -250,11 +250,15 @@ class Communicator:
     def all_reduce(self, tensor: torch.Tensor, op: Any = ReduceOp.SUM, async_op: bool = False, *,
                    algorithm: str = "auto") -> Work | None:
         """In-place all-reduce of ``tensor`` over the group (``torch.distributed.all_reduce``)."""
+        if _compiling():
+            return _traced.all_reduce(tensor, op, self.group, async_op, algorithm)
         return dispatch_tensors(self, "all_reduce", tensor, tensor, op, algorithm, async_op)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM,
                               async_op: bool = False, *, algorithm: str = "auto") -> Work | None:
         """Reduce ``input`` ([world * n]) over the group; rank r gets elements [r*n, (r+1)*n) in ``output``."""
+        if _compiling():
+            return _traced.reduce_scatter(output, input, op, self.group, async_op, algorithm)
         return dispatch_tensors(self, "reduce_scatter", output, input, op, algorithm, async_op)
 
     reduce_scatter_tensor = reduce_scatter_single
@@ -262,6 +266,8 @@ class Communicator:
     def all_gather_single(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, async_op: bool = False,
                           *, algorithm: str = "auto") -> Work | None:
         """Concatenate every rank's ``input_tensor`` ([n]) in rank order into ``output_tensor`` ([world * n])."""
+        if _compiling():
+            return _traced.all_gather(output_tensor, input_tensor, self.group, async_op, algorithm)
         return dispatch_tensors(self, "all_gather", output_tensor, input_tensor, None, algorithm, async_op)
 
     all_gather_into_tensor = all_gather_single
@@ -270,27 +276,40 @@ class Communicator:
                           input_split_sizes: Any = None, async_op: bool = False, *,
                           algorithm: str = "auto") -> Work | None:
         """Rank r sends rows ``input_split_sizes[q]`` of ``input`` to rank q and receives ``output_split_sizes[q]`` rows from q."""
+        if _compiling():
+            return _traced.all_to_all_single(output, input, output_split_sizes, input_split_sizes, self.group,
+                                             async_op, algorithm)
         return dispatch(Call("all_to_all", self, output, input, in_rows=input_split_sizes,
                              out_rows=output_split_sizes, async_op=async_op, algorithm=algorithm))
 
     def broadcast(self, tensor: torch.Tensor, src: int | None = None, async_op: bool = False, *,
                   group_src: int | None = None, algorithm: str = "auto") -> Work | None:
         """Copy ``tensor`` of global rank ``src`` (or group rank ``group_src``) to every rank."""
+        if _compiling():
+            return _traced.broadcast(tensor, src, self.group, async_op, group_src, algorithm)
         return dispatch(Call("broadcast", self, tensor, root=src, group_root=group_src,
                              async_op=async_op, algorithm=algorithm))
 
     def reduce(self, tensor: torch.Tensor, dst: int | None = None, op: Any = ReduceOp.SUM, async_op: bool = False,
                *, group_dst: int | None = None, algorithm: str = "auto") -> Work | None:
         """Reduce ``tensor`` over the group into global rank ``dst`` (or group rank ``group_dst``)."""
+        if _compiling():
+            return _traced.reduce(tensor, dst, op, self.group, async_op, group_dst, algorithm)
         return dispatch(Call("reduce", self, tensor, reduce_op=op, root=dst,
                              group_root=group_dst, async_op=async_op, algorithm=algorithm))
 
     def barrier(self, async_op: bool = False) -> Work | None:
         """Block until every rank of the group has reached this call."""
+        if _compiling():
+            return _traced.barrier(self.group, async_op)
         return dispatch(Call("barrier", self, None, async_op=async_op, algorithm="native"))
 
     def __repr__(self) -> str:
         return f"Communicator(rank={self.rank}, size={self.size}, backend={self.backend!r})"
+
+
+# True while torch.compile traces: the methods then trace to the torch.ops.commops ops (_traced.py)
+_compiling = torch.compiler.is_compiling
 
 
 def get_communicator(group: dist.ProcessGroup | None = None) -> Communicator:

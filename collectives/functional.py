@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from . import _ops
+from . import _ops, _traced
 from ._ops import group_name
 
 __all__ = ["all_reduce", "reduce_scatter_tensor", "all_gather_tensor", "all_to_all_single", "broadcast"]
@@ -36,7 +36,7 @@ def _direct(t: torch.Tensor) -> bool:
 
 
 def _name(op: Any) -> str:
-    return _ops._op_name(op)
+    return _traced._op_name(op)
 
 
 def all_reduce(input: torch.Tensor, op: Any = "sum", group: Any = None, *, algorithm: str = "auto") -> torch.Tensor:

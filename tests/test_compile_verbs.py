@@ -251,3 +251,27 @@ def test_every_op_of_the_namespace_is_checked() -> None:
     assert set(overlap.ops.SCHEMAS) == {"gemm_all_reduce", "gemm_reduce_scatter", "all_gather_gemm"}
     assert set(overlap.moe._ops.SCHEMAS) == {"moe_layer", "moe_layer_backward", "moe_dispatch_low_latency",
                                              "moe_combine_low_latency"}  # test_compile_overlap.py, test_compile_moe.py
+
+
+def _communicator_program(x: torch.Tensor, comm: C.Communicator) -> torch.Tensor:
+    y = x * 3
+    comm.all_reduce(y, algorithm="ring")
+    out = y.new_empty((comm.size * y.shape[0], y.shape[1]))
+    comm.all_gather_single(out, y)
+    comm.broadcast(out, group_src=0)
+    comm.barrier()
+    return out
+
+
+def _communicator_case(rank: int, world: int) -> float:
+    """The communicator's methods trace to the ops too."""
+    comm = C.get_communicator()
+    x = _data(rank, world, 21)
+    got, traced = _check_compiled(_communicator_program, "aot_eager", x, comm)
+    assert {"commops.all_reduce_", "commops.all_gather_", "commops.broadcast_", "commops.barrier"} <= traced, traced
+    total = 3 * sum(_data(q, world, 21) for q in range(world))
+    return (got - torch.cat([total] * world)).abs().max().item()
+
+
+def test_compiled_communicator_methods(worlds) -> None:  # noqa: ANN001
+    assert max(worlds(2).run(_communicator_case)) < 1e-12
