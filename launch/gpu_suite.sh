@@ -4,7 +4,8 @@
 #   launch/gpu_suite.sh OUTDIR [STEP ...]     (NPROC=n: ranks; default every GPU)
 #
 # Steps (default: all, in this order): peer_check overlap_check moe_check (the peer MoE layout, its
-# refusals and the pipeline by source against a float64 MoE) faults overlap_tune
+# refusals and the pipeline by source against a float64 MoE) compile_check (the torch.ops.commops ops
+# compiled, reduce-overhead and CUDA graphs; one GPU suffices) faults overlap_tune
 # overlap_tune_graph overlap overlap_graph tp_mlp moe peer_bench peer_big tune_peer (host cost per
 # call, with a profile); and, only when named: sanitize (the peer-memory checks and
 # tests/gpu_sanitize_cases.py under compute-sanitizer's memcheck and racecheck), moe_pipeline (the MoE
@@ -16,14 +17,14 @@
 # machine, then the cost model's predictions against peer_bench's and a2a_bench's measurements,
 # which run first). On 4 or 8 GPUs: NPROC=n launch/gpu_suite.sh OUT peer_check overlap_check
 # moe_check topology peer_bench a2a_bench model overlap moe.
-# Each runs under a time limit and writes STEP.log (and its JSON/plots; the three check steps
+# Each runs under a time limit and writes STEP.log (and its JSON/plots; the four check steps
 # write their checks' counts and failures by family, tests/_checks.py); a failing step does not
 # stop the others. NVLink multicast stays off in every process (NCCL_NVLS_ENABLE=0,
 # TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1).
 set -u
 OUT=${1:?usage: launch/gpu_suite.sh OUTDIR [STEP ...]}
 shift
-STEPS=${*:-peer_check overlap_check moe_check faults overlap_tune overlap_tune_graph overlap overlap_graph tp_mlp moe peer_bench peer_big tune_peer}
+STEPS=${*:-peer_check overlap_check moe_check compile_check faults overlap_tune overlap_tune_graph overlap overlap_graph tp_mlp moe peer_bench peer_big tune_peer}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -55,6 +56,7 @@ for step in $STEPS; do
     peer_check) run peer_check 300 $R tests/gpu_peer_check.py --json "$OUT/peer_check.json" ;;
     overlap_check) run overlap_check 300 $R tests/gpu_overlap_check.py --json "$OUT/overlap_check.json" ;;
     moe_check) run moe_check 300 $R tests/gpu_moe_sources_check.py --json "$OUT/moe_check.json" ;;
+    compile_check) run compile_check 300 $R tests/gpu_compile_check.py --json "$OUT/compile_check.json" ;;
     faults) run faults 300 python3 launch/faults/run_all.py --gpu --timeout 10 --json "$OUT/faults_gpu.json" ;;
     overlap_tune)
       rm -f "$TUNED"

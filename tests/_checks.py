@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["NO_MULTICAST", "Checks", "ScriptRun", "dtype_name", "merge", "run_script", "write_results"]
+__all__ = ["NO_MULTICAST", "Checks", "ScriptRun", "dtype_name", "merge", "report", "run_script", "write_results"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -149,6 +149,20 @@ def write_results(path: str | os.PathLike[str], results: Results) -> None:
     tmp = path.with_name(path.name + ".part")
     tmp.write_text(json.dumps(results, indent=1))
     tmp.replace(path)
+
+
+def report(ck: Checks, json_path: str | None, what: str, world: int) -> int:
+    """The end of a check script (collective): every rank's records gathered; rank 0 prints the
+    first failures and a summary line and writes them to ``json_path``. The number of failures."""
+    every = ck.gather()
+    flat = [f"{family}: {f}" for family, rec in every.items() for f in rec["failures"]]
+    if ck.rank == 0:
+        for f in flat[:40]:
+            print("FAIL", f)
+        print(f"{what} checks: {ck.checks} per rank on {world} ranks, {len(flat)} failed", flush=True)
+        if json_path:
+            write_results(json_path, every)
+    return len(flat)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,22 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.library import opcheck
+
+
+def opcheck_failures(cases: list[tuple[str, tuple[Any, ...]]],
+                     test_utils: dict[str, tuple[str, ...]] | None = None) -> list[str]:
+    """``torch.library.opcheck`` of ``torch.ops.commops.<name>`` on each ``(name, args)``, with
+    ``test_utils[name]``'s checks where given (else opcheck's default set): what failed."""
+    failed = []
+    for name, args in cases:
+        chosen = (test_utils or {}).get(name)
+        result = opcheck(getattr(torch.ops.commops, name), args) if chosen is None else \
+            opcheck(getattr(torch.ops.commops, name), args, test_utils=chosen)
+        bad = {k: v for k, v in result.items() if v != "SUCCESS"}
+        if bad:
+            failed.append(f"{name}: {bad}")
+    return failed
 
 
 def traced_ops(gm: Any) -> set[str]:

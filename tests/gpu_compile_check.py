@@ -33,7 +33,7 @@ from collectives import functional as F  # noqa: E402
 from collectives.recorder import RECORDER  # noqa: E402
 from overlap import ops  # noqa: E402
 from overlap.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
-from tests._checks import Checks, write_results  # noqa: E402
+from tests._checks import Checks, report  # noqa: E402
 from tests._compiled import compile_checked  # noqa: E402
 from tests.test_overlap_moe import _layer_case  # noqa: E402
 
@@ -240,18 +240,13 @@ def main() -> int:
     if cuda:
         from torch._dynamo.utils import counters
 
-        with ck.family("reduce_overhead/verbs"):
-            counters.clear()
-            guarded("reduce-overhead verbs", lambda: verbs_checks("reduce-overhead"))
-            ck.count()
-            if counters["inductor"].get("cudagraph_skips", 0):
-                ck.fail(f"rank {r} reduce-overhead verbs: cudagraph skipped: {dict(counters['inductor'])}")
-        with ck.family("reduce_overhead/tp_mlp"):
-            counters.clear()
-            guarded("reduce-overhead tp mlp", lambda: mlp_checks("reduce-overhead"))
-            ck.count()
-            if counters["inductor"].get("cudagraph_skips", 0):
-                ck.fail(f"rank {r} reduce-overhead tp mlp: cudagraph skipped: {dict(counters['inductor'])}")
+        for name, checks in (("verbs", verbs_checks), ("tp_mlp", mlp_checks)):
+            with ck.family(f"reduce_overhead/{name}"):
+                counters.clear()
+                guarded(f"reduce-overhead {name}", lambda: checks("reduce-overhead"))  # noqa: B023 - called at once
+                ck.count()
+                if counters["inductor"].get("cudagraph_skips", 0):
+                    ck.fail(f"rank {r} reduce-overhead {name}: cudagraph skipped: {dict(counters['inductor'])}")
         with ck.family("cuda_graph/eager"):
             guarded("captured eager verbs", lambda: _captured_checks(close, w, r, dev, compiled=False))
         with ck.family("cuda_graph/compiled"):
@@ -259,14 +254,7 @@ def main() -> int:
         with ck.family("native_fast_path"):
             guarded("native fast path", lambda: _native_checks(ck, close, comm, w, r, dev))
 
-    every = ck.gather()
-    flat = [f"{family}: {f}" for family, rec in every.items() for f in rec["failures"]]
-    if r == 0:
-        for f in flat[:40]:
-            print("FAIL", f)
-        print(f"compile checks: {ck.checks} per rank on {w} ranks, {len(flat)} failed", flush=True)
-        if args.json:
-            write_results(args.json, every)
+    failed = report(ck, args.json, "compile", w)
     # NCCL's destroy waits while CUDA graphs that captured its kernels live: reduce-overhead's
     # graphs go with Dynamo's caches (measured: without this, destroy hung on one H200)
     torch._dynamo.reset()
@@ -276,7 +264,7 @@ def main() -> int:
     faulthandler.dump_traceback_later(45, exit=True)  # a hang past here prints its stacks and ends the run
     C.destroy()
     faulthandler.cancel_dump_traceback_later()
-    return 1 if flat else 0
+    return 1 if failed else 0
 
 
 def _step(x: torch.Tensor, wt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,7 +30,7 @@ from overlap import ops  # noqa: E402
 from overlap.layers import ColumnParallelLinear, MoELayer, RowParallelLinear  # noqa: E402
 from overlap.moe import GroupedSwiGLU, MoEDispatcher, reference_moe  # noqa: E402
 from overlap.moe.peer import PeerDenseState  # noqa: E402
-from tests._checks import Checks, write_results  # noqa: E402
+from tests._checks import Checks, report  # noqa: E402
 
 TOL = 2e-4  # float32, sums of a few hundred terms of size ~1
 OPS = ("gemm_all_reduce", "gemm_reduce_scatter", "all_gather_gemm")
@@ -527,16 +527,9 @@ def main() -> int:
                     ck.fail(f"rank {r} low-latency capture {dtype}: {type(exc).__name__}: {str(exc)[:300]}")
             peer.close()
 
-    every = ck.gather()
-    flat = [f"{family}: {f}" for family, rec in every.items() for f in rec["failures"]]
-    if r == 0:
-        for f in flat[:40]:
-            print("FAIL", f)
-        print(f"overlap checks: {ck.checks} per rank on {w} ranks, {len(flat)} failed", flush=True)
-        if args.json:
-            write_results(args.json, every)
+    failed = report(ck, args.json, "overlap", w)
     C.destroy()
-    return 1 if flat else 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ node: the 2xH200 issue measures it compiled.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import ClassVar
 
 import pytest
@@ -22,9 +21,8 @@ import torch
 
 from overlap.moe import MoEDispatcher, reference_moe
 from overlap.moe.handles import DispatchHandle, LowLatencyHandle, TransportState
-from overlap.moe.transport import register_transport, unregister_transport
-from tests._compiled import compile_checked
-from tests.test_overlap_moe_transport import H, _data, _expert, _params, _PlainAllToAll
+from tests._compiled import compile_checked, opcheck_failures
+from tests.test_overlap_moe_transport import H, _data, _expert, _params, _PlainAllToAll, registered
 
 NAME = "padded_all_to_all"
 MAX_TOKENS = 12
@@ -64,13 +62,8 @@ class _PaddedAllToAll(_PlainAllToAll):
         """The dispatch's routing was checked on the host (``route_on_host``) before any row moved."""
 
 
-@contextlib.contextmanager
-def _registered() -> Iterator[None]:
-    register_transport(NAME, _PaddedAllToAll)
-    try:
-        yield
-    finally:
-        unregister_transport(NAME)
+def _registered() -> contextlib.AbstractContextManager[None]:
+    return registered(NAME, _PaddedAllToAll)
 
 
 def _padded_experts(params: list[tuple[torch.Tensor, torch.Tensor]], blocks: torch.Tensor) -> torch.Tensor:
@@ -114,8 +107,6 @@ def test_compiled_low_latency_pair_equals_the_single_process_definition(worlds, 
 
 
 def _opcheck_case(rank: int, world: int) -> list[str]:
-    from torch.library import opcheck
-
     with _registered():
         E, k = 2 * world, 2
         disp = MoEDispatcher(E, H, dtype=torch.float64, transport=NAME)
@@ -123,11 +114,8 @@ def _opcheck_case(rank: int, world: int) -> list[str]:
         # the dispatch keeps a handle per call that its combine takes: opcheck calls it several
         # times, with fake tensors too, and compares the outputs, which hold a fresh ticket each
         # time; its schema and fake implementation are checked here, the pair itself above
-        failed = []
-        result = opcheck(torch.ops.commops.moe_dispatch_low_latency, (x, idx, disp.op_name),
-                         test_utils=("test_schema", "test_faketensor"))
-        failed += [f"dispatch {k}: {v}" for k, v in result.items() if v != "SUCCESS"]
-        return failed
+        return opcheck_failures([("moe_dispatch_low_latency", (x, idx, disp.op_name))],
+                                {"moe_dispatch_low_latency": ("test_schema", "test_faketensor")})
 
 
 def test_the_low_latency_ops_pass_opcheck(worlds) -> None:  # noqa: ANN001

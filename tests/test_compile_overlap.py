@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from overlap.moe import MoELayer
+from tests._compiled import opcheck_failures
 from tests.mp import messages
 from tests.test_overlap_layers import _mlp_case
 from tests.test_overlap_moe import _layer_case
@@ -46,9 +47,6 @@ def test_compiled_tp_mlp_equals_the_unsharded_module(worlds, world_size: int, ba
 
 
 def _opcheck_case(rank: int, world: int) -> list[str]:
-    from torch.library import opcheck
-    from torch.testing._internal.optests.generate_tests import DEFAULT_TEST_UTILS
-
     from collectives._ops import group_name
 
     g = torch.Generator().manual_seed(40 + rank)
@@ -76,13 +74,7 @@ def _opcheck_case(rank: int, world: int) -> list[str]:
     checks = {"moe_layer": ("test_schema", "test_autograd_registration", "test_faketensor")}
     cases += [("moe_layer", (x, idx, weights.detach().requires_grad_(), params, layer.op_name, True)),
               ("moe_layer", (x.detach(), idx, weights.detach(), [p.detach() for p in params], layer.op_name, False))]
-    failed = []
-    for op, args in cases:
-        result = opcheck(getattr(torch.ops.commops, op), args, test_utils=checks.get(op, DEFAULT_TEST_UTILS))
-        bad = {k: v for k, v in result.items() if v != "SUCCESS"}
-        if bad:
-            failed.append(f"{op}{args[2:]}: {bad}")
-    return failed
+    return opcheck_failures(cases, checks)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

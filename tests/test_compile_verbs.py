@@ -21,7 +21,7 @@ import torch.distributed as dist
 import collectives as C
 from collectives import functional as F
 from collectives.recorder import RECORDER
-from tests._compiled import compile_checked
+from tests._compiled import compile_checked, opcheck_failures
 from tests.mp import messages
 
 ROWS, COLS = 2, 3  # rows per rank block
@@ -206,8 +206,6 @@ def test_compiled_calls_raise_the_eager_errors(worlds) -> None:  # noqa: ANN001
 
 
 def _opcheck_case(rank: int, world: int) -> list[str]:
-    from torch.library import opcheck
-
     x = torch.randn(2 * world, 3, dtype=torch.float64)
     name = C._ops.group_name(None)
     cases: list[tuple[str, tuple[Any, ...]]] = [
@@ -224,13 +222,7 @@ def _opcheck_case(rank: int, world: int) -> list[str]:
         ("broadcast", (x.clone().requires_grad_(), 0, name, "auto")),
         ("broadcast_backward", (x.clone(), 0, name)),
     ]
-    failed = []
-    for op, args in cases:
-        result = opcheck(getattr(torch.ops.commops, op), args)
-        bad = {k: v for k, v in result.items() if v != "SUCCESS"}
-        if bad:
-            failed.append(f"{op}: {bad}")
-    return failed
+    return opcheck_failures(cases)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

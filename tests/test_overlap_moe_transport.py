@@ -110,13 +110,17 @@ class _PlainAllToAll(Transport):
 
 
 @contextlib.contextmanager
-def _registered() -> Iterator[None]:
-    """The transport registered on this rank for the length of a call, unregistered after."""
-    register_transport(NAME, _PlainAllToAll)
+def registered(name: str, factory: Any) -> Iterator[None]:
+    """Transport ``factory`` registered as ``name`` on this rank for the length of a call, unregistered after."""
+    register_transport(name, factory)
     try:
         yield
     finally:
-        unregister_transport(NAME)
+        unregister_transport(name)
+
+
+def _registered() -> contextlib.AbstractContextManager[None]:
+    return registered(NAME, _PlainAllToAll)
 
 
 # -- the cases ------------------------------------------------------------------------------------
