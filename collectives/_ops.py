@@ -9,7 +9,12 @@ own collectives (``torch.distributed`` in place, ``_functional_collectives`` out
   ``all_gather_tensor``, ``all_to_all_single``, ``broadcast`` (``collectives.functional``).
 
 An op names its group by ``ProcessGroup.group_name`` ("" for the default group) and takes the
-reduce op and the algorithm as strings: what a graph can hold as constants. The algorithm is
+reduce op and the algorithm as strings: what a graph can hold as constants. An op whose output's
+shape depends on the group's size takes that size too (``group_size``, as torch's functional
+collectives do), so that the graph states it: compilers cache a compiled graph by its code and
+its inputs' shapes, and a name alone ("" at every world size) once let a world of 3 load the
+graph compiled for 2 (its shapes asserted wrong; found by the Inductor run at world 3). The
+op checks the size against the group when it runs. The algorithm is
 chosen inside the op, at run time, by the same dispatch point as an eager call
 (:mod:`collectives.dispatch`), so ``algorithm="auto"``, validation, the flight recorder and the
 bounded waits behave as they do eagerly: a compiled call is recorded, and a bad argument raises
@@ -18,8 +23,9 @@ shape from its inputs and the group's size, and refuses there what its shape alo
 
 The public verbs (``collectives.all_reduce`` and the others) keep their signatures: eagerly they
 call the dispatch point directly, as before (``torch.compiler.is_compiling`` is their one added
-check, about 0.07 us; a dispatcher round trip through a Python op would add 2.5-10 us to a call
-whose whole host cost is a few); under ``torch.compile`` they trace to these ops
+check: +0.22 us, 7.9%, on a repeated call's 2.9 us of host time on a 2-core CPU,
+``launch/bench_fastpath_host.py``; a dispatcher round trip through a Python op would add 2.5-10
+us); under ``torch.compile`` they trace to these ops
 (``_traced.py``). With ``async_op=True`` a traced verb returns a handle that is already
 complete: in a graph the op is ordered on its stream like any other op, which is what waiting
 on the handle gives eagerly.
@@ -27,12 +33,13 @@ on the handle gives eagerly.
 Gradients (the functional forms): the loss is the sum of every rank's loss, so an all-reduce
 (sum) of ``x`` has the all-reduce of its output's gradient as ``x``'s gradient, an all-gather the
 reduce-scatter of its gradient, a reduce-scatter the all-gather, an all-to-all the all-to-all with
-the splits swapped, a broadcast the gradients' sum on the source (zero elsewhere). No backward
-depends on the rank where it is traced: compilers cache the backward graph by the forward's, the
-same on every rank, so what differs by rank is decided inside an op. Averages scale
-them by the group size; max, min and prod have none. The backward passes pick their algorithm
-with ``auto``: the forward's may not run the other verb. The in-place forms, like
-``torch.distributed``'s, are invisible to autograd.
+the splits swapped, a broadcast the gradients' sum on the source (zero elsewhere). Averages
+scale them by the group size; max, min and prod have none. The backward passes pick their
+algorithm with ``auto``: the forward's may not run the other verb. No backward depends on the
+rank where it is traced: compilers cache the backward graph by the forward's, the same on every
+rank (a first version's broadcast gradient, traced per rank, came out wrong under Inductor), so
+what differs by rank is decided inside an op. The in-place forms, like ``torch.distributed``'s,
+are invisible to autograd.
 
 Tried and rejected: ``torch.compiler.substitute_in_graph`` for the verbs (no check added to the
 eager path, but it needs ``torch._dynamo`` imported, 1.2 s, before any verb could register);
@@ -71,8 +78,9 @@ SCHEMAS = {
     "reduce_": "(Tensor(a!) tensor, int? dst, int? group_dst, str op, str group, str algorithm) -> ()",
     "barrier": "(str group) -> ()",
     "all_reduce": "(Tensor input, str op, str group, str algorithm) -> Tensor",
-    "reduce_scatter_tensor": "(Tensor input, str op, int scatter_dim, str group, str algorithm) -> Tensor",
-    "all_gather_tensor": "(Tensor input, int gather_dim, str group, str algorithm) -> Tensor",
+    "reduce_scatter_tensor": "(Tensor input, str op, int scatter_dim, int group_size, str group, str algorithm) "
+                             "-> Tensor",
+    "all_gather_tensor": "(Tensor input, int gather_dim, int group_size, str group, str algorithm) -> Tensor",
     "all_to_all_single": "(Tensor input, SymInt[]? output_split_sizes, SymInt[]? input_split_sizes, str group, "
                          "str algorithm) -> Tensor",
     "broadcast": "(Tensor input, int group_src, str group, str algorithm) -> Tensor",
@@ -94,6 +102,13 @@ def communicator(name: str) -> Communicator:
 
 def _size(name: str) -> int:
     return dist.get_world_size(_process_group(name))
+
+
+def _check_size(group_size: int, group: str) -> None:
+    world = _size(group)
+    if group_size != world:
+        raise InvalidArgumentError("group_size", group_size, f"is not the size of group {group!r} ({world} ranks)",
+                                   f"pass {world}, the group's size (collectives.functional passes it for you)")
 
 
 def _dim(name: str, dim: int, t: torch.Tensor) -> int:
@@ -142,9 +157,8 @@ def _all_reduce(input: torch.Tensor, op: str, group: str, algorithm: str) -> tor
     return out
 
 
-def _scattered_shape(input: torch.Tensor, scatter_dim: int, group: str) -> list[int]:
+def _scattered_shape(input: torch.Tensor, scatter_dim: int, world: int) -> list[int]:
     d = _dim("scatter_dim", scatter_dim, input)
-    world = _size(group)
     if input.dim() == 0 or input.shape[d] % world:
         raise InvalidArgumentError("scatter_dim", scatter_dim, f"has size {input.shape[d] if input.dim() else 0} in "
                                    f"input {tuple(input.shape)}, which {world} ranks do not divide",
@@ -154,21 +168,23 @@ def _scattered_shape(input: torch.Tensor, scatter_dim: int, group: str) -> list[
     return shape
 
 
-def _reduce_scatter_tensor(input: torch.Tensor, op: str, scatter_dim: int, group: str,
+def _reduce_scatter_tensor(input: torch.Tensor, op: str, scatter_dim: int, group_size: int, group: str,
                            algorithm: str) -> torch.Tensor:
-    shape = _scattered_shape(input, scatter_dim, group)
+    _check_size(group_size, group)
+    shape = _scattered_shape(input, scatter_dim, group_size)
     d = _dim("scatter_dim", scatter_dim, input)
     lead = input.movedim(d, 0).contiguous()  # rank r's block is rows [r*n, (r+1)*n) of dimension d
-    out = lead.new_empty((lead.shape[0] // _size(group), *lead.shape[1:]))
+    out = lead.new_empty((lead.shape[0] // group_size, *lead.shape[1:]))
     _reduce_scatter_(out, lead, op, group, algorithm)
     return out.movedim(0, d).contiguous() if d else out.view(shape)
 
 
-def _all_gather_tensor(input: torch.Tensor, gather_dim: int, group: str, algorithm: str) -> torch.Tensor:
+def _all_gather_tensor(input: torch.Tensor, gather_dim: int, group_size: int, group: str,
+                       algorithm: str) -> torch.Tensor:
+    _check_size(group_size, group)
     d = _dim("gather_dim", gather_dim, input)
-    world = _size(group)
     lead = input.movedim(d, 0).contiguous()
-    out = lead.new_empty((lead.shape[0] * world, *lead.shape[1:]))
+    out = lead.new_empty((lead.shape[0] * group_size, *lead.shape[1:]))
     _all_gather_(out, lead, group, algorithm)
     return out.movedim(0, d).contiguous() if d else out
 
@@ -199,15 +215,16 @@ def _fake_all_reduce(input: torch.Tensor, op: str, group: str, algorithm: str) -
     return torch.empty_like(input, memory_format=torch.contiguous_format)
 
 
-def _fake_reduce_scatter_tensor(input: torch.Tensor, op: str, scatter_dim: int, group: str,
+def _fake_reduce_scatter_tensor(input: torch.Tensor, op: str, scatter_dim: int, group_size: int, group: str,
                                 algorithm: str) -> torch.Tensor:
-    return input.new_empty(_scattered_shape(input, scatter_dim, group))
+    return input.new_empty(_scattered_shape(input, scatter_dim, group_size))
 
 
-def _fake_all_gather_tensor(input: torch.Tensor, gather_dim: int, group: str, algorithm: str) -> torch.Tensor:
+def _fake_all_gather_tensor(input: torch.Tensor, gather_dim: int, group_size: int, group: str,
+                            algorithm: str) -> torch.Tensor:
     d = _dim("gather_dim", gather_dim, input)
     shape = list(input.shape)
-    shape[d] *= _size(group)
+    shape[d] *= group_size
     return input.new_empty(shape)
 
 
@@ -237,22 +254,23 @@ def _backward_all_reduce(ctx: Any, grad: torch.Tensor) -> Any:
 
 
 def _setup_reduce_scatter(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    ctx.op, ctx.dim, ctx.group = normalize_reduce_op(inputs[1]), inputs[2], inputs[3]
+    ctx.op, ctx.dim, ctx.size, ctx.group = normalize_reduce_op(inputs[1]), inputs[2], inputs[3], inputs[4]
 
 
 def _backward_reduce_scatter(ctx: Any, grad: torch.Tensor) -> Any:
     if ctx.op not in ("sum", "avg"):
         raise _no_gradient(ctx.op, "reduce_scatter_tensor")
-    g = torch.ops.commops.all_gather_tensor(grad, ctx.dim, ctx.group, "auto")
-    return (g / _size(ctx.group) if ctx.op == "avg" else g), None, None, None, None
+    g = torch.ops.commops.all_gather_tensor(grad, ctx.dim, ctx.size, ctx.group, "auto")
+    return (g / ctx.size if ctx.op == "avg" else g), None, None, None, None, None
 
 
 def _setup_all_gather(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    ctx.dim, ctx.group = inputs[1], inputs[2]
+    ctx.dim, ctx.size, ctx.group = inputs[1], inputs[2], inputs[3]
 
 
 def _backward_all_gather(ctx: Any, grad: torch.Tensor) -> Any:
-    return torch.ops.commops.reduce_scatter_tensor(grad, "sum", ctx.dim, ctx.group, "auto"), None, None, None
+    g = torch.ops.commops.reduce_scatter_tensor(grad, "sum", ctx.dim, ctx.size, ctx.group, "auto")
+    return g, None, None, None, None
 
 
 def _setup_all_to_all(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:

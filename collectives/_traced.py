@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ._types import REDUCE_OPS, normalize_reduce_op, torch_reduce_op
 from .work import Work
 
-__all__ = ["group_name", "DONE", "all_reduce", "reduce_scatter", "all_gather", "all_to_all_single", "broadcast",
+__all__ = ["group_name", "group_size", "DONE", "all_reduce", "reduce_scatter", "all_gather", "all_to_all_single", "broadcast",
            "reduce", "barrier"]
 
 
@@ -30,6 +30,13 @@ def group_name(group: Any) -> str:
     if not isinstance(group, dist.ProcessGroup):  # a Communicator: its group
         group = group.group
     return str(group.group_name)
+
+
+def group_size(group: Any) -> int:
+    """The size of ``group`` (a process group, a communicator or None), read so that Dynamo folds it."""
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return dist.get_world_size(group)
+    return int(group.size)
 
 
 class _Done(Work):

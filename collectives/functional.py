@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from . import _ops, _traced
-from ._ops import group_name
+from ._traced import group_name, group_size
 
 __all__ = ["all_reduce", "reduce_scatter_tensor", "all_gather_tensor", "all_to_all_single", "broadcast"]
 
@@ -54,18 +54,20 @@ def reduce_scatter_tensor(input: torch.Tensor, op: Any = "sum", scatter_dim: int
     of the group's size) divided by the group's size, group rank r taking the r-th block.
 
     Differentiable for "sum" and "avg" (the gradient is all-gathered)."""
+    args = (input, _name(op), scatter_dim, group_size(group), group_name(group), algorithm)
     if _direct(input):
-        return _ops._reduce_scatter_tensor(input, _name(op), scatter_dim, group_name(group), algorithm)
-    return torch.ops.commops.reduce_scatter_tensor(input, _name(op), scatter_dim, group_name(group), algorithm)
+        return _ops._reduce_scatter_tensor(*args)
+    return torch.ops.commops.reduce_scatter_tensor(*args)
 
 
 def all_gather_tensor(input: torch.Tensor, gather_dim: int = 0, group: Any = None, *,
                       algorithm: str = "auto") -> torch.Tensor:
     """Every rank's ``input`` joined along ``gather_dim`` in group-rank order (that dimension
     multiplied by the group's size). Differentiable (the gradient is reduce-scattered)."""
+    args = (input, gather_dim, group_size(group), group_name(group), algorithm)
     if _direct(input):
-        return _ops._all_gather_tensor(input, gather_dim, group_name(group), algorithm)
-    return torch.ops.commops.all_gather_tensor(input, gather_dim, group_name(group), algorithm)
+        return _ops._all_gather_tensor(*args)
+    return torch.ops.commops.all_gather_tensor(*args)
 
 
 def all_to_all_single(input: torch.Tensor, output_split_sizes: list[int] | None = None,

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import collectives as C
 from collectives import _env
 from collectives import _ops as _c_ops
+from collectives import _traced
 from collectives.errors import InvalidArgumentError, UnsupportedError
 
 from .strategies import REGISTRY
@@ -282,10 +283,12 @@ def _all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: Any, gather_
 _LIB = torch.library.Library("commops", "FRAGMENT")
 SCHEMAS = {
     "gemm_all_reduce": "(Tensor a, Tensor b, Tensor? bias, str group, str strategy, int chunks) -> Tensor",
-    "gemm_reduce_scatter": "(Tensor a, Tensor b, int scatter_dim, str group, str strategy, int chunks) -> Tensor",
+    # group_size: the result's shape depends on it (collectives/_ops.py says why it is an argument)
+    "gemm_reduce_scatter": "(Tensor a, Tensor b, int scatter_dim, int group_size, str group, str strategy, "
+                           "int chunks) -> Tensor",
     # the gathered operand too, as rows [world * m, K]: the weight gradient's
-    "all_gather_gemm": "(Tensor a_shard, Tensor b, int gather_dim, str group, str strategy, int chunks) "
-                       "-> (Tensor, Tensor)",
+    "all_gather_gemm": "(Tensor a_shard, Tensor b, int gather_dim, int group_size, str group, str strategy, "
+                       "int chunks) -> (Tensor, Tensor)",
 }
 
 
@@ -298,13 +301,15 @@ def _op_gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | N
     return _gemm_all_reduce(a, b, _group(group), bias, strategy, chunks).contiguous()
 
 
-def _op_gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, scatter_dim: int, group: str, strategy: str,
-                            chunks: int) -> torch.Tensor:
+def _op_gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, scatter_dim: int, group_size: int, group: str,
+                            strategy: str, chunks: int) -> torch.Tensor:
+    _c_ops._check_size(group_size, group)
     return _gemm_reduce_scatter(a, b, _group(group), scatter_dim, strategy, chunks)
 
 
-def _op_all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, gather_dim: int, group: str, strategy: str,
-                        chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _op_all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, gather_dim: int, group_size: int, group: str,
+                        strategy: str, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    _c_ops._check_size(group_size, group)
     out, full = _all_gather_gemm(a_shard, b, _group(group), gather_dim, strategy, chunks, keep_gathered=True)
     return out.contiguous(), full.contiguous()
 
@@ -321,10 +326,10 @@ def _fake_gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor |
     return a.new_empty(_result_shape(a, b))
 
 
-def _fake_gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, scatter_dim: int, group: str, strategy: str,
-                              chunks: int) -> torch.Tensor:
+def _fake_gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, scatter_dim: int, group_size: int, group: str,
+                              strategy: str, chunks: int) -> torch.Tensor:
     d = _check_dim("scatter_dim", scatter_dim, a, a.dim() - 1)
-    w = _c_ops._size(group)
+    w = group_size
     if a.shape[d] % w:
         raise InvalidArgumentError("scatter_dim", scatter_dim, f"has size {a.shape[d]}, which {w} ranks do not divide",
                                    f"make dimension {scatter_dim} a multiple of {w} or scatter along another")
@@ -333,10 +338,10 @@ def _fake_gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, scatter_dim: int
     return a.new_empty((shape[d], *shape[:d], *shape[d + 1:])).movedim(0, d)
 
 
-def _fake_all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, gather_dim: int, group: str, strategy: str,
-                          chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _fake_all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, gather_dim: int, group_size: int, group: str,
+                          strategy: str, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
     d = _check_dim("gather_dim", gather_dim, a_shard, a_shard.dim() - 1)
-    w = _c_ops._size(group)
+    w = group_size
     rows = a_shard.numel() // max(1, a_shard.shape[-1]) * w
     return a_shard.new_empty(_result_shape(a_shard, b, d, w)), a_shard.new_empty((rows, a_shard.shape[-1]))
 
@@ -360,7 +365,7 @@ def _backward_gemm_all_reduce(ctx: Any, g: torch.Tensor) -> Any:
 
 
 def _setup_gemm_reduce_scatter(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    a, b, ctx.dim, ctx.group, ctx.strategy, ctx.chunks = inputs
+    a, b, ctx.dim, ctx.size, ctx.group, ctx.strategy, ctx.chunks = inputs
     ctx.save_for_backward(a, b)
 
 
@@ -368,14 +373,14 @@ def _backward_gemm_reduce_scatter(ctx: Any, g: torch.Tensor) -> Any:
     a, b = ctx.saved_tensors
     d = ctx.dim % a.dim()
     # the gradient's all-gather, overlapped with the data-gradient GEMM
-    ga, g_rows = torch.ops.commops.all_gather_gemm(g.contiguous(), b.t().contiguous(), d, ctx.group, ctx.strategy,
-                                                   ctx.chunks)
+    ga, g_rows = torch.ops.commops.all_gather_gemm(g.contiguous(), b.t().contiguous(), d, ctx.size, ctx.group,
+                                                   ctx.strategy, ctx.chunks)
     gb = _rows(a, d).t() @ g_rows if ctx.needs_input_grad[1] else None
-    return (ga if ctx.needs_input_grad[0] else None), gb, None, None, None, None
+    return (ga if ctx.needs_input_grad[0] else None), gb, None, None, None, None, None
 
 
 def _setup_all_gather_gemm(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    _, b, ctx.dim, ctx.group, ctx.strategy, ctx.chunks = inputs
+    _, b, ctx.dim, ctx.size, ctx.group, ctx.strategy, ctx.chunks = inputs
     ctx.save_for_backward(output[1], b)
 
 
@@ -384,9 +389,9 @@ def _backward_all_gather_gemm(ctx: Any, g: torch.Tensor, _g_gathered: Any) -> An
     d = ctx.dim % g.dim()
     gb = full_rows.t() @ _rows(g, d) if ctx.needs_input_grad[1] else None
     # the data gradient's reduce-scatter, overlapped with its GEMM
-    ga = torch.ops.commops.gemm_reduce_scatter(g.contiguous(), b.t().contiguous(), d, ctx.group, ctx.strategy,
-                                               ctx.chunks) if ctx.needs_input_grad[0] else None
-    return ga, gb, None, None, None, None
+    ga = torch.ops.commops.gemm_reduce_scatter(g.contiguous(), b.t().contiguous(), d, ctx.size, ctx.group,
+                                               ctx.strategy, ctx.chunks) if ctx.needs_input_grad[0] else None
+    return ga, gb, None, None, None, None, None
 
 
 def _register() -> None:
@@ -460,7 +465,8 @@ def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: Any = None, *, 
     _check_operands("gemm_reduce_scatter", a, b)
     if _direct(a, b):
         return _gemm_reduce_scatter(a, b, group, scatter_dim, strategy, chunks)
-    return torch.ops.commops.gemm_reduce_scatter(a, b, scatter_dim, _c_ops.group_name(group), strategy, chunks)
+    return torch.ops.commops.gemm_reduce_scatter(a, b, scatter_dim, _traced.group_size(group), _c_ops.group_name(group),
+                                                 strategy, chunks)
 
 
 def all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: Any = None, *, gather_dim: int = 0,
@@ -482,4 +488,5 @@ def all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: Any = None, *
     _check_operands("all_gather_gemm", a_shard, b, "a_shard")
     if _direct(a_shard, b):
         return _all_gather_gemm(a_shard, b, group, gather_dim, strategy, chunks)
-    return torch.ops.commops.all_gather_gemm(a_shard, b, gather_dim, _c_ops.group_name(group), strategy, chunks)[0]
+    return torch.ops.commops.all_gather_gemm(a_shard, b, gather_dim, _traced.group_size(group),
+                                             _c_ops.group_name(group), strategy, chunks)[0]

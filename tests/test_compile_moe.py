@@ -114,7 +114,8 @@ def _opcheck_case(rank: int, world: int) -> list[str]:
         # the dispatch keeps a handle per call that its combine takes: opcheck calls it several
         # times, with fake tensors too, and compares the outputs, which hold a fresh ticket each
         # time; its schema and fake implementation are checked here, the pair itself above
-        return opcheck_failures([("moe_dispatch_low_latency", (x, idx, disp.op_name))],
+        blocks = (disp.local_experts, disp.transport_impl.low_latency_capacity())
+        return opcheck_failures([("moe_dispatch_low_latency", (x, idx, *blocks, disp.op_name))],
                                 {"moe_dispatch_low_latency": ("test_schema", "test_faketensor")})
 
 

@@ -57,10 +57,10 @@ def _opcheck_case(rank: int, world: int) -> list[str]:
     cases: list[tuple[str, tuple[Any, ...]]] = [
         ("gemm_all_reduce", (a, b, bias, name, "chunked", 2)),
         ("gemm_all_reduce", (a, b, None, name, "sequential", 1)),
-        ("gemm_reduce_scatter", (a, b, 0, name, "chunked", 2)),
-        ("gemm_reduce_scatter", (a.transpose(0, 1).contiguous(), b, 1, name, "sequential", 1)),
-        ("all_gather_gemm", (a, b, 0, name, "chunked", 2)),
-        ("all_gather_gemm", (a, b, 1, name, "sequential", 1)),
+        ("gemm_reduce_scatter", (a, b, 0, world, name, "chunked", 2)),
+        ("gemm_reduce_scatter", (a.transpose(0, 1).contiguous(), b, 1, world, name, "sequential", 1)),
+        ("all_gather_gemm", (a, b, 0, world, name, "chunked", 2)),
+        ("all_gather_gemm", (a, b, 1, world, name, "sequential", 1)),
     ]
     torch.manual_seed(3)  # the same layer on every rank
     layer = MoELayer(6, 10, 2 * world, 2, dtype=torch.float64)

@@ -172,6 +172,10 @@ def _errors_case(rank: int, world: int) -> list[str]:
             out.append(f"{type(exc).__name__}: {exc}")
         else:
             out.append("no error")
+    try:  # an op told another group size than its group's (a graph traced for another world)
+        torch.ops.commops.all_gather_tensor(x, 0, world + 1, "", "auto")
+    except Exception as exc:  # noqa: BLE001 - the test reads its type and text
+        out.append(f"{type(exc).__name__}: {exc}")
     y = x.clone()
     C.all_reduce(y)
     assert torch.allclose(y, x * world)
@@ -197,7 +201,8 @@ def test_compiled_functional_verbs_and_their_gradients(worlds, world_size: int, 
 def test_compiled_calls_raise_the_eager_errors(worlds) -> None:  # noqa: ANN001
     w = worlds(2)
     for per_rank in w.run(_errors_case):
-        bad_algorithm, bad_dim = per_rank
+        bad_algorithm, bad_dim, bad_size = per_rank
+        assert bad_size.startswith("InvalidArgumentError: group_size=3") and "(2 ranks)" in bad_size, bad_size
         assert "UnsupportedError" in bad_algorithm and "algorithm" in bad_algorithm and "no_such" in bad_algorithm, \
             bad_algorithm
         # found while tracing: torch wraps it (TorchRuntimeError), our type and text inside
@@ -216,8 +221,8 @@ def _opcheck_case(rank: int, world: int) -> list[str]:
         ("broadcast_", (x.clone(), None, 0, name, "auto")),
         ("reduce_", (x.clone(), None, 0, "sum", name, "auto")),
         ("all_reduce", (x.clone().requires_grad_(), "sum", name, "auto")),
-        ("reduce_scatter_tensor", (x.clone().requires_grad_(), "sum", 0, name, "auto")),
-        ("all_gather_tensor", (x.clone().requires_grad_(), 1, name, "auto")),
+        ("reduce_scatter_tensor", (x.clone().requires_grad_(), "sum", 0, world, name, "auto")),
+        ("all_gather_tensor", (x.clone().requires_grad_(), 1, world, name, "auto")),
         ("all_to_all_single", (x.clone().requires_grad_(), [2] * world, [2] * world, name, "auto")),
         ("broadcast", (x.clone().requires_grad_(), 0, name, "auto")),
         ("broadcast_backward", (x.clone(), 0, name)),

@@ -14,7 +14,8 @@ key, where ``enable_grad`` alone records nothing, so the forward re-includes the
 while it records (``_recording``).
 
 The low-latency pair has static shapes (``[E/W, capacity, hidden]`` blocks) and is two ops,
-``moe_dispatch_low_latency(x, topk_idx, dispatcher) -> (recv_x, tokens_per_expert, ticket)`` and
+``moe_dispatch_low_latency(x, topk_idx, local_experts, capacity, dispatcher) -> (recv_x,
+tokens_per_expert, ticket)`` and
 ``moe_combine_low_latency(expert_out, ticket, topk_weights, dispatcher)``; the handle's transport
 state stays on the host under the ticket (``CompiledState`` in the traced handle holds it), and
 the combine takes it. The dispatcher is found by name, like the layer.
@@ -48,7 +49,9 @@ SCHEMAS = {
                  "-> (Tensor, Tensor)",
     # the gradients of x, topk_weights and each of params (zeros where none flows)
     "moe_layer_backward": "(Tensor grad, Tensor ticket, Tensor x, Tensor topk_weights, Tensor[] params) -> Tensor[]",
-    "moe_dispatch_low_latency": "(Tensor x, Tensor topk_idx, str dispatcher) -> (Tensor, Tensor, Tensor)",
+    # its blocks' shape as arguments: the graph states it (collectives/_ops.py says why)
+    "moe_dispatch_low_latency": "(Tensor x, Tensor topk_idx, int local_experts, int capacity, str dispatcher) "
+                                "-> (Tensor, Tensor, Tensor)",
     "moe_combine_low_latency": "(Tensor expert_out, Tensor ticket, Tensor topk_weights, str dispatcher) -> Tensor",
 }
 
@@ -175,9 +178,15 @@ class CompiledState(TransportState):
         self.ticket = ticket
 
 
-def _dispatch_low_latency(x: torch.Tensor, topk_idx: torch.Tensor,
+def _dispatch_low_latency(x: torch.Tensor, topk_idx: torch.Tensor, local_experts: int, capacity: int,
                           dispatcher: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    recv, handle = _found(DISPATCHERS, "MoEDispatcher", dispatcher).dispatch_low_latency(x, topk_idx)
+    disp = _found(DISPATCHERS, "MoEDispatcher", dispatcher)
+    shape = (disp.local_experts, disp.transport_impl.low_latency_capacity())
+    if (local_experts, capacity) != shape:
+        raise UnsupportedError("capacity", (local_experts, capacity), f"is not the dispatcher's blocks {shape} "
+                               "(the graph was traced for another dispatcher or group size)",
+                               "compile the function again for this dispatcher")
+    recv, handle = disp.dispatch_low_latency(x, topk_idx)
     return recv.clone(), handle.tokens_per_expert.clone(), _HANDLES.keep(handle)
 
 
@@ -187,12 +196,10 @@ def _combine_low_latency(expert_out: torch.Tensor, ticket: torch.Tensor, topk_we
                                                                                topk_weights)
 
 
-def _fake_dispatch_low_latency(x: torch.Tensor, topk_idx: torch.Tensor,
+def _fake_dispatch_low_latency(x: torch.Tensor, topk_idx: torch.Tensor, local_experts: int, capacity: int,
                                dispatcher: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    disp = _found(DISPATCHERS, "MoEDispatcher", dispatcher)
-    cap = disp.transport_impl.low_latency_capacity()
-    return (x.new_empty((disp.local_experts, cap, x.shape[1])),
-            torch.empty(disp.local_experts, dtype=torch.int64, device=x.device), torch.empty(1, dtype=torch.int64))
+    return (x.new_empty((local_experts, capacity, x.shape[1])),
+            torch.empty(local_experts, dtype=torch.int64, device=x.device), torch.empty(1, dtype=torch.int64))
 
 
 def _fake_combine_low_latency(expert_out: torch.Tensor, ticket: torch.Tensor, topk_weights: torch.Tensor,
@@ -203,9 +210,10 @@ def _fake_combine_low_latency(expert_out: torch.Tensor, ticket: torch.Tensor, to
 def traced_dispatch_low_latency(disp: Any, x: torch.Tensor, topk_idx: torch.Tensor
                                 ) -> tuple[torch.Tensor, LowLatencyHandle]:
     """``MoEDispatcher.dispatch_low_latency`` under torch.compile: the op, and a handle holding its ticket."""
-    recv, counts, ticket = torch.ops.commops.moe_dispatch_low_latency(x, topk_idx, disp.op_name)
-    return recv, LowLatencyHandle(counts, disp.transport_impl.low_latency_capacity(), x.shape[0], topk_idx.shape[1],
-                                  CompiledState(ticket))
+    cap = disp.transport_impl.low_latency_capacity()
+    recv, counts, ticket = torch.ops.commops.moe_dispatch_low_latency(x, topk_idx, disp.local_experts, cap,
+                                                                      disp.op_name)
+    return recv, LowLatencyHandle(counts, cap, x.shape[0], topk_idx.shape[1], CompiledState(ticket))
 
 
 def traced_combine_low_latency(disp: Any, expert_out: torch.Tensor, handle: LowLatencyHandle,
