@@ -60,7 +60,8 @@ __all__ = [
 
 Group = dist.ProcessGroup | None
 # True while torch.compile traces (a constant in the trace): the verbs then trace to the
-# torch.ops.commops ops (collectives/_ops.py); eagerly, one call of about 0.07 us.
+# torch.ops.commops ops (collectives/_ops.py); eagerly, one call (+0.22 us on a repeated call's
+# host time, launch/bench_fastpath_host.py's "verb" row).
 _compiling = torch.compiler.is_compiling
 
 
@@ -121,7 +122,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     dim 0 evenly. Uneven and zero-length splits are allowed (not with ``algorithm="bruck"``)."""
     if _compiling():
         return _traced.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, async_op,
-                                             algorithm)
+                                         algorithm)
     return get_communicator(group).all_to_all_single(output, input, output_split_sizes, input_split_sizes,
                                                      async_op, algorithm=algorithm)
 
