@@ -127,8 +127,8 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
                                                      async_op, algorithm=algorithm)
 
 
-def broadcast(tensor: torch.Tensor, src: int | None = None, group: Group = None, async_op: bool = False, *,
-              group_src: int | None = None, algorithm: str = "auto") -> Work | None:
+def broadcast(tensor: torch.Tensor, src: int | None = None, group: Group = None, async_op: bool = False,
+              group_src: int | None = None, *, algorithm: str = "auto") -> Work | None:
     """Copy ``tensor`` from global rank ``src`` (or group rank ``group_src``) to every rank, in place."""
     if _compiling():
         return _traced.broadcast(tensor, src, group, async_op, group_src, algorithm)
@@ -136,7 +136,7 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group: Group = None,
 
 
 def reduce(tensor: torch.Tensor, dst: int | None = None, op: Any = ReduceOp.SUM, group: Group = None,
-           async_op: bool = False, *, group_dst: int | None = None, algorithm: str = "auto") -> Work | None:
+           async_op: bool = False, group_dst: int | None = None, *, algorithm: str = "auto") -> Work | None:
     """Reduce ``tensor`` across ranks into global rank ``dst`` (or group rank ``group_dst``).
 
     Only ``dst``'s tensor holds the result; with commops' own algorithms the other ranks' tensors

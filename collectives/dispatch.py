@@ -372,7 +372,7 @@ def _failed(comm: Communicator, op: str, seq: int, exc: BaseException) -> None:
               (f"rank(s) {missing} never reported entering it (skipped it, stuck before it, or cut off from "
                "the store)" if missing else "every rank entered it (one is slow, or gone mid-call)"))
     _abort(comm)
-    raise CollectiveTimeout(op, missing, detail) from exc
+    raise CollectiveTimeout(op, missing, detail, str(exc)[:1000]) from exc
 
 
 def _abort(comm: Communicator) -> None:

@@ -75,13 +75,16 @@ class LaunchError(CommopsError, RuntimeError):
     """The process was not started by a launcher that ``collectives.init`` understands."""
 
 
-class CollectiveTimeout(CommopsError, TimeoutError):
-    """A collective waited longer than its bound for a peer; names the op, the stage and the peers that did not arrive."""
+class CollectiveTimeout(CommopsError, _DistBackendError, TimeoutError):
+    """A collective waited longer than its bound for a peer; names the op, the stage and the peers
+    that did not arrive. Catchable where torch's own timeout is (``DistBackendError``, a
+    ``RuntimeError``) and as a ``TimeoutError``; where the backend raised, its text follows ours."""
 
-    def __init__(self, op: str, missing: list[int], detail: str) -> None:
+    def __init__(self, op: str, missing: list[int], detail: str, backend_text: str = "") -> None:
         self.op = op
         self.missing = missing
-        super().__init__(f"{op}: rank(s) {missing} did not arrive: {detail}")
+        tail = f". Backend: {backend_text}" if backend_text else ""
+        super().__init__(f"{op}: rank(s) {missing} did not arrive: {detail}{tail}")
 
 
 class CollectiveMismatch(CommopsError, RuntimeError):

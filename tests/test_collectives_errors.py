@@ -121,3 +121,30 @@ def test_calling_before_init_says_how_to_start() -> None:
         C.all_reduce(torch.ones(2))
     with pytest.raises(C.NotInitializedError, match="init_process_group"):
         C.Communicator()
+
+
+@pytest.mark.parametrize("name", ["broadcast", "reduce"])
+def test_root_verbs_take_torch_positional_arguments(name: str) -> None:
+    """``broadcast``/``reduce`` take torch.distributed's parameters in its order (``group_src`` /
+    ``group_dst`` positional too), ``algorithm=`` keyword-only after them."""
+    import inspect
+
+    ours = list(inspect.signature(getattr(C, name)).parameters.values())
+    theirs = list(inspect.signature(getattr(dist, name)).parameters.values())
+    assert [p.name for p in ours[:len(theirs)]] == [p.name for p in theirs]
+    assert all(p.kind in (p.POSITIONAL_OR_KEYWORD, p.POSITIONAL_ONLY) for p in ours[:len(theirs)])
+    assert [p.name for p in ours[len(theirs):]] == ["algorithm"] and ours[-1].kind == ours[-1].KEYWORD_ONLY
+
+
+def _positional_roots(rank: int, world: int) -> list[float]:
+    x = torch.full((5,), float(rank + 1), dtype=torch.float64)
+    C.broadcast(x, None, None, False, world - 1)  # group_src as torch's fifth positional argument
+    y = torch.full((5,), float(rank + 1), dtype=torch.float64)
+    C.reduce(y, None, "sum", None, False, 0)  # group_dst likewise
+    return [x[0].item(), y[0].item() if rank == 0 else 0.0]
+
+
+def test_positional_group_src_and_group_dst(worlds) -> None:  # noqa: ANN001
+    world = 3
+    for rank, (b, r) in enumerate(worlds(world).run(_positional_roots)):
+        assert b == world and (r == world * (world + 1) / 2 if rank == 0 else r == 0.0), (rank, b, r)

@@ -67,6 +67,8 @@ def _skip(rank: int, world: int, directory: str) -> dict[str, object]:
             out["raised"] = "CollectiveTimeout"
             out["missing"] = exc.missing
             out["message"] = str(exc)
+            # catchable where torch's own timeout is, and as a TimeoutError
+            out["kinds"] = [isinstance(exc, k) for k in (RuntimeError, dist.DistBackendError, TimeoutError)]
         except Exception as exc:  # noqa: BLE001 - reported to the parent as a failure of the test
             out["raised"] = f"{type(exc).__name__}: {exc}"
     out["seconds"] = time.monotonic() - t0
@@ -84,6 +86,9 @@ def test_a_skipped_collective_times_out_naming_the_rank_that_never_came(worlds, 
         assert res["raised"] == "CollectiveTimeout", res
         assert res["missing"] == [world - 1], res
         assert 2.5 < res["seconds"] < 15, res
+        assert res["kinds"] == [True, True, True], res
+        backend = str(res["message"]).partition(". Backend: ")[2]  # torch's own text, after ours
+        assert "timed out" in backend.lower(), res["message"]
     found = diagnose(load(tmp_path))
     groups = [f for f in found["groups"] if f["first_disagreement"] is not None]
     assert len(groups) == 1, found
