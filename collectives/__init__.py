@@ -15,6 +15,7 @@ Works on a group the caller initialised with ``torch.distributed.init_process_gr
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 import torch
@@ -147,11 +148,14 @@ def reduce(tensor: torch.Tensor, dst: int | None = None, op: Any = ReduceOp.SUM,
     return get_communicator(group).reduce(tensor, dst, op, async_op, group_dst=group_dst, algorithm=algorithm)
 
 
-def barrier(group: Group = None, async_op: bool = False) -> Work | None:
-    """Wait until every rank of ``group`` has called ``barrier``."""
+def barrier(group: Group = None, async_op: bool = False, device_ids: list[int] | None = None,
+            timeout: datetime.timedelta | None = None) -> Work | None:
+    """Wait until every rank of ``group`` has called ``barrier`` (``torch.distributed.barrier``:
+    ``device_ids`` for NCCL; ``timeout``, a ``datetime.timedelta``, bounds the wait, past which
+    ``CollectiveTimeout`` names the ranks that did not arrive)."""
     if _compiling():
-        return _traced.barrier(group, async_op)
-    return get_communicator(group).barrier(async_op)
+        return _traced.barrier(group, async_op, device_ids, timeout)
+    return get_communicator(group).barrier(async_op, device_ids, timeout)
 
 
 def algorithms(op: str, group: Group = None, *, dtype: torch.dtype | None = None,

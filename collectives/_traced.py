@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ._types import REDUCE_OPS, normalize_reduce_op, torch_reduce_op
+from .errors import UnsupportedError
 from .work import Work
 
 __all__ = ["group_name", "group_size", "DONE", "all_reduce", "reduce_scatter", "all_gather", "all_to_all_single", "broadcast",
@@ -103,6 +104,10 @@ def reduce(tensor: torch.Tensor, dst: int | None, op: Any, group: Any, async_op:
     return DONE if async_op else None
 
 
-def barrier(group: Any, async_op: bool) -> Work | None:
+def barrier(group: Any, async_op: bool, device_ids: Any = None, timeout: Any = None) -> Work | None:
+    if device_ids is not None or timeout is not None:
+        raise UnsupportedError("device_ids" if device_ids is not None else "timeout",
+                               device_ids if device_ids is not None else timeout,
+                               "is not taken by a barrier in compiled code", "call the barrier outside the compiled function")
     torch.ops.commops.barrier(group_name(group))
     return DONE if async_op else None

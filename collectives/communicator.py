@@ -30,7 +30,7 @@ from ._launcher import launcher_environment
 from ._types import BACKEND_DEVICES, ReduceOp
 from .algos import for_op
 from .dispatch import Call, dispatch, dispatch_tensors
-from ._wait import group_timeout_s
+from ._wait import call_timeout, group_timeout_s
 from .errors import InvalidTypeError, NotInitializedError
 from .peer import close_peer_memory
 from .recorder import RECORDER
@@ -298,11 +298,30 @@ class Communicator:
         return dispatch(Call("reduce", self, tensor, reduce_op=op, root=dst,
                              group_root=group_dst, async_op=async_op, algorithm=algorithm))
 
-    def barrier(self, async_op: bool = False) -> Work | None:
-        """Block until every rank of the group has reached this call."""
+    def barrier(self, async_op: bool = False, device_ids: list[int] | None = None,
+                timeout: datetime.timedelta | None = None) -> Work | None:
+        """Block until every rank of the group has reached this call.
+
+        Args:
+            device_ids: the GPUs the backend's barrier uses (NCCL), as ``torch.distributed.barrier``'s.
+            timeout: how long to wait at most (else the group's timeout); past it,
+                ``CollectiveTimeout`` names the ranks that did not arrive.
+        """
         if _compiling():
-            return _traced.barrier(self.group, async_op)
-        return dispatch(Call("barrier", self, None, async_op=async_op, algorithm="native"))
+            return _traced.barrier(self.group, async_op, device_ids, timeout)
+        if device_ids is not None and not (isinstance(device_ids, list) and
+                                           all(isinstance(d, int) and not isinstance(d, bool) for d in device_ids)):
+            raise InvalidTypeError("device_ids", device_ids, "is not a list of ints",
+                                   "pass the GPU indices, e.g. [torch.cuda.current_device()]")
+        if timeout is not None and not isinstance(timeout, datetime.timedelta):
+            raise InvalidTypeError("timeout", timeout, f"is a {type(timeout).__name__}, not a datetime.timedelta",
+                                   "pass e.g. datetime.timedelta(seconds=30)")
+        call = Call("barrier", self, None, async_op=async_op, algorithm="native")
+        call.device_ids = device_ids
+        if timeout is None:
+            return dispatch(call)
+        with call_timeout(timeout):
+            return dispatch(call)
 
     def __repr__(self) -> str:
         return f"Communicator(rank={self.rank}, size={self.size}, backend={self.backend!r})"

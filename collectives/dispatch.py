@@ -64,7 +64,7 @@ class Call:
     """One collective call: what was asked, on which communicator, and what ran it."""
 
     __slots__ = ("op", "comm", "input", "output", "reduce_op", "root", "group_root", "in_rows",
-                 "out_rows", "async_op", "algorithm", "choice", "seq", "tag", "fast")
+                 "out_rows", "async_op", "algorithm", "choice", "seq", "tag", "fast", "device_ids")
 
     def __init__(self, op: str, comm: Communicator, output: Any, input: Any = None, *,
                  reduce_op: str | None = None, root: int | None = None, group_root: int | None = None,
@@ -85,6 +85,7 @@ class Call:
         self.seq = 0
         self.tag = 0
         self.fast: Callable[[torch.Tensor, torch.Tensor], None] | None = None  # see dispatch_tensors
+        self.device_ids: list[int] | None = None  # a barrier's (torch.distributed.barrier's device_ids)
 
     @property
     def nbytes(self) -> int:

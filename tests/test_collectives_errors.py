@@ -148,3 +148,43 @@ def test_positional_group_src_and_group_dst(worlds) -> None:  # noqa: ANN001
     world = 3
     for rank, (b, r) in enumerate(worlds(world).run(_positional_roots)):
         assert b == world and (r == world * (world + 1) / 2 if rank == 0 else r == 0.0), (rank, b, r)
+
+
+def _barriers(rank: int, world: int) -> dict[str, object]:
+    import datetime
+    import time
+
+    out: dict[str, object] = {}
+    C.barrier(None, False, None, datetime.timedelta(seconds=30))  # torch's positions: group, async_op, device_ids, timeout
+    work = C.barrier(async_op=True, timeout=datetime.timedelta(seconds=30))
+    assert work is not None and work.wait()
+    out["refused"] = []
+    for bad in ({"device_ids": 0}, {"device_ids": [0.5]}, {"timeout": 5}):
+        try:
+            C.barrier(**bad)  # type: ignore[arg-type]
+        except C.InvalidTypeError as exc:  # before anything is sent: the others do not wait for it
+            out["refused"].append(str(exc))  # type: ignore[attr-defined]
+    g = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=60))
+    C.all_reduce(torch.ones(2), group=g)  # progress published for this group
+    t0 = time.monotonic()
+    if rank != world - 1:  # the last rank skips the barrier: the others' timeout names it
+        try:
+            C.barrier(g, timeout=datetime.timedelta(seconds=2))
+        except C.CollectiveTimeout as exc:
+            out["timeout"] = (exc.missing, time.monotonic() - t0)
+    dist.barrier()  # the world group still works
+    C.destroy(g)
+    return out
+
+
+def test_barrier_takes_device_ids_and_timeout(worlds) -> None:  # noqa: ANN001
+    world = 3
+    for rank, res in enumerate(worlds(world).run(_barriers, timeout=120)):
+        refused = res["refused"]
+        assert len(refused) == 3, res  # type: ignore[arg-type]
+        assert refused[0].startswith("device_ids=0: is not a list of ints"), refused  # type: ignore[index]
+        assert refused[1].startswith("device_ids=[0.5]: is not a list of ints"), refused  # type: ignore[index]
+        assert refused[2].startswith("timeout=5: is a int, not a datetime.timedelta"), refused  # type: ignore[index]
+        if rank != world - 1:
+            missing, seconds = res["timeout"]  # type: ignore[misc]
+            assert missing == [world - 1] and 1.5 < seconds < 10, res

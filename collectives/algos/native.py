@@ -112,7 +112,7 @@ class Native(Algorithm):
         if op == "all_to_all":
             return dist.all_to_all_single(call.output, call.input, call.out_rows, call.in_rows, g, a)
         if op == "barrier":
-            return dist.barrier(g, async_op=a)
+            return dist.barrier(g, async_op=a, device_ids=call.device_ids)
         assert call.root is not None  # set by validation
         root = call.comm.global_ranks[call.root]
         if op == "broadcast":
