@@ -411,7 +411,7 @@ def _run_plain(algo: Algorithm, call: Call) -> Work | None:
         bound = limit()
         future = comm._submit(_in_order, algo, call, bound)
         if call.async_op:
-            return FutureWork(future)
+            return FutureWork(future, _outputs(call))
         try:
             future.result(timeout=None if bound is None else bound.total_seconds())
         except FutureTimeout:
@@ -432,8 +432,13 @@ def _run_plain(algo: Algorithm, call: Call) -> Work | None:
         algo.run(call)
         event = torch.cuda.Event()
         event.record()
-        return EventWork(event)
-    return FutureWork(call.comm._submit(_in_order, algo, call, limit()))
+        return EventWork(event, _outputs(call))
+    return FutureWork(call.comm._submit(_in_order, algo, call, limit()), _outputs(call))
+
+
+def _outputs(call: Call) -> list[torch.Tensor]:
+    """What a handle's ``result()`` gives: the call's output tensor (none for a barrier)."""
+    return [] if call.output is None else [call.output]
 
 
 
