@@ -39,6 +39,8 @@ from .errors import (
     LaunchError,
     NotInitializedError,
     RankLeft,
+    RankFailed,
+    GroupAborted,
     UnsafePathError,
     SettingsMismatch,
     UnsupportedError,
@@ -55,7 +57,8 @@ __all__ = [
     "ReduceOp", "Work", "Choice", "Call", "add_trace_hook", "remove_trace_hook", "LaunchInfo",
     "OPS", "DATA_OPS", "REDUCE_OPS",
     "CommopsError", "InvalidArgumentError", "InvalidTypeError", "UnsupportedError",
-    "NotInitializedError", "LaunchError", "CollectiveTimeout", "CollectiveMismatch", "RankLeft", "InvalidSettingError",
+    "NotInitializedError", "LaunchError", "CollectiveTimeout", "CollectiveMismatch", "RankLeft", "RankFailed",
+    "GroupAborted", "InvalidSettingError",
     "UnsafePathError", "SettingsMismatch", "dump_trace", "call_timeout",
 ]
 

@@ -40,9 +40,9 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from . import _env
+from . import _env, _watch
 from ._wait import bound_s, store_gather
-from .errors import InvalidSettingError, SettingsMismatch
+from .errors import InvalidSettingError, RankFailed, SettingsMismatch
 from .recorder import _store
 
 if TYPE_CHECKING:
@@ -191,10 +191,32 @@ def agree(comm: Communicator, op: str = "set-up") -> Settings:
                                    "invalid": invalid}),
                        comm.global_ranks, bound_s(comm), op, "settings check before the group's first collective")
     every = [json.loads(v) for v in raw]
+    refused = [(comm.global_ranks[r], e["failed"]) for r, e in enumerate(every) if e.get("failed")]
+    if refused:  # a rank's first call failed before this check: nothing was sent, the group stays usable
+        culprit, d = refused[0]
+        raise RankFailed(op, 1, culprit, d["op"], 1, d["error"], usable=True)
     _raise_invalid([e.get("invalid") for e in every], comm.global_ranks)
     if any(e["digest"] != mine.digest for e in every):
         differ = _differ(every, comm.global_ranks)
         if differ:  # digests differ only where the compared values do, short of a hash collision
             raise SettingsMismatch(name, differ)
     comm._settings = mine
+    comm._epoch = f"{name}/{n}"  # the failure notices' keys (collectives/_watch.py)
+    _watch.watch(comm)
     return mine
+
+
+def refuse(comm: Communicator, op: str, exc: BaseException) -> None:
+    """This rank's first call on ``comm`` failed before the settings check: put the failure where
+    that check's exchange is, so that the ranks waiting in it raise ``RankFailed`` at once instead
+    of waiting out the bound. Nothing was sent; the next call's check is the next round on every rank."""
+    store = _store()
+    if store is None or comm.size == 1:
+        return
+    name = comm._group_name
+    _ROUNDS[name] = n = _ROUNDS.get(name, 0) + 1
+    detail = {"op": op, "error": f"{type(exc).__name__}: {exc}"[:1500]}
+    try:
+        store.set(f"commops/agree/{name}/{n}/{comm.rank}", json.dumps({"failed": detail}))
+    except Exception:  # noqa: BLE001 - the store is gone: the others fall back on their timeouts
+        pass

@@ -166,13 +166,19 @@ GRAPH_LAUNCH: EnvVar[bool] = EnvVar(
     "(cuGraphLaunch), which costs the host less than cuLaunchKernel (collectives/peer/_launch.py); "
     "'0' launches the kernel.",
 )
+CHECK_AFTER_S: EnvVar[float] = EnvVar(
+    "COMMOPS_CHECK_AFTER_S", 2.0,
+    "Seconds a collective on a CPU backend waits for its peers before the waiting ranks compare the "
+    "pending call's fingerprint through the store (collectives/_watch.py); a difference raises "
+    "CollectiveMismatch on them at once instead of waiting out the timeout. Costs nothing before then.",
+)
 CACHE_DIR: EnvVar[str] = EnvVar(
     "COMMOPS_CACHE_DIR", "",
     "Where compiled helpers are kept (default: $XDG_CACHE_HOME/commops, else ~/.cache/commops).",
 )
 
 VARIABLES = (NVTX, MPI_MASTER_ADDR, TOPOLOGY, CALIBRATION, TUNED, PEER_BYTES, PEER_TIMEOUT_S, OVERLAP_TUNED,
-             TRACE_DIR, DEBUG, RECORDER, NATIVE, GRAPH_LAUNCH, CACHE_DIR)
+             TRACE_DIR, DEBUG, RECORDER, NATIVE, GRAPH_LAUNCH, CHECK_AFTER_S, CACHE_DIR)
 
 
 @functools.cache

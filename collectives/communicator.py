@@ -101,6 +101,15 @@ class Communicator:
         self._fast: dict[Any, Any] = {}  # signature -> (runner, reduce op) of calls already resolved (dispatch_tensors)
         self.debug: bool = _env.DEBUG.get()  # debug check mode (collectives/debug.py)
         self._settings: Settings | None = None  # what the ranks agreed on at the first call (collectives/_agree.py)
+        # collectives/_watch.py: the store keys' epoch (set by the settings check where there is
+        # a store and more than one rank), ("suspect", seq) or ("aborted", why) after a failure,
+        # the failure notices read so far, and the calls every rank failed (nothing happened)
+        self._epoch: str | None = None
+        self._trouble: tuple[str, Any] | None = None
+        self._notices: list[dict[str, Any]] = []
+        self._notices_read = 0
+        self._settled: set[int] = set()
+        self._kept: BaseException | None = None  # what to raise in a call the patrol broke
 
     # -- facts -------------------------------------------------------------------------------
     def backend_for(self, device_type: str) -> str | None:

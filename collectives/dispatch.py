@@ -27,14 +27,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _env, _native
-from ._agree import agree
+from . import _env, _native, _watch
+from ._agree import agree, refuse
 from ._validate import _current_device, validate
 from ._wait import call_timeout, limit, wait
 from .algos import REGISTRY, Algorithm, ScheduledAlgorithm, for_op
 from .algos._schedule import Layout
 from .debug import check_call
-from .errors import CollectiveTimeout, CommopsError, RankLeft, UnsupportedError
+from .errors import (CollectiveMismatch, CollectiveTimeout, CommopsError, GroupAborted, RankFailed, RankLeft,
+                     UnsupportedError)
 from .recorder import RECORDER, missing_ranks, ranks_gone
 from .recorder import STATE as _STATE, T_END as _T_END
 from .selection import Choice, choose
@@ -276,18 +277,28 @@ def recorded(comm: Communicator, op: str, algorithm: str, output: torch.Tensor, 
 
 def dispatch(call: Call) -> Work | None:
     """Validate, choose, trace and run ``call``; returns a handle when ``call.async_op``."""
-    if call.comm._pending and call.comm._topology is None:
+    comm = call.comm
+    if comm._trouble is not None:  # an earlier call failed: aborted, or this rank awaits the verdict
+        _watch.settle(comm, call.op)
+    if comm._pending and comm._topology is None:
         # The choice below may discover the topology, a collective on this group: not while
         # the worker runs this group's earlier async calls.
-        call.comm._drain()
-    validate(call)
-    if call.comm._settings is None:  # the communicator's first call: its ranks' settings must agree (one store round trip)
-        agree(call.comm, call.op)
-        RECORDER.track(call.comm)  # the heartbeat RankLeft reads, recorder on or off
-    algo = _resolve(call)
-    if algo.topology_aware:
-        algo.check(call)
-    comm = call.comm
+        comm._drain()
+    try:
+        validate(call)
+    except BaseException as exc:
+        _refused(comm, call.op, exc)
+        raise
+    if comm._settings is None:  # the communicator's first call: its ranks' settings must agree (one store round trip)
+        agree(comm, call.op)
+        RECORDER.track(comm)  # the heartbeat RankLeft reads, recorder on or off
+    try:
+        algo = _resolve(call)
+        if algo.topology_aware:
+            algo.check(call)
+    except BaseException as exc:
+        _refused(comm, call.op, exc)
+        raise
     comm.seq += 1
     call.seq = comm.seq
     entry = RECORDER.start(call, algo.name)
@@ -330,7 +341,12 @@ def dispatch(call: Call) -> Work | None:
         if hooks:
             for h in hooks:
                 h("error", call, exc)
-        _failed(comm, call.op, call.seq, exc)
+        try:
+            _failed(comm, call.op, call.seq, exc)
+        except BaseException as typed:
+            _watch.failed(comm, call.seq, call.op, typed)
+            raise
+        _watch.failed(comm, call.seq, call.op, exc)
         raise
     RECORDER.end(entry, "enqueued" if call.async_op else "completed")
     if hooks:
@@ -341,10 +357,24 @@ def dispatch(call: Call) -> Work | None:
     return result
 
 
+def _refused(comm: Communicator, op: str, exc: BaseException) -> None:
+    """This rank's call failed before it sent anything: tell the others, who may be waiting in it
+    (a group's first call through the settings check, later ones through a failure notice that
+    uses up the call's number here)."""
+    if comm._settings is None:
+        refuse(comm, op, exc)
+    elif comm._epoch is not None:
+        comm.seq += 1
+        _watch.failed(comm, comm.seq, op, exc)
+
+
 def _is_timeout(exc: BaseException) -> bool:
     text = str(exc).lower()
     return isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text
 
+
+# raised by the watch with what it read from the store; never retyped as a timeout or a lost peer
+_FROM_PEERS = (RankFailed, GroupAborted, CollectiveMismatch)
 
 # What Gloo's TCP transport says when a peer's socket closes under it (its process is gone).
 _CONNECTION_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused",
@@ -363,7 +393,16 @@ def _failed(comm: Communicator, op: str, seq: int, exc: BaseException) -> None:
     naming the ranks that never entered this call (from their published progress), a dropped
     connection ``RankLeft`` naming the ranks that are gone (from their heartbeats)."""
     RECORDER.dump(f"{op} #{seq} on group {comm._group_name} raised: {exc}"[:2000])
+    if isinstance(exc, _FROM_PEERS):  # typed already
+        return
+    kept = comm._kept
+    if kept is not None:  # the patrol broke this call's wait, for a failure it read in the store
+        comm._kept = None
+        raise kept from exc
     if _is_connection_loss(exc):
+        culprit = _watch.first_failure(comm, seq, op)
+        if culprit is not None:  # a peer broke its connections on hearing of that failure
+            raise culprit from exc
         raise RankLeft(op, seq, ranks_gone(comm), str(exc)[:1000]) from exc
     if isinstance(exc, CollectiveTimeout) or not _is_timeout(exc):
         return
@@ -371,7 +410,11 @@ def _failed(comm: Communicator, op: str, seq: int, exc: BaseException) -> None:
     detail = (f"call #{seq} on group {comm._group_name} (global ranks {list(comm.global_ranks)}) timed out "
               f"on rank {comm.global_ranks[comm.rank]}; " +
               (f"rank(s) {missing} never reported entering it (skipped it, stuck before it, or cut off from "
-               "the store)" if missing else "every rank entered it (one is slow, or gone mid-call)"))
+               "the store)" if missing else "every rank reported entering it (one is slow, stuck inside it, or "
+               "gone mid-call)"))
+    failures = _watch.failures_before(comm, seq)
+    if failures:
+        detail += f"; failure notices: {failures}"
     _abort(comm)
     raise CollectiveTimeout(op, missing, detail, str(exc)[:1000]) from exc
 

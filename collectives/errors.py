@@ -23,6 +23,8 @@ __all__ = [
     "InvalidSettingError",
     "UnsafePathError",
     "SettingsMismatch",
+    "RankFailed",
+    "GroupAborted",
 ]
 
 
@@ -152,3 +154,36 @@ class RankLeft(CommopsError, _DistBackendError):
             who = "a peer's connection dropped, but every rank's heartbeat still moves (a network fault)"
         super().__init__(f"{op} call #{seq}: {who}. The group cannot be used again: destroy it and "
                          f"restart. Backend: {backend_text}")
+
+
+class RankFailed(CommopsError, _DistBackendError):
+    """Another rank's call failed (a bad argument, a refused algorithm, an error inside the
+    algorithm) while this rank waited in the same call: raised within seconds of the failure,
+    told through the store (``collectives/_watch.py``), naming that rank, its call and its error.
+
+    Attributes:
+        culprit: the global rank whose call failed. seq: its call number on the group.
+        error: what it raised (type and message). usable: whether the group can still be used
+            (True only when it failed before the group's first collective sent anything).
+    """
+
+    def __init__(self, op: str, seq: int, culprit: int, culprit_op: str, culprit_seq: int, error: str, *,
+                 usable: bool) -> None:
+        self.op, self.seq, self.culprit, self.error, self.usable = op, seq, culprit, error, usable
+        then = ("Nothing was sent (the group's first collective): the group is usable, and every rank raised "
+                "this or that rank's error" if usable else
+                f"The group is aborted: every later call on it raises {GroupAborted.__name__}; make a new group "
+                "for these ranks (torch.distributed.new_group) or restart the job")
+        super().__init__(f"{op} call #{seq}: rank {culprit} failed its call #{culprit_seq} ({culprit_op}) on this "
+                         f"group: {error}. {then}")
+
+
+class GroupAborted(CommopsError, _DistBackendError):
+    """A call on a group that an earlier failure left out of step: raised at once, before anything
+    is sent, naming that failure. No call on the group can run again; make a new group for the
+    same ranks (``torch.distributed.new_group``) or restart the job."""
+
+    def __init__(self, op: str, group: str, reason: str) -> None:
+        self.op, self.group, self.reason = op, group, reason
+        super().__init__(f"{op}: group {group} was aborted ({reason}); no call on it can run again. Fix: make a "
+                         "new group for these ranks (torch.distributed.new_group) or restart the job")

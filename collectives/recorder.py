@@ -105,6 +105,8 @@ class FlightRecorder:
         self._published: dict[Any, int] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()  # set by stop_progress: the publishing thread returns
+        # called by the publishing thread after each period's writes (collectives/_watch.py's patrol)
+        self.patrols: list[Any] = []
 
         self.enabled = _env.RECORDER.get()
         self._scratch: list[Any] = [None] * len(FIELDS)  # what a call writes to while recording is off
@@ -167,6 +169,11 @@ class FlightRecorder:
             e[:] = [None] * len(FIELDS)
 
     # -- reading and dumping -----------------------------------------------------------------------
+    def recent(self, n: int) -> list[list[Any]]:
+        """The last ``n`` entries as recorded (lists in ``FIELDS`` order), oldest first."""
+        end, cap = self._next, self.capacity
+        return [self._ring[i % cap] for i in range(max(0, end - min(n, cap)), end)]
+
     def entries(self) -> list[dict[str, Any]]:
         n, cap = self._next, self.capacity
         return [_as_dict(self._ring[i % cap]) for i in range(max(0, n - cap), n)]
@@ -211,6 +218,8 @@ class FlightRecorder:
         self.publish()  # at once: a rank that dies within its first period has still beaten once
         while not stop.wait(PROGRESS_PERIOD_S):
             self.publish()
+            for look in self.patrols:
+                look()
 
     def stop_progress(self) -> None:
         """Stop the publishing thread and let go of the stores (``collectives.destroy`` calls this

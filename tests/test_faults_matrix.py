@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "launch" / "faults"))
 
-from run_all import HANG_ALGORITHMS, SCENARIOS  # noqa: E402
+from run_all import FAST_CASES, FAST_DETECT_S, HANG_ALGORITHMS, SCENARIOS  # noqa: E402
 
 BASE = ("skipped_collective", "rank_crash", "shape_mismatch", "dtype_mismatch", "reduce_op_mismatch", "root_mismatch",
         "straggler", "skipped_moe_layer", "debug_hang", "debug_size_mismatch")
@@ -41,8 +41,13 @@ def _matrix(tmp_path: Path, names: list[str]) -> list[dict]:
 
 
 def test_every_cpu_fault_is_detected_and_diagnosed(tmp_path: Path) -> None:
-    assert set(BASE) | {f"algorithm_hang[{a}]" for a in HANG_ALGORITHMS} == set(SCENARIOS)
-    _matrix(tmp_path, list(BASE) + [f"algorithm_hang[{a}]" for a in HANGS_BY_DEFAULT])
+    assert set(BASE) | {f"algorithm_hang[{a}]" for a in HANG_ALGORITHMS} | \
+        {f"one_rank_fails[{c}]" for c in FAST_CASES} == set(SCENARIOS)
+    rows = _matrix(tmp_path, list(BASE) + [f"algorithm_hang[{a}]" for a in HANGS_BY_DEFAULT]
+                   + [f"one_rank_fails[{c}]" for c in FAST_CASES])
+    # one rank's failure with the group's timeout at 30 minutes: the others raised within seconds
+    fast = [r for r in rows if r["scenario"].startswith("one_rank_fails[")]
+    assert len(fast) == len(FAST_CASES) and all(r["detect_s"] <= FAST_DETECT_S for r in fast), fast
 
 
 @pytest.mark.slow

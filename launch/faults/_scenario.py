@@ -15,6 +15,7 @@ theirs, and receive or redirect every rank's files.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -94,7 +95,7 @@ def trace_dir(name: str, rank: int, store: Any) -> tuple[str, bool]:
     return store.get(_TRACE).decode(), False
 
 
-def finish(trace: str, made: bool, store: Any, world: int, bound_s: float = 20.0) -> None:
+def finish(trace: str, made: bool, store: Any, world: int, bound_s: float = 20.0, wait_all: bool = False) -> None:
     """Count this rank's record as written; the rank that made ``trace`` then waits (at most
     ``bound_s``: a crashed rank never counts, and the launcher stops the rest within 30 s) for
     every rank's and removes it."""
@@ -102,7 +103,10 @@ def finish(trace: str, made: bool, store: Any, world: int, bound_s: float = 20.0
         if store is not None:
             store.add(_FINISHED, 1)
         deadline = time.time() + bound_s
-        while made and store is not None and store.add(_FINISHED, 0) < world and time.time() < deadline:
+        # (``wait_all``: every rank waits, so that a rank that failed at once does not exit, and
+        # have torchrun stop the others, before they have seen its failure)
+        while (made or wait_all) and store is not None and store.add(_FINISHED, 0) < world \
+                and time.time() < deadline:
             time.sleep(0.05)
     except Exception:  # noqa: BLE001 - the launcher's store is gone (the job is ending): remove now
         pass
@@ -112,11 +116,12 @@ def finish(trace: str, made: bool, store: Any, world: int, bound_s: float = 20.0
 
 
 def run(name: str, inject: str, expect: str, body: Callable[[C.Communicator, int, Any], Any], *, debug: bool = False,
-        warmup: int = 3) -> int:
+        warmup: int = 3, long_timeout: bool = False) -> int:
     """Start, announce, run ``warmup`` good calls, then ``body(comm, culprit, device)`` inside a
     ``call_timeout`` of the scenario's timeout (which bounds NCCL's waits on the host too);
-    record the outcome."""
-    timeout = float(os.environ.get("FAULT_TIMEOUT_S", "5"))
+    record the outcome. With ``long_timeout`` the group keeps torch's default of 30 minutes and
+    no ``call_timeout`` bounds the call: what ends the wait must be the library's own detection."""
+    timeout = 1800.0 if long_timeout else float(os.environ.get("FAULT_TIMEOUT_S", "5"))
     store = _launcher_store()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     _start_together(store, world)
@@ -137,7 +142,7 @@ def run(name: str, inject: str, expect: str, body: Callable[[C.Communicator, int
     t0 = time.time()
     try:
         try:
-            with C.call_timeout(timeout):
+            with C.call_timeout(timeout) if not long_timeout else contextlib.nullcontext():
                 body(comm, culprit, device)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
@@ -156,5 +161,5 @@ def run(name: str, inject: str, expect: str, body: Callable[[C.Communicator, int
     C.dump_trace(f"{name} ends", trace)
     Path(trace, f"outcome_rank{comm.rank}.json").write_text(json.dumps(outcome))
     print(f"[{name}] rank {comm.rank}: {outcome.get('raised') or 'no error'} after {outcome['detect_s']:.1f} s", flush=True)
-    finish(trace, made, store, world)
+    finish(trace, made, store, world, wait_all=long_timeout)
     return 1 if outcome["raised"] else 0

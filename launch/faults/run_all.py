@@ -51,12 +51,19 @@ SCENARIOS = {
 HANG_ALGORITHMS = ("native", "ring", "recursive_doubling", "halving_doubling", "hierarchical", "grid2d", "pairwise",
                    "bruck", "binomial_tree")
 SCENARIOS.update({f"algorithm_hang[{a}]": "hang" for a in HANG_ALGORITHMS})
+# One rank's call fails while the others wait, group timeout 30 min, no debug mode
+# (launch/faults/one_rank_fails.py, FAULT_CASE=<case>): the others must raise within 5 s.
+FAST_CASES = ("bad_argument", "refused_algorithm", "raises_in_algorithm", "different_op")
+SCENARIOS.update({f"one_rank_fails[{c}]": "fast" for c in FAST_CASES})
+FAST_DETECT_S = 5.0
 
 
 def _script(name: str) -> tuple[str, dict[str, str]]:
     """The script a scenario runs and what it adds to the environment."""
     if name.startswith("algorithm_hang["):
         return "algorithm_hang", {"FAULT_ALGORITHM": name[len("algorithm_hang["):-1]}
+    if name.startswith("one_rank_fails["):
+        return "one_rank_fails", {"FAULT_CASE": name[len("one_rank_fails["):-1]}
     return name, {}
 
 
@@ -121,6 +128,16 @@ def _judge(kind: str, outcomes: dict[int, dict[str, Any]], found: dict[str, Any]
         # every rank entered the call, so no rank is missing from it: the culprit is the one the
         # launcher had to stop, still inside it (the others' outcomes are a timeout or a return)
         row["culprit_named"] = sorted(r for r, o in outcomes.items() if o["raised"] not in (None, "CollectiveTimeout"))
+        failed = g.get("first_failure") or g.get("in_flight") or {}
+        row["seq"], row["op"] = failed.get("seq"), failed.get("op")
+    elif kind == "fast":
+        # every other rank raised, within FAST_DETECT_S of the fault, an error naming the culprit
+        # (RankFailed; or CollectiveMismatch naming both sides); the culprit raised its own
+        named = [o for o in others if o["raised"] in ("RankFailed", "CollectiveMismatch")
+                 and (f"rank {culprit} failed" in o.get("message", "") or f"[{culprit}]" in o.get("message", ""))]
+        row["detected"] = bool(others) and len(named) == len(others) \
+            and all(o["detect_s"] <= FAST_DETECT_S for o in others) and bool(outcomes.get(culprit, {}).get("raised"))
+        row["culprit_named"] = [culprit] if row["detected"] else None
         failed = g.get("first_failure") or g.get("in_flight") or {}
         row["seq"], row["op"] = failed.get("seq"), failed.get("op")
     elif kind == "straggler":
