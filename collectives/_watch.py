@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from . import _env
+from .debug import FIELDS
 from ._types import normalize_reduce_op
 from ._wait import bound_s
 from .errors import CollectiveMismatch, CollectiveTimeout, GroupAborted, RankFailed
@@ -67,12 +68,12 @@ from .recorder import PROGRESS_PERIOD_S, RECORDER, _store
 if TYPE_CHECKING:
     from .communicator import Communicator
 
-__all__ = ["watch", "failed", "settle", "first_failure", "failures_before", "kept", "patrol", "ABORTED"]
+__all__ = ["watch", "failed", "settle", "first_failure", "failures_before", "patrol", "ABORTED"]
 
 ABORTED = "aborted"  # comm._trouble[0] of an aborted group; ("suspect", seq) awaits a verdict
 _SETTLE_POLL_S = (0.005, 0.1)  # the verdict's poll: first and largest sleep
 _BREAK_TAG = 0x7C0FFEE  # the tag of the receive that breaks a Gloo context (never sent to)
-_COMPARED = ("op", "algorithm", "in_shape", "out_shape", "dtype", "reduce_op", "root")
+_COMPARED = FIELDS  # what debug check mode compares
 _AT = {f: _RFIELDS.index(f) for f in ("group", "seq", "t_enqueue", "state", *_COMPARED)}
 _RECENT = 64  # recorder entries the patrol looks back through
 
@@ -173,6 +174,20 @@ def settle(comm: Communicator, op: str) -> None:
     comm._settled.add(seq)
 
 
+def _others(comm: Communicator, store: Any, seq: int) -> list[dict[str, Any]]:
+    """The other ranks' failure notices for calls up to #``seq`` not settled as harmless; reads
+    from the store only the notices this communicator has not read before."""
+    n = int(store.add(f"{_keys(comm)}/failures", 0))
+    while comm._notices_read < n:
+        key = f"{_keys(comm)}/failure/{comm._notices_read + 1}"
+        if not store.check([key]):
+            break  # written just after the count: read next time
+        comm._notices.append(json.loads(store.get(key).decode()))
+        comm._notices_read += 1
+    me = _global(comm)
+    return [d for d in comm._notices if d["rank"] != me and d["seq"] <= seq and d["seq"] not in comm._settled]
+
+
 def first_failure(comm: Communicator, seq: int, op: str) -> RankFailed | None:
     """Another rank's failure of call #``seq`` or an earlier one, read from the store, as the
     ``RankFailed`` to raise here (the group is then aborted); None if there is none."""
@@ -180,18 +195,14 @@ def first_failure(comm: Communicator, seq: int, op: str) -> RankFailed | None:
     if comm._epoch is None or store is None:
         return None
     try:
-        n = int(store.add(f"{_keys(comm)}/failures", 0))
-        for i in range(1, n + 1):
-            key = f"{_keys(comm)}/failure/{i}"
-            if not store.check([key]):
-                continue
-            d = json.loads(store.get(key).decode())
-            if d["rank"] != _global(comm) and d["seq"] <= seq and d["seq"] not in comm._settled:
-                _abort(comm, f"rank {d['rank']} failed call #{d['seq']} ({d['op']}) while this rank was in call "
-                             f"#{seq}")
-                return RankFailed(op, seq, d["rank"], d["op"], d["seq"], d["error"], usable=False)
+        found = _others(comm, store, seq)
     except Exception:  # noqa: BLE001 - the store is out of reach
         return None
+    if not found:
+        return None
+    d = found[0]
+    _abort(comm, f"rank {d['rank']} failed call #{d['seq']} ({d['op']}) while this rank was in call #{seq}")
+    return RankFailed(op, seq, d["rank"], d["op"], d["seq"], d["error"], usable=False)
     return None
 
 
@@ -201,19 +212,10 @@ def failures_before(comm: Communicator, seq: int) -> str:
     if comm._epoch is None or store is None:
         return ""
     try:
-        n = int(store.add(f"{_keys(comm)}/failures", 0))
-        seen = [json.loads(v.decode()) for v in store.multi_get([f"{_keys(comm)}/failure/{i}" for i in range(1, n + 1)
-                                                                 if store.check([f"{_keys(comm)}/failure/{i}"])])]
+        seen = _others(comm, store, seq)
     except Exception:  # noqa: BLE001 - the store is out of reach
         return ""
-    me = _global(comm)
-    return "; ".join(f"rank {d['rank']} failed call #{d['seq']} ({d['op']}): {d['error'][:300]}" for d in seen
-                     if d["rank"] != me and d["seq"] <= seq)
-
-
-def kept(comm: Communicator) -> BaseException | None:
-    """The exception the patrol kept for the call it broke on ``comm`` (None if it broke none)."""
-    return comm._kept
+    return "; ".join(f"rank {d['rank']} failed call #{d['seq']} ({d['op']}): {d['error'][:300]}" for d in seen)
 
 
 class _Pending:
@@ -271,23 +273,14 @@ def _look(comm: Communicator, pending: _Pending, entry: list[Any], entries: list
     store = _store()
     if store is None:
         return None
-    base = _keys(comm)
-    n = int(store.add(f"{base}/failures", 0))
-    while comm._notices_read < n:
-        key = f"{base}/failure/{comm._notices_read + 1}"
-        if not store.check([key]):
-            break  # written just after the count: read at the next period
-        comm._notices.append(json.loads(store.get(key).decode()))
-        comm._notices_read += 1
-    me, seq, op = _global(comm), pending.seq, entry[_AT["op"]]
-    for d in comm._notices:
-        if d["rank"] != me and d["seq"] <= seq and d["seq"] not in comm._settled:
-            if d["error"].startswith(CollectiveMismatch.__name__):
-                found = _compare(comm, pending, entry, entries, now, force=True)
-                if found is not None:
-                    return found
-            _abort(comm, f"rank {d['rank']} failed call #{d['seq']} ({d['op']}) while this rank was in call #{seq}")
-            return RankFailed(op, seq, d["rank"], d["op"], d["seq"], d["error"], usable=False)
+    seq, op = pending.seq, entry[_AT["op"]]
+    for d in _others(comm, store, seq):
+        if d["error"].startswith(CollectiveMismatch.__name__):
+            found = _compare(comm, pending, entry, entries, now, force=True)
+            if found is not None:
+                return found
+        _abort(comm, f"rank {d['rank']} failed call #{d['seq']} ({d['op']}) while this rank was in call #{seq}")
+        return RankFailed(op, seq, d["rank"], d["op"], d["seq"], d["error"], usable=False)
     if now - pending.since >= _env.CHECK_AFTER_S.get():
         return _compare(comm, pending, entry, entries, now)
     return None
