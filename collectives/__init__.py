@@ -54,6 +54,7 @@ __all__ = [
     "init", "destroy", "Communicator", "get_communicator", "algorithms", "last_choice",
     "all_reduce", "reduce_scatter_single", "reduce_scatter_tensor", "all_gather_single",
     "all_gather_into_tensor", "all_to_all_single", "broadcast", "reduce", "barrier",
+    "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter",
     "ReduceOp", "Work", "Choice", "Call", "add_trace_hook", "remove_trace_hook", "LaunchInfo",
     "OPS", "DATA_OPS", "REDUCE_OPS",
     "CommopsError", "InvalidArgumentError", "InvalidTypeError", "UnsupportedError",
@@ -149,6 +150,50 @@ def reduce(tensor: torch.Tensor, dst: int | None = None, op: Any = ReduceOp.SUM,
     if _compiling():
         return _traced.reduce(tensor, dst, op, group, async_op, group_dst, algorithm)
     return get_communicator(group).reduce(tensor, dst, op, async_op, group_dst=group_dst, algorithm=algorithm)
+
+
+# torch.distributed's list forms: each runs as one flat call of the verbs above (collectives/_lists.py).
+def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Group = None, async_op: bool = False,
+               *, algorithm: str = "auto") -> Work | None:
+    """Gather every rank's ``tensor`` into ``tensor_list[r]`` (``torch.distributed.all_gather``): a list
+    of ``world`` tensors of ``tensor``'s dtype and element count, contiguous or not. Where they lie end to
+    end in one storage (``list(out.chunk(world))``) the gather lands there with no copy."""
+    return get_communicator(group).all_gather(tensor_list, tensor, async_op, algorithm=algorithm)
+
+
+def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Any = ReduceOp.SUM, group: Group = None,
+                   async_op: bool = False, *, algorithm: str = "auto") -> Work | None:
+    """Reduce ``input_list[r]`` across ranks into rank r's ``output`` (``torch.distributed.reduce_scatter``):
+    ``world`` tensors of ``output``'s dtype and element count."""
+    return get_communicator(group).reduce_scatter(output, input_list, op, async_op, algorithm=algorithm)
+
+
+def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[torch.Tensor], group: Group = None,
+               async_op: bool = False, *, algorithm: str = "auto") -> Work | None:
+    """Send ``input_tensor_list[q]`` to rank q and receive rank q's into ``output_tensor_list[q]``
+    (``torch.distributed.all_to_all``); sizes may differ per rank (rank q's ``input_tensor_list[r]``
+    has as many elements as rank r's ``output_tensor_list[q]``)."""
+    return get_communicator(group).all_to_all(output_tensor_list, input_tensor_list, async_op, algorithm=algorithm)
+
+
+def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int | None = None,
+           group: Group = None, async_op: bool = False, group_dst: int | None = None, *,
+           algorithm: str = "auto") -> Work | None:
+    """Gather every rank's ``tensor`` into ``gather_list`` on global rank ``dst`` (or group rank
+    ``group_dst``; neither: global rank 0), as ``torch.distributed.gather``: ``gather_list`` on that rank
+    only. Runs as an all-to-all in which only the root receives (``algorithm=`` picks the all-to-all's)."""
+    return get_communicator(group).gather(tensor, gather_list, dst, async_op, group_dst=group_dst,
+                                          algorithm=algorithm)
+
+
+def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int | None = None,
+            group: Group = None, async_op: bool = False, group_src: int | None = None, *,
+            algorithm: str = "auto") -> Work | None:
+    """Rank r receives ``scatter_list[r]`` of global rank ``src`` (or group rank ``group_src``; neither:
+    global rank 0) into ``tensor``, as ``torch.distributed.scatter``: ``scatter_list`` on that rank only.
+    Runs as an all-to-all in which only the root sends (``algorithm=`` picks the all-to-all's)."""
+    return get_communicator(group).scatter(tensor, scatter_list, src, async_op, group_src=group_src,
+                                           algorithm=algorithm)
 
 
 def barrier(group: Group = None, async_op: bool = False, device_ids: list[int] | None = None,

@@ -24,14 +24,15 @@ import torch
 
 from . import _native
 from .algos import for_op
-from ._types import BACKEND_DTYPES, FLOAT_DTYPES, REDUCIBLE_DTYPES, normalize_reduce_op
-from .errors import InvalidArgumentError, InvalidTypeError
+from ._types import BACKEND_DTYPES, FLOAT_DTYPES, REDUCIBLE_DTYPES, normalize_reduce_op, torch_reduce_op
+from .errors import InvalidArgumentError, InvalidTypeError, UnsupportedError
+from .selection import Choice
 
 if TYPE_CHECKING:
     from .communicator import Communicator
     from .dispatch import Call
 
-__all__ = ["validate", "VERBS", "VerbRule"]
+__all__ = ["validate", "check_tensor", "check_device", "check_root", "VERBS", "VerbRule"]
 
 
 # torch's own accessor of the current CUDA device (what torch.cuda.current_device() returns after
@@ -39,14 +40,25 @@ __all__ = ["validate", "VERBS", "VerbRule"]
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
+class _Sparse(Exception):
+    """Raised by ``_tensor`` for a tensor of a sparse layout; ``validate`` decides (``_sparse``)."""
+
+
 def _tensor(name: str, t: object, comm: Communicator) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise InvalidTypeError(name, t, f"is a {type(t).__name__}, not a torch.Tensor", f"pass {name} as a tensor")
-    if not t.is_contiguous():
+    if not t.is_contiguous():  # False for a sparse layout too, so the dense path pays nothing for it
+        if t.layout is not torch.strided:
+            raise _Sparse(name)
         raise InvalidArgumentError(
             name, t, f"is not contiguous (strides {tuple(t.stride())})",
             f"pass {name}.contiguous(), then copy the result back if you need it in place",
         )
+    return check_device(name, t, comm)
+
+
+def check_device(name: str, t: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """``t`` if it is on a device that ``comm``'s backends use (a CUDA tensor: the current one)."""
     if t.is_cuda:
         if comm._backends.get("cuda") is None:
             _wrong_device(name, t, comm)
@@ -62,6 +74,43 @@ def _tensor(name: str, t: object, comm: Communicator) -> torch.Tensor:
 
 # (op, dtype, backend) -> whether any registered algorithm moves that dtype for that op there
 _MOVABLE: dict[tuple[str, torch.dtype, str | None], bool] = {}
+
+
+def check_tensor(name: str, t: object, comm: Communicator) -> torch.Tensor:
+    """``t`` if it is a dense contiguous tensor on a device ``comm``'s backends use, else a typed
+    error naming ``name`` (for verbs built on the others, whose own arguments have other names)."""
+    try:
+        return _tensor(name, t, comm)
+    except _Sparse:
+        _refuse_sparse(name, t, "this verb")  # type: ignore[arg-type]
+        raise
+
+
+def _refuse_sparse(name: str, t: torch.Tensor, what: str) -> None:
+    raise UnsupportedError(
+        name, t, f"has the sparse layout {t.layout}, which {what} does not take (torch.distributed's backends move "
+        "sparse tensors only in all_reduce, and Gloo only with op=SUM: \"allreduce of sparse tensors only works with "
+        "ReduceOp.SUM\")", f"pass {name}.to_dense(), or all_reduce it with op=SUM on a Gloo group",
+    )
+
+
+def _sparse(call: Call, name: str) -> None:
+    """A sparse tensor: what torch.distributed passes to the backend (Gloo's all_reduce with SUM,
+    the only sparse collective it runs) goes to the backend's own all_reduce; the rest is refused
+    before anything is sent."""
+    t = call.output
+    backend = call.comm._backends.get(t.device.type)
+    if call.op != "all_reduce" or backend != "gloo":
+        _refuse_sparse(name, t, f"{call.op} on backend {backend!r}")
+    call.reduce_op = normalize_reduce_op(call.reduce_op)
+    if call.reduce_op != "sum":
+        _refuse_sparse(name, t, f"all_reduce with op={call.reduce_op}")
+    if call.algorithm not in ("auto", "native"):
+        raise UnsupportedError("algorithm", call.algorithm, "does not run sparse tensors",
+                               "pass 'auto' or 'native' (the backend's own all_reduce takes them)")
+    call.algorithm = "native"
+    call.choice = call.comm.last_choice = Choice("native", "sparse", "a sparse tensor: only the backend's own "
+                                                 "all_reduce takes one")
 
 
 def _movable(call: Call, name: str, t: torch.Tensor, backend: str | None) -> None:
@@ -96,6 +145,9 @@ def _same(name: str, t: torch.Tensor, other_name: str, other: torch.Tensor) -> N
 def _reducible(call: Call, name: str, t: torch.Tensor) -> None:
     call.reduce_op = normalize_reduce_op(call.reduce_op)
     if t.dtype not in REDUCIBLE_DTYPES:
+        if t.is_complex():
+            _complex(call)
+            return
         raise InvalidArgumentError(
             name, t, f"has dtype {t.dtype}, which {call.op} cannot reduce",
             "use a floating-point or integer dtype (float64/32/16, bfloat16, int8..int64, uint8)",
@@ -105,6 +157,20 @@ def _reducible(call: Call, name: str, t: torch.Tensor) -> None:
             "op", "avg", f"averaging {t.dtype} would truncate",
             "reduce with op='sum' and divide, or use a floating-point tensor",
         )
+
+
+def _complex(call: Call) -> None:
+    """A complex tensor is reduced as its real view (``torch.view_as_real``), as torch.distributed
+    does: a sum or an average of complex numbers is that of their real and imaginary parts. The
+    other reduce ops mean nothing for complex numbers and are refused, with torch's phrase."""
+    if call.reduce_op not in ("sum", "avg"):
+        rop = torch_reduce_op(call.reduce_op or "sum")
+        raise InvalidArgumentError("op", rop, f"{call.op} does not support {rop} on complex tensors",
+                                   "reduce with op=SUM or AVG, or reduce torch.view_as_real(t) with this op "
+                                   "if you mean it per real and imaginary part")
+    same = call.input is call.output
+    call.output = torch.view_as_real(call.output)
+    call.input = call.output if same else torch.view_as_real(call.input)
 
 
 def _rank_arg(name: str, value: object) -> int | None:
@@ -120,8 +186,9 @@ def _rank_arg(name: str, value: object) -> int | None:
                                f"pass {name} as an int rank") from None
 
 
-def _root(call: Call, name: str, group_name: str, value: int | None, group_value: int | None) -> int:
-    comm = call.comm
+def check_root(comm: Communicator, name: str, group_name: str, value: object, group_value: object) -> int:
+    """The group rank that global rank ``value`` or group rank ``group_value`` names (exactly
+    one given, or both naming the same rank), else a typed error naming the arguments."""
     value, group_value = _rank_arg(name, value), _rank_arg(group_name, group_value)
     if value is None and group_value is None:
         raise InvalidArgumentError(name, None, "is required", f"pass {name}= (a global rank) or {group_name}= (a rank in the group)")
@@ -261,19 +328,23 @@ def validate(call: Call) -> None:
                                "pass async_op=True or False")
     if rule.output is None:
         return
-    out = _tensor(rule.output, call.output, comm)
+    try:
+        out = _tensor(rule.output, call.output, comm)
+    except _Sparse:
+        _sparse(call, rule.output)
+        return
     backend = comm._backends.get("cuda" if out.is_cuda else out.device.type)
     _min_dim(rule.output, out, rule, call.op, backend)
     inp = out
     if rule.input is not None:
-        inp = _tensor(rule.input, call.input, comm)
+        inp = check_tensor(rule.input, call.input, comm)
         _min_dim(rule.input, inp, rule, call.op, backend)
         _same(rule.output, out, rule.input, inp)
     _movable(call, rule.input or rule.output, inp, backend)
     if rule.reduces:
         _reducible(call, rule.input or rule.output, inp)
     if rule.root is not None:
-        call.root = _root(call, rule.root[0], rule.root[1], call.root, call.group_root)
+        call.root = check_root(comm, rule.root[0], rule.root[1], call.root, call.group_root)
     if rule.sizes is not None:
         rule.sizes(call, out, inp)
 

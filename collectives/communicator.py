@@ -25,7 +25,7 @@ import torch.distributed as dist
 from topology import discover, groups
 from topology.cost import Machine
 
-from . import _env, _native, _traced
+from . import _env, _lists, _native, _traced
 from ._launcher import launcher_environment
 from ._types import BACKEND_DEVICES, ReduceOp
 from .algos import for_op
@@ -306,6 +306,13 @@ class Communicator:
             return _traced.reduce(tensor, dst, op, self.group, async_op, group_dst, algorithm)
         return dispatch(Call("reduce", self, tensor, reduce_op=op, root=dst,
                              group_root=group_dst, async_op=async_op, algorithm=algorithm))
+
+    # torch.distributed's list forms, each one flat call of the verbs above (collectives/_lists.py)
+    all_gather = _lists.all_gather
+    reduce_scatter = _lists.reduce_scatter
+    all_to_all = _lists.all_to_all
+    gather = _lists.gather
+    scatter = _lists.scatter
 
     def barrier(self, async_op: bool = False, device_ids: list[int] | None = None,
                 timeout: datetime.timedelta | None = None) -> Work | None:

@@ -44,7 +44,7 @@ from .work import EventWork, FutureWork, TorchWork, Work
 if TYPE_CHECKING:
     from .communicator import Communicator
 
-__all__ = ["Call", "dispatch", "dispatch_tensors", "recorded", "add_trace_hook", "remove_trace_hook", "TraceHook"]
+__all__ = ["Call", "dispatch", "dispatch_tensors", "refused", "recorded", "add_trace_hook", "remove_trace_hook", "TraceHook"]
 
 # A trace hook is called as hook(event, call, detail) with event "start" (after validation and
 # choice, before anything is sent), "end" (the call returned; async calls may still run) or
@@ -146,7 +146,9 @@ def _resolve(call: Call) -> Algorithm:
             why = "is not a registered algorithm" if algo is None else f"does not run {op} on {dtype} with {backend}"
             raise UnsupportedError("algorithm", call.algorithm, why, f"pass 'auto' or one of {usable}")
         hit = _RESOLVED[key] = (algo, Choice(algo.name, "requested", "algorithm= given by the caller"))
-    algo, call.choice = hit
+    algo, choice = hit
+    if call.choice is None:  # set by validation where the call decided it (a sparse tensor)
+        call.choice = choice
     if algo.equal_splits_only and op == "all_to_all" and (len(set(call.in_rows)) > 1 or len(set(call.out_rows)) > 1):
         raise UnsupportedError("algorithm", call.algorithm, "needs equal all-to-all splits",
                                f"use 'pairwise' or 'native' for uneven splits (usable: {for_op(op, dtype, comm.backend_for(dev or 'cpu'))})")
@@ -238,7 +240,7 @@ def dispatch_tensors(comm: Communicator, op: str, output: torch.Tensor, input: t
         key = None
     call = Call(op, comm, output, input, reduce_op=reduce_op, async_op=async_op, algorithm=algorithm)
     result = dispatch(call)
-    if key is not None and call.fast is not None:
+    if key is not None and call.fast is not None and call.output is output:  # not a complex tensor's real view
         if not _native_tried:
             _use_native()
         if len(comm._fast) >= _FAST_MAX:
@@ -287,7 +289,7 @@ def dispatch(call: Call) -> Work | None:
     try:
         validate(call)
     except BaseException as exc:
-        _refused(comm, call.op, exc)
+        refused(comm, call.op, exc)
         raise
     if comm._settings is None:  # the communicator's first call: its ranks' settings must agree (one store round trip)
         agree(comm, call.op)
@@ -297,7 +299,7 @@ def dispatch(call: Call) -> Work | None:
         if algo.topology_aware:
             algo.check(call)
     except BaseException as exc:
-        _refused(comm, call.op, exc)
+        refused(comm, call.op, exc)
         raise
     comm.seq += 1
     call.seq = comm.seq
@@ -357,7 +359,7 @@ def dispatch(call: Call) -> Work | None:
     return result
 
 
-def _refused(comm: Communicator, op: str, exc: BaseException) -> None:
+def refused(comm: Communicator, op: str, exc: BaseException) -> None:
     """This rank's call failed before it sent anything: tell the others, who may be waiting in it
     (a group's first call through the settings check, later ones through a failure notice that
     uses up the call's number here)."""

@@ -2,8 +2,11 @@
 
 Every error raised before communication names the argument, the value it had and how to fix it,
 so that a user reading one line of a rank's log knows what to change. All of them derive from
-:class:`CommopsError`; argument errors are also ``ValueError``/``TypeError`` so that code written
-against torch.distributed's exceptions keeps working.
+:class:`CommopsError`, and each is also what torch.distributed raises for the same fault, so that
+code written against torch's exceptions keeps working: an argument error is a ``ValueError`` and a
+``RuntimeError`` (torch raises either, depending on whether Python or the backend's C++ checks
+the argument), a wrong type also a ``TypeError``, and what no algorithm or backend runs also a
+``NotImplementedError`` (what torch raises for, say, a sparse tensor its backend cannot move).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ class CommopsError(Exception):
     """Base class of every error commops raises on purpose."""
 
 
-class InvalidArgumentError(CommopsError, ValueError):
+class InvalidArgumentError(CommopsError, ValueError, RuntimeError):
     """An argument has a value the collective cannot accept; raised before anything is sent."""
 
     def __init__(self, argument: str, value: object, problem: str, fix: str) -> None:
@@ -47,7 +50,7 @@ class InvalidTypeError(InvalidArgumentError, TypeError):
     """An argument has the wrong Python type (a list where a tensor belongs, say)."""
 
 
-class UnsupportedError(InvalidArgumentError):
+class UnsupportedError(InvalidArgumentError, NotImplementedError):
     """The chosen algorithm or backend cannot run this op, dtype or device; names those that can."""
 
 

@@ -176,3 +176,39 @@ class EventWork(Work):
 
     def is_completed(self) -> bool:
         return bool(self._event.query())
+
+
+class ThenWork(Work):
+    """A call whose caller-side step (copying a flat result into the caller's list of tensors,
+    ``collectives/_lists.py``) runs once the call it wraps is done: in ``wait()``, or in
+    ``is_completed()`` when that finds it done, so that no reader sees the list before the copy."""
+
+    __slots__ = ("_inner", "_step", "_outputs")
+
+    def __init__(self, inner: Work, step: Any, outputs: list[torch.Tensor]) -> None:
+        self._inner = inner
+        self._step = step
+        self._outputs = outputs
+
+    def _finish(self) -> None:
+        step, self._step = self._step, None
+        if step is not None:
+            step()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self._inner.wait(timeout)
+        self._finish()
+        return True
+
+    def is_completed(self) -> bool:
+        if not self._inner.is_completed():
+            return False
+        if self._inner.exception() is None:
+            self._finish()
+        return True
+
+    def exception(self) -> BaseException | None:
+        return self._inner.exception()
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._inner.is_success()

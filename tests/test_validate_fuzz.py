@@ -248,7 +248,7 @@ def _expected(case: Case, check: tuple, rank: int, meaning: dict) -> torch.Tenso
 
 
 def _tolerance(dtype: torch.dtype) -> float:
-    return {torch.float16: 1e-2, torch.bfloat16: 2e-2, torch.float32: 1e-6}.get(dtype, 1e-12)
+    return {torch.float16: 1e-2, torch.bfloat16: 2e-2, torch.float32: 1e-6, torch.complex64: 1e-6}.get(dtype, 1e-12)
 
 
 # Entry points whose first call would mean something was sent. isend/irecv themselves are left
