@@ -41,9 +41,12 @@ usable every rank has counted the same calls.
 Not covered (the timeout, or torchrun's stop, decides there): NCCL, where the host does not wait
 inside a collective (the verdict and ``GroupAborted`` hold there too); MPI; a wait on an
 ``async_op=True`` handle; the recorder turned off (``COMMOPS_RECORDER=0``), whose entries the
-patrol reads; and a message longer than its receiver expects, which Gloo's TCP transport answers
-by aborting the receiving process (C++ ``EnforceNotMet``, SIGABRT) before Python can act; debug
-check mode catches that one before anything is sent.
+patrol reads; and ranks that disagree on a size in a call the backend's own Gloo collective runs:
+Gloo's TCP transport aborts the process that receives a longer message than it posted (C++
+``EnforceNotMet``, SIGABRT) before Python can act, or fills a longer buffer in part. Debug check
+mode catches those before anything is sent. In our point-to-point schedules each message's tag
+carries its element count and dtype (``algos/_executor.py``'s ``message_tag``), so there the two
+sides' messages do not match, both wait, and the fingerprint check names them.
 """
 
 from __future__ import annotations

@@ -42,6 +42,10 @@ def _case(rank: int, world: int, case: str) -> dict[str, Any]:
                 C.broadcast(x, 0, group=g)
             else:
                 C.all_reduce(x, group=g)
+        elif case == "different_size":  # auto: our point-to-point schedule, whose tags carry the counts
+            C.all_reduce(torch.randn(8 if rank == bad else 6), group=g)
+        elif case == "bad_list":  # a list form's own check (collectives/_lists.py)
+            C.all_gather([torch.empty(6) for _ in range(world + (1 if rank == bad else 0))], x, group=g)
         elif case == "different_reduce_op":
             # Gloo pairs these and returns: nothing waits, nothing is noticed without debug mode;
             # what the matrix records (launch/faults) is the op mismatch that waits
@@ -81,7 +85,7 @@ def _case(rank: int, world: int, case: str) -> dict[str, Any]:
     return out
 
 
-ABORTING = ["bad_argument", "refused_algorithm", "raises_in_algorithm", "different_op"]
+ABORTING = ["bad_argument", "refused_algorithm", "raises_in_algorithm", "different_op", "different_size", "bad_list"]
 
 
 @pytest.mark.parametrize("case", ABORTING)
@@ -91,11 +95,12 @@ def test_the_others_raise_within_seconds_and_the_group_is_aborted(worlds, case: 
     for r, o in enumerate(res):
         assert o["new_group"], (r, o)
         assert o["next"] == "GroupAborted", (r, o)
-        if case == "different_op":  # both sides are named, on every rank
+        if case in ("different_op", "different_size"):  # both sides are named, on every rank
             # CollectiveMismatch where this rank compared first; RankFailed carrying the
             # mismatch found by the rank whose abort broke this one's wait
             assert o["raised"] in ("CollectiveMismatch", "RankFailed"), (r, o)
-            assert "disagree on op" in o["message"] and "[2]" in o["message"], o["message"]
+            field = "disagree on op" if case == "different_op" else "shape"
+            assert field in o["message"] and "[2]" in o["message"], o["message"]
             assert o["detect_s"] < 5 + 1, (r, o)
             continue
         if r == culprit:

@@ -53,6 +53,7 @@ from topology.model import Topology
 
 from .._types import torch_reduce_op
 from ..errors import UnsupportedError
+from ._executor import message_tag
 from ._base import Algorithm, _divide
 from ._executor import REDUCERS
 from .native import Native, _all_gather, _reduce_scatter
@@ -252,8 +253,8 @@ class Hierarchical(Algorithm):
         rail_in = [theirs[(k + i) * c:(k + i + 1) * c] for i in range(k)]  # rail peer's shard
 
         def swap(dst: torch.Tensor, src: torch.Tensor, peer: int, group: Any, tag: int) -> list[Any]:
-            return list(dist.batch_isend_irecv([dist.P2POp(dist.irecv, dst, peer, group, tag),
-                                                dist.P2POp(dist.isend, src, peer, group, tag)]))
+            return list(dist.batch_isend_irecv([dist.P2POp(dist.irecv, dst, peer, group, message_tag(tag, dst)),
+                                                dist.P2POp(dist.isend, src, peer, group, message_tag(tag, src))]))
 
         def done(works: Any) -> None:
             for w in works if isinstance(works, list) else [works]:

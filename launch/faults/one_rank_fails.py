@@ -3,8 +3,10 @@ timeout at 30 minutes: ``FAULT_CASE=bad_argument torchrun --nproc-per-node 3 lau
 
 Cases (``FAULT_CASE``): ``bad_argument`` (the last rank's all_gather output is one element short),
 ``refused_algorithm`` (it names an algorithm that does not exist), ``raises_in_algorithm`` (its
-ring algorithm raises), ``different_op`` (it broadcasts while the others all-reduce). The others
-must raise RankFailed (or CollectiveMismatch, for the op) naming it within seconds.
+ring algorithm raises), ``different_op`` (it broadcasts while the others all-reduce),
+``different_size`` (its all-reduce has 8 elements where the others' have 6; ``auto`` runs our
+point-to-point schedule for that size, whose message tags carry the counts). The others must
+raise RankFailed (or CollectiveMismatch, for the op or the size) naming it within seconds.
 """
 
 import os
@@ -33,6 +35,8 @@ def body(comm, culprit, dev):  # noqa: ANN001, ANN201
                 raise RuntimeError("injected: the ring algorithm failed on this rank")
             REGISTRY["ring"].run = boom
         C.all_reduce(x, algorithm="ring")
+    elif CASE == "different_size":
+        C.all_reduce(torch.randn(8 if mine else 6, device=dev))
     elif CASE == "different_op":
         if mine:
             C.broadcast(x, 0)

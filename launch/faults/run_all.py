@@ -53,7 +53,7 @@ HANG_ALGORITHMS = ("native", "ring", "recursive_doubling", "halving_doubling", "
 SCENARIOS.update({f"algorithm_hang[{a}]": "hang" for a in HANG_ALGORITHMS})
 # One rank's call fails while the others wait, group timeout 30 min, no debug mode
 # (launch/faults/one_rank_fails.py, FAULT_CASE=<case>): the others must raise within 5 s.
-FAST_CASES = ("bad_argument", "refused_algorithm", "raises_in_algorithm", "different_op")
+FAST_CASES = ("bad_argument", "refused_algorithm", "raises_in_algorithm", "different_op", "different_size")
 SCENARIOS.update({f"one_rank_fails[{c}]": "fast" for c in FAST_CASES})
 FAST_DETECT_S = 5.0
 
