@@ -95,9 +95,14 @@ def _all_to_all(rank: int, world: int, seeds: Iterator[int], problems: list[str]
         for q in range(world):
             if not torch.equal(out[q], _data(seed, q * world + rank, (size(q, rank),))):
                 problems.append(f"all_to_all even={even} async={async_op}: output_tensor_list[{q}] wrong")
-        if even:  # Gloo's own all_to_all takes equal sizes only
+        if even:  # Gloo's own all_to_all takes equal sizes only (torch 2.13; 2.11's has none)
             theirs = [torch.empty(3) for _ in range(world)]
-            dist.all_to_all(theirs, ins)
+            try:
+                dist.all_to_all(theirs, ins)
+            except RuntimeError as exc:
+                if "does not support alltoall" not in str(exc):
+                    raise
+                theirs = out  # nothing of torch's to compare with: the reference above decides
             if any(not torch.equal(a, b) for a, b in zip(out, theirs)):
                 problems.append("all_to_all even: differs from torch.distributed's")
 
