@@ -2,12 +2,21 @@
 
 Run under a launcher (``torchrun --nproc-per-node N`` or ``mpiexec -n N``); rank 0 prints the
 table and writes the files.
+
+Every run leaves a record by default, as nccl-tests-style tools' users expect: rank 0 makes a new
+folder ``commops-results/<op>-<YYYYmmdd-HHMMSS>`` under the current directory (``--out DIR``
+for another, ``--out none`` for none) and writes ``results.json`` (the records and the run's
+metadata) and ``plot.png`` into it, the plot skipped with a note where matplotlib is missing,
+so that a bare install still measures. The folder is made before the sweep, so that a folder
+that cannot be made fails the run in its first second, not after it; a run that dies half-way
+leaves it empty. ``--json``/``--csv``/``--plot`` write their files as well, where they say.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -22,10 +31,10 @@ import torch.distributed as dist
 import collectives as C
 from collectives.bootstrap import launcher_environment
 
-from .harness import bind_to_core, prepare, sweep
+from .harness import Record, bind_to_core, prepare, sweep
 from .report import Progress, format_table, plot, plot_vs_native, tuned_table, write_csv, write_json
 
-__all__ = ["parse_size", "sizes", "build_parser", "main"]
+__all__ = ["parse_size", "sizes", "build_parser", "record_folder", "main", "main_all_reduce"]
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 DTYPES = {"float": torch.float32, "float32": torch.float32, "double": torch.float64, "float64": torch.float64,
@@ -78,10 +87,16 @@ def build_parser(op: str | None) -> argparse.ArgumentParser:
                    help="comma-separated names, 'all' (default), 'auto', or anchors: symm_mem_one_shot, symm_mem_two_shot")
     p.add_argument("-G", "--graph", choices=["0", "1", "both"], default="0", help="CUDA graph capture of the timed loop")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="PATH")
-    p.add_argument("--csv", metavar="PATH")
-    p.add_argument("--plot", metavar="PATH")
-    p.add_argument("--plot-vs-native", metavar="PATH", help="time over native's, one panel per op and graph mode")
+    p.add_argument("--json", metavar="PATH", help="also write the records and metadata here (as --out's results.json)")
+    p.add_argument("--csv", metavar="PATH", help="also write the records here as CSV")
+    p.add_argument("--plot", metavar="PATH", help="also draw the bandwidth and time plot here (as --out's plot.png)")
+    p.add_argument("--out", metavar="DIR",
+                   help="folder for this run's record: results.json (records and metadata) and plot.png (with "
+                        "matplotlib). Default: a new commops-results/<op>-<YYYYmmdd-HHMMSS> under the current "
+                        "directory. 'none': no record (--json/--csv/--plot still write theirs); ./none for a "
+                        "folder of that name")
+    p.add_argument("--plot-vs-native", metavar="PATH",
+                   help="plot each algorithm's time / native's time, one panel per op and graph mode")
     p.add_argument("--tune", metavar="PATH", help="write the measured-fastest algorithm per size (for COMMOPS_TUNED)")
     p.add_argument("--backend", default=None, help="force a backend (default: nccl on GPUs, else gloo)")
     p.add_argument("--cpu-bind", choices=["core", "none"], default=None,
@@ -106,7 +121,61 @@ def _meta(args: argparse.Namespace, comm: C.Communicator, device: torch.device, 
     meta["calibration"] = os.environ.get("COMMOPS_CALIBRATION", "")
     launcher = "mpiexec" if any(k in os.environ for k in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")) else "torchrun"
     meta["launcher"] = launcher
+    # threads per rank: torchrun sets OMP_NUM_THREADS=1 where it is unset, mpiexec leaves it
+    meta["omp_num_threads"] = os.environ.get("OMP_NUM_THREADS")
+    meta["torch_threads"] = torch.get_num_threads()
     return meta
+
+
+RESULTS_ROOT = "commops-results"
+_HOW_TO_PLOT = "pip install matplotlib, or the project's plot extra: pip install -e '.[plot]'"
+
+
+def record_folder(out: str | None, name: str, now: datetime.datetime) -> str | None:
+    """Make the folder a run's record goes into and return its path, or None for ``out="none"``.
+
+    Args:
+        out: ``--out``: a folder (made if missing, reused if there: its ``results.json`` and
+            ``plot.png`` are replaced), "none", or None for the default: a new folder
+            ``commops-results/<name>-<YYYYmmdd-HHMMSS>`` under the current directory, ``-2``,
+            ``-3``, ... appended where that exists (two runs in one second keep both records).
+        name: what the default folder is named after (the op).
+        now: the run's start, for the default folder's name.
+    Raises:
+        SystemExit: the folder cannot be made (naming the folder and the two ways out).
+    """
+    if out is not None and out.lower() == "none":
+        return None
+    base = out if out is not None else os.path.join(RESULTS_ROOT, f"{name}-{now:%Y%m%d-%H%M%S}")
+    try:
+        if out is not None:
+            os.makedirs(out, exist_ok=True)
+            return out
+        os.makedirs(RESULTS_ROOT, exist_ok=True)
+        for i in itertools.count(1):
+            path = base if i == 1 else f"{base}-{i}"
+            try:
+                os.mkdir(path)  # not makedirs(exist_ok=True): a folder that is there is another run's
+                return path
+            except FileExistsError:
+                pass
+    except OSError as exc:
+        raise SystemExit(f"--out {base}: cannot make this folder ({exc.strerror}); "
+                         "give a writable one with --out DIR, or --out none for no record") from exc
+    raise AssertionError("itertools.count() ended")
+
+
+def _title(records: Sequence[Record], world: int, where: str) -> str:
+    """The plots' title, from the records (what ran), not from the flags: the backend is the one
+    that moved the tensors (a CPU run of a "cpu:gloo,cuda:nccl" group says gloo)."""
+    ops = ", ".join(dict.fromkeys(r.op for r in records))
+    backends = "/".join(dict.fromkeys(r.backend for r in records))
+    dtypes = "/".join(dict.fromkeys(r.dtype for r in records))
+    return f"{ops}, {world} ranks, {backends} ({where}), {dtypes}"
+
+
+def _no_matplotlib(exc: ModuleNotFoundError) -> bool:
+    return (exc.name or "").split(".")[0] == "matplotlib"
 
 
 def main(argv: Sequence[str] | None = None, op: str | None = None) -> int:
@@ -125,13 +194,16 @@ def main(argv: Sequence[str] | None = None, op: str | None = None) -> int:
     if device.type != "cuda" and any(modes):
         raise SystemExit("--graph needs CUDA tensors (a GPU backend)")
     lead = comm.rank == 0
+    folder = record_folder(args.out, ops[0] if len(ops) == 1 else "collectives", datetime.datetime.now()) \
+        if lead else None
     comm.topology  # noqa: B018 - discovery is collective: every rank, before rank 0 writes the metadata
     records = []
     for one in ops:
         algos = prepare(one, [a.strip() for a in args.algorithms.split(",")], comm, dtype, device,
                         say=lambda msg: print(msg, flush=True) if lead else None, skip_unsupported=len(ops) > 1)
         if lead:
-            print(f"# commops {one} benchmark: {comm.size} ranks, backend {comm.backend}, device {device.type}, "
+            print(f"# commops {one} benchmark: {comm.size} ranks, backend {comm.backend_for(device.type) or comm.backend}, "
+                  f"device {device.type}, "
                   f"dtype {args.dtype}, iters {args.iters} x reps {args.reps}, warmup {args.warmup}", flush=True)
             print(f"# algorithms: {', '.join(algos)}", flush=True)
         done = sweep(comm, one, algos, sizes(args.min_bytes, args.max_bytes, args.step_factor), dtype, device,
@@ -143,27 +215,52 @@ def main(argv: Sequence[str] | None = None, op: str | None = None) -> int:
     if lead:
         meta = _meta(args, comm, device, ",".join(ops))
         meta["cpu_core_rank0"] = core
+        title = _title(records, comm.size, str(meta.get("gpu", device.type)))
+        written: list[str] = []
+        if folder is not None:
+            written.append(os.path.join(folder, "results.json"))
+            write_json(records, written[-1], meta)
+            try:
+                plot(records, os.path.join(folder, "plot.png"), title)
+                written.append(os.path.join(folder, "plot.png"))
+            except ModuleNotFoundError as exc:
+                if not _no_matplotlib(exc):
+                    raise
+                print(f"# plot.png skipped: matplotlib is not installed ({_HOW_TO_PLOT})", flush=True)
         if args.json:
             write_json(records, args.json, meta)
         if args.csv:
             write_csv(records, args.csv)
-        if args.plot:
-            plot(records, args.plot, f"{op}, {comm.size} ranks, {comm.backend} ({meta.get('gpu', device.type)}), {args.dtype}")
         if args.tune:
             with open(args.tune, "w") as f:
                 json.dump(tuned_table(records, meta), f, indent=1)
                 f.write("\n")
-        if args.plot_vs_native:
-            plot_vs_native(records, args.plot_vs_native,
-                           f"{comm.size} ranks, {comm.backend} ({meta.get('gpu', device.type)}), {args.dtype}")
-        written = (args.json, args.csv, args.plot, args.plot_vs_native, args.tune)
-        if any(written):
-            print("# wrote " + ", ".join(p for p in written if p), flush=True)
+        written += [p for p in (args.json, args.csv, args.tune) if p]
+        for flag, path, draw in (("--plot", args.plot, plot), ("--plot-vs-native", args.plot_vs_native, plot_vs_native)):
+            if not path:
+                continue
+            try:
+                draw(records, path, title)
+            except ModuleNotFoundError as exc:
+                if not _no_matplotlib(exc):
+                    raise
+                raise SystemExit(f"{flag} {path}: needs matplotlib, which is not installed ({_HOW_TO_PLOT}); "
+                                 f"wrote {', '.join(written) or 'nothing'}") from exc
+            written.append(path)
+        if written:
+            print("# wrote " + ", ".join(written), flush=True)
+        if folder is not None:
+            print(f"# record of this run: {folder}{os.sep}", flush=True)
     bad = sum(r.wrong or 0 for r in records)
     dist.barrier()
     del comm
     C.destroy()
     return 1 if bad else 0
+
+
+def main_all_reduce() -> int:
+    """The main job (``launch/bench_allreduce.py``; the ``commops-bench-allreduce`` command)."""
+    return main(op="all_reduce")
 
 
 if __name__ == "__main__":

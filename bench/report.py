@@ -1,4 +1,13 @@
-"""Reports of benchmark records: an nccl-tests-style table, JSON, CSV and a busbw plot."""
+"""Reports of benchmark records: an nccl-tests-style table, JSON, CSV and two plots.
+
+The plots are for reading at a glance: sizes labelled 1K/1M/1G (powers of 1024, the units of
+``-b``/``-e`` and of nccl-tests), times in µs, log scales on both axes so that the small sizes,
+where the algorithms differ most, do not sit flat against zero, the spread of the timed loops as
+a band, and one fixed style per algorithm (colour, marker and, past ten, line style) in every
+panel and both plots. Legends sit below their panel: inside, ten lines always have one covered.
+One ratio is drawn and printed, under one name everywhere: "time / native's time" (below 1:
+faster than the backend's own collective); its inverse is never shown as a speed-up.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +19,7 @@ from typing import Any
 
 from .harness import Record
 
-__all__ = ["format_table", "write_json", "write_csv", "plot", "Progress"]
+__all__ = ["format_table", "write_json", "write_csv", "plot", "plot_vs_native", "Progress"]
 
 
 def _label(r: Record) -> str:
@@ -18,9 +27,9 @@ def _label(r: Record) -> str:
 
 
 def format_table(records: Sequence[Record]) -> str:
-    """One row per (size, algorithm); ``vs native`` is time / native's time at that size and mode."""
+    """One row per (size, algorithm); ``time/native`` is time / native's time at that size and mode."""
     head = (f"{'size(B)':>12} {'count':>11} {'type':>8} {'algorithm':<28} {'time(us)':>10} {'min(us)':>10} "
-            f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>6} {'vs native':>9}")
+            f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>6} {'time/native':>11}")
     lines = [head, "-" * len(head)]
     native = {(r.op, r.bytes, r.graph): r.time_us for r in records if r.algorithm == "native"}
     prev = None
@@ -29,7 +38,7 @@ def format_table(records: Sequence[Record]) -> str:
             lines.append("")
         prev = r.bytes
         base = native.get((r.op, r.bytes, r.graph)) or native.get((r.op, r.bytes, False))
-        ratio = f"{r.time_us / base:9.2f}" if base else f"{'-':>9}"
+        ratio = f"{r.time_us / base:11.2f}" if base else f"{'-':>11}"
         wrong = "-" if r.wrong is None else str(r.wrong)
         lines.append(f"{r.bytes:>12} {r.count:>11} {r.dtype:>8} {_label(r):<28} {r.time_us:>10.1f} {r.time_us_min:>10.1f} "
                      f"{r.algbw_GBps:>11.3f} {r.busbw_GBps:>11.3f} {wrong:>6} {ratio}")
@@ -69,39 +78,141 @@ def write_csv(records: Sequence[Record], path: str) -> None:
         w.writerows(rows)
 
 
+# Line styles for the plots, one per algorithm, the same in every panel and in both plots: a
+# colour (tab10's ten) and a marker (nine, so that colour and marker repeat together only after 90
+# algorithms), and from the eleventh algorithm on a dashed or dash-dotted line too, so that even
+# in grey print two algorithms never look alike. Native is always the thick black line: the
+# reference every other line is read against.
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">")
+_LINES = ("-", "--", "-.")
+_NATIVE = {"color": "black", "ls": "--", "lw": 2.0, "marker": None}
+
+
+def _styles(records: Sequence[Record]) -> dict[str, dict[str, Any]]:
+    """Matplotlib keyword arguments per algorithm name, in order of first appearance."""
+    import matplotlib
+
+    colours = matplotlib.color_sequences["tab10"]
+    names = [a for a in dict.fromkeys(r.algorithm for r in records) if a != "native"]
+    out: dict[str, dict[str, Any]] = {"native": dict(_NATIVE)}
+    for i, name in enumerate(names):
+        out[name] = {"color": colours[i % len(colours)], "marker": _MARKERS[i % len(_MARKERS)],
+                     "ls": _LINES[(i // len(colours)) % len(_LINES)], "lw": 1.4}
+    return out
+
+
+def _size_text(nbytes: float) -> str:
+    """8 -> '8', 1024 -> '1K', 3 << 20 -> '3M' (powers of 1024, as nccl-tests and ``-b``/``-e``)."""
+    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
+        if nbytes >= 1 << shift:
+            v = nbytes / (1 << shift)
+            return f"{v:.0f}{unit}" if v == int(v) else f"{v:.3g}{unit}"
+    return f"{nbytes:.0f}"
+
+
+def _size_axis(ax: Any, sizes: Sequence[int]) -> None:
+    """A log2 size axis labelled 1K/1M/1G: a labelled tick every 1, 2, 5 or 10 powers of two (the
+    fewest that keeps at most 12 labels, on steps that land on 1K, 1M and 1G), an unlabelled one
+    at every power of two."""
+    import math
+
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+
+    lo = math.floor(math.log2(max(1, min(sizes))))
+    hi = math.ceil(math.log2(max(1, max(sizes))))
+    step = next((k for k in (1, 2, 5, 10) if (hi - lo) // k + 1 <= 12), 10)
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(FixedLocator([2.0 ** e for e in range(lo, hi + 1) if e % step == 0 or step == 1]))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _size_text(v)))
+    ax.xaxis.set_minor_locator(FixedLocator([2.0 ** e for e in range(lo, hi + 1)]))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlim(2.0 ** lo / 1.2, 2.0 ** hi * 1.2)
+    ax.set_xlabel("message size (bytes; 1K = 1024, 1M = 1024², 1G = 1024³)")
+
+
+def _number_text(v: float) -> str:
+    """0.0005 -> '0.0005', 20 -> '20', 20000 -> '20,000': plain numbers, not 2e+04."""
+    return f"{v:,.0f}" if v >= 1000 else f"{v:g}"
+
+
+def _log_y(ax: Any) -> None:
+    """Log y labelled with plain numbers at 1, 2 and 5 of each decade (at 1 only where the data
+    span more than three decades: the labels would crowd); call after drawing."""
+    import math
+
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ax.set_yscale("log")
+    lo, hi = ax.get_ylim()
+    wide = lo > 0 and math.log10(hi / lo) > 3
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0,) if wide else (1.0, 2.0, 5.0)))
+    ax.yaxis.set_minor_locator(LogLocator(base=10, subs=tuple(range(1, 10))))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _number_text(v)))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def _legend(ax: Any, n: int) -> None:
+    # below the panel, not on it: with ten lines, a legend inside always covers some of them
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=min(n, 4), fontsize=8, frameon=False)
+
+
 def plot(records: Sequence[Record], path: str, title: str = "") -> None:
-    """PNG: busbw against size (log2 x) and time against size (log-log), one line per algorithm."""
+    """PNG: per op, bus bandwidth and time per call against size, one line per algorithm (and per
+    graph mode: dotted, hollow markers), both on log scales so that small sizes show.
+
+    A line is the median over the timed loops; its shaded band runs from the fastest loop to the
+    slowest (``time_us_min`` to ``time_us_max``; in bandwidth, the same loops' bandwidths).
+    Needs matplotlib (the ``plot`` extra): raises ``ModuleNotFoundError`` without it.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_bw, ax_t) = plt.subplots(1, 2, figsize=(13, 5))
-    for key in dict.fromkeys((r.op, _label(r).split("(")[0]) for r in records):
-        rs = sorted((r for r in records if (r.op, _label(r).split("(")[0]) == key), key=lambda r: r.bytes)
-        name = key[1] if len({r.op for r in records}) == 1 else f"{key[0]} {key[1]}"
-        style = "--" if key[1].startswith("native") else "-"
-        ax_bw.plot([r.bytes for r in rs], [r.busbw_GBps for r in rs], style, marker="o", ms=3, label=name)
-        ax_t.plot([r.bytes for r in rs], [r.time_us for r in rs], style, marker="o", ms=3, label=name)
-    ax_bw.set_xscale("log", base=2)
-    ax_bw.set_xlabel("message size (bytes)")
-    ax_bw.set_ylabel("bus bandwidth (GB/s)")
-    ax_t.set_xscale("log", base=2)
-    ax_t.set_yscale("log")
-    ax_t.set_xlabel("message size (bytes)")
-    ax_t.set_ylabel("time per call (us, median)")
-    for ax in (ax_bw, ax_t):
-        ax.grid(True, which="both", alpha=0.3)
-    ax_t.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
+    ops = list(dict.fromkeys(r.op for r in records))
+    styles = _styles(records)
+    fig, axes = plt.subplots(len(ops), 2, figsize=(14, 6.2 * len(ops)), squeeze=False, layout="constrained")
+    for (ax_bw, ax_t), op in zip(axes, ops):
+        mine = [r for r in records if r.op == op]
+        lines = list(dict.fromkeys((r.algorithm, r.graph) for r in mine))
+        for name, graph in lines:
+            rs = sorted((r for r in mine if (r.algorithm, r.graph) == (name, graph)), key=lambda r: r.bytes)
+            x = [r.bytes for r in rs]
+            style = dict(styles[name], label=name + (" (CUDA graph)" if graph else ""), ms=5)
+            if graph:
+                style.update(ls=":", mfc="none")
+            # bandwidth is bytes over time, so a loop's bandwidth is the median's scaled by the time ratio
+            bw_lo = [r.busbw_GBps * r.time_us / r.time_us_max if r.time_us_max > 0 else 0.0 for r in rs]
+            bw_hi = [r.busbw_GBps * r.time_us / r.time_us_min if r.time_us_min > 0 else 0.0 for r in rs]
+            ax_bw.plot(x, [r.busbw_GBps for r in rs], **style)
+            ax_bw.fill_between(x, bw_lo, bw_hi, color=style["color"], alpha=0.09, lw=0)
+            ax_t.plot(x, [r.time_us for r in rs], **style)
+            ax_t.fill_between(x, [r.time_us_min for r in rs], [r.time_us_max for r in rs],
+                              color=style["color"], alpha=0.09, lw=0)
+        sizes = [r.bytes for r in mine]
+        for ax in (ax_bw, ax_t):
+            _size_axis(ax, sizes)
+            _log_y(ax)
+            ax.grid(True, which="major", alpha=0.35)
+            ax.grid(True, which="minor", alpha=0.1)
+            _legend(ax, len(lines))
+        ax_bw.set_ylabel("bus bandwidth (GB/s)")
+        ax_bw.set_title(f"{op}: bus bandwidth (higher is better)")
+        ax_t.set_ylabel("time per call (µs)")
+        ax_t.set_title(f"{op}: time per call (lower is better)")
+    fig.suptitle(f"{title}\nlines: median of the timed loops; bands: fastest to slowest loop" if title else
+                 "lines: median of the timed loops; bands: fastest to slowest loop")
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def plot_vs_native(records: Sequence[Record], path: str, title: str = "") -> None:
-    """PNG: each algorithm's time over native's in the same mode, one panel per op and mode
-    (below 1 is faster than the backend's own collective)."""
+    """PNG: each algorithm's time / native's time in the same mode, against size, one panel per op
+    and mode (below 1: faster than the backend's own collective).
+
+    No band here: a ratio of two medians has no fastest and slowest loop of its own (the time
+    panel of :func:`plot` shows each side's spread). Needs matplotlib (the ``plot`` extra).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -109,23 +220,25 @@ def plot_vs_native(records: Sequence[Record], path: str, title: str = "") -> Non
 
     ops = list(dict.fromkeys(r.op for r in records))
     modes = sorted({r.graph for r in records})
-    fig, axes = plt.subplots(len(ops), len(modes), figsize=(7 * len(modes), 4.2 * len(ops)), squeeze=False)
+    styles = _styles(records)
+    fig, axes = plt.subplots(len(ops), len(modes), figsize=(8 * len(modes), 5.6 * len(ops)), squeeze=False,
+                             layout="constrained")
     for ax, (op, graph) in zip(axes.flat, [(o, g) for o in ops for g in modes]):
         mine = [r for r in records if r.op == op and r.graph == graph]
         base = {r.bytes: r.time_us for r in mine if r.algorithm == "native"}
-        for name in dict.fromkeys(r.algorithm for r in mine if r.algorithm != "native"):
+        names = [a for a in dict.fromkeys(r.algorithm for r in mine) if a != "native"]
+        for name in names:
             rs = sorted((r for r in mine if r.algorithm == name and r.bytes in base), key=lambda r: r.bytes)
-            ax.plot([r.bytes for r in rs], [r.time_us / base[r.bytes] for r in rs], marker="o", ms=3, label=name)
-        ax.axhline(1.0, color="k", lw=0.8, ls="--")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("message size (bytes)")
-        ax.set_ylabel("time / native's time")
-        ax.set_title(f"{op}, {'CUDA graph' if graph else 'eager'}")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+            ax.plot([r.bytes for r in rs], [r.time_us / base[r.bytes] for r in rs], **dict(styles[name], label=name, ms=5))
+        ax.axhline(1.0, **dict(_NATIVE, marker=None, label="native (= 1)"))
+        _size_axis(ax, [r.bytes for r in mine])
+        _log_y(ax)
+        ax.set_ylabel("time / native's time (below 1: faster)")
+        ax.set_title(f"{op}, {'CUDA graph' if graph else 'eager'}: time / native's time")
+        ax.grid(True, which="major", alpha=0.35)
+        ax.grid(True, which="minor", alpha=0.1)
+        _legend(ax, len(names) + 1)
     fig.suptitle(title)
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

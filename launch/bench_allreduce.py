@@ -5,7 +5,9 @@
     torchrun --nproc-per-node 2 launch/bench_allreduce.py -b 8 -e 1G -d bfloat16 --graph both   # GPUs
 
 Flags follow nccl-tests (-b -e -f -d -n -w -c) plus -a/--algorithms and --json/--csv/--plot;
-``--help`` lists them. Exit code 1 if any value was wrong.
+``--help`` lists them. Every run leaves a record, ``results.json`` and ``plot.png`` in a new
+``commops-results/all_reduce-<date>-<time>/`` (``--out DIR`` elsewhere, ``--out none`` for none),
+and prints where. Exit code 1 if any value was wrong.
 """
 
 import os
@@ -13,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.cli import main  # noqa: E402
+from bench.cli import main_all_reduce  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main(op="all_reduce"))
+    sys.exit(main_all_reduce())

@@ -1,6 +1,6 @@
 """An emulated multi-node cluster on one machine: real torchrun per node, emulated wires.
 
-    sudo python launch/emulate_cluster.py --nodes 2 --procs-per-node 2 --inter-node-mbit 400 \\
+    python3 launch/emulate_cluster.py --nodes 2 --procs-per-node 2 --inter-node-mbit 400 \\
         -- launch/bench_allreduce.py -b 64K -e 64M
 
 Each node is a network namespace with its own host name (a UTS namespace), joined to the others
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     if os.geteuid() != 0:
-        print("emulate_cluster: network namespaces need root; rerun as root (sudo)", file=sys.stderr)
+        print("emulate_cluster: network namespaces need root; rerun as root (or prefix sudo)", file=sys.stderr)
         return 2
     if shutil.which("ip") is None or shutil.which("tc") is None or shutil.which("unshare") is None:
         print("emulate_cluster: needs iproute2 (ip, tc) and util-linux (unshare) on PATH", file=sys.stderr)

@@ -89,13 +89,13 @@ for step in $STEPS; do
         --json "$OUT/moe_auto.json" --csv "$OUT/moe_auto.csv" --plot "$OUT/moe_auto.png" ;;
     peer_bench) run peer_bench 300 $R launch/bench_collectives.py --op all_reduce,reduce_scatter,all_gather -d bf16 \
         -b 8 -e 1G -f 4 -a native,one_shot,two_shot,copy_engine,auto,symm_mem_two_shot -G both -n 20 -r 5 -w 5 \
-        --json "$OUT/peer.json" --plot-vs-native "$OUT/peer.png" ;;
+        --json "$OUT/peer.json" --plot-vs-native "$OUT/peer.png" --out none ;;
     tune_peer) run tune_peer 200 $R launch/tune_peer.py -b 8 -e 256K -f 8 --json "$OUT/tune_peer.json" ;;
     topology) run topology 60 $R -m topology --json "$OUT/topology.json" ;;
     peer_epilogue) COMMOPS_PEER_BYTES=$BIG run peer_epilogue 120 $R launch/probe_peer_epilogue.py \
         --json "$OUT/peer_epilogue.json" --plot "$OUT/peer_epilogue.png" ;;
     a2a_bench) run a2a_bench 240 $R launch/bench_collectives.py --op all_to_all -d bf16 -b 8 -e 1G -f 4 \
-        -a native,pairwise,bruck,auto -G both -n 10 -r 5 -w 3 --json "$OUT/a2a.json" --plot-vs-native "$OUT/a2a.png" ;;
+        -a native,pairwise,bruck,auto -G both -n 10 -r 5 -w 3 --json "$OUT/a2a.json" --plot-vs-native "$OUT/a2a.png" --out none ;;
     model)
       run calibrate 240 $R launch/calibrate.py --native --name "h200x${N}-nccl" --out "$OUT/calibration.json" \
         -b 8K -e 1G -f 4 -n 20 -r 5
@@ -112,7 +112,7 @@ for step in $STEPS; do
           python3 tests/gpu_sanitize_cases.py
       done ;;
     peer_big) COMMOPS_PEER_BYTES=$BIG run peer_big 240 $R launch/bench_collectives.py --op all_reduce -d bf16 \
-        -b 64M -e 1G -f 2 -a native,two_shot,copy_engine -G both -n 10 -r 5 -w 3 --json "$OUT/peer_big.json" ;;
+        -b 64M -e 1G -f 2 -a native,two_shot,copy_engine -G both -n 10 -r 5 -w 3 --json "$OUT/peer_big.json" --out none ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

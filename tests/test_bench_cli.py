@@ -228,3 +228,130 @@ def test_prepare_leaves_out_what_this_group_refuses_and_says_why(worlds) -> None
         assert all("[2, 1] ranks" in s for s in out["said"]), out["said"]
         assert len(out["raised"]) == 2 and "'grid2d'" in out["raised"][0] and "hierarchical" in out["raised"][1]
         assert all("equal size" in s and "Fix:" in s for s in out["raised"]), out["raised"]
+
+
+# The main job's record of a run (bench/cli.py): run in a pool of ranks, cwd a fresh folder that
+# every rank shares, so that a folder made by any rank but 0 would show as a second one.
+_TINY = ["-b", "1K", "-e", "2K", "-n", "2", "-w", "1", "-r", "2", "-a", "native,ring"]
+
+
+def body_main(rank: int, world: int, cwd: str, argv: list[str], hide_matplotlib: bool) -> dict:  # type: ignore[type-arg]
+    import contextlib
+    import io
+    import os
+    import sys
+
+    import bench.cli as cli
+    import collectives
+
+    titles: list[str] = []
+    real_plot, real_destroy = cli.plot, collectives.destroy
+
+    def plot(records, path, title=""):  # noqa: ANN001, ANN202
+        titles.append(title)
+        return real_plot(records, path, title)
+
+    hidden = {k: v for k, v in sys.modules.items() if k == "matplotlib" or k.startswith("matplotlib.")}
+    here = os.getcwd()
+    out = io.StringIO()
+    cli.plot = plot
+    collectives.destroy = lambda group=None: None  # main ends by destroying the group: this pool's
+    if hide_matplotlib:
+        sys.modules.update(dict.fromkeys(hidden or ["matplotlib"]))  # a None entry: "import matplotlib" fails
+    try:
+        os.chdir(cwd)
+        with contextlib.redirect_stdout(out):
+            rc = cli.main(argv, op="all_reduce")
+    finally:
+        os.chdir(here)
+        cli.plot, collectives.destroy = real_plot, real_destroy
+        if hide_matplotlib:
+            for k in hidden or ["matplotlib"]:
+                sys.modules.pop(k, None)
+            sys.modules.update(hidden)
+    return {"rc": rc, "stdout": out.getvalue(), "titles": titles}
+
+
+def _files(root) -> list[str]:  # noqa: ANN001
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_main_job_records_its_run_in_a_new_folder_by_default(worlds, tmp_path) -> None:  # noqa: ANN001
+    import re
+
+    outs = worlds(2).run(body_main, str(tmp_path), _TINY, False)
+    files = _files(tmp_path)
+    assert len(files) == 4, files  # commops-results/, its one folder (rank 0's only), and two files in it
+    folder = files[1]
+    assert re.fullmatch(r"commops-results/all_reduce-\d{8}-\d{6}", folder), files
+    assert files[2:] == [f"{folder}/plot.png", f"{folder}/results.json"]
+    data = json.loads((tmp_path / folder / "results.json").read_text())
+    assert [(r["bytes"], r["algorithm"]) for r in data["records"]] == [(1024, "native"), (1024, "ring"),
+                                                                        (2048, "native"), (2048, "ring")]
+    assert all(r["wrong"] == 0 and r["time_us_min"] <= r["time_us"] <= r["time_us_max"] for r in data["records"])
+    assert data["meta"]["world"] == 2 and data["meta"]["op"] == "all_reduce" and data["meta"]["backend"] == "gloo"
+    assert (tmp_path / folder / "plot.png").read_bytes()[:4] == b"\x89PNG"
+    lead, other = outs
+    assert lead["rc"] == 0 and other["rc"] == 0
+    assert f"# wrote {folder}/results.json, {folder}/plot.png" in lead["stdout"]
+    assert lead["stdout"].rstrip().endswith(f"# record of this run: {folder}/")
+    assert "# wrote" not in other["stdout"] and other["titles"] == []
+    # the title names what moved the tensors (the records' backend), never a backend that did not run
+    assert lead["titles"] == ["all_reduce, 2 ranks, gloo (cpu), float32"]
+
+
+def test_main_job_with_out_none_writes_nothing(worlds, tmp_path) -> None:  # noqa: ANN001
+    outs = worlds(2).run(body_main, str(tmp_path), [*_TINY, "--out", "none"], False)
+    assert _files(tmp_path) == []
+    assert all(o["rc"] == 0 and "# wrote" not in o["stdout"] and "record of this run" not in o["stdout"] for o in outs)
+    assert "out-of-bounds values: 0  (OK)" in outs[0]["stdout"]
+
+
+def test_main_job_without_matplotlib_keeps_the_json_and_says_how_to_plot(worlds, tmp_path) -> None:  # noqa: ANN001
+    # --out DIR is made where it is missing; --json still writes its own file too
+    argv = [*_TINY, "--out", str(tmp_path / "run" / "a"), "--json", str(tmp_path / "extra.json")]
+    lead, other = worlds(2).run(body_main, str(tmp_path), argv, True)
+    assert _files(tmp_path) == ["extra.json", "run", "run/a", "run/a/results.json"]
+    assert len(json.loads((tmp_path / "run" / "a" / "results.json").read_text())["records"]) == 4
+    notes = [ln for ln in lead["stdout"].splitlines() if "plot.png skipped" in ln]
+    assert len(notes) == 1 and "pip install matplotlib" in notes[0] and "[plot]" in notes[0], lead["stdout"]
+    assert "plot.png skipped" not in other["stdout"]
+
+
+def test_record_folder_is_new_unless_named(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    import datetime
+
+    from bench.cli import record_folder
+
+    monkeypatch.chdir(tmp_path)
+    now = datetime.datetime(2026, 12, 2, 13, 5, 9)
+    first, second = record_folder(None, "all_reduce", now), record_folder(None, "all_reduce", now)
+    assert (first, second) == ("commops-results/all_reduce-20261202-130509", "commops-results/all_reduce-20261202-130509-2")
+    assert record_folder("none", "all_reduce", now) is None and record_folder("None", "x", now) is None
+    assert record_folder("mine", "all_reduce", now) == "mine" and record_folder("mine", "all_reduce", now) == "mine"
+    assert sorted(_files(tmp_path)) == ["commops-results", first, second, "mine"]
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit, match="--out file/sub: cannot make this folder.*--out none"):
+        record_folder("file/sub", "all_reduce", now)
+
+
+def test_plot_styles_and_size_labels_read_at_a_glance() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from bench.report import _size_axis, _size_text, _styles
+
+    assert [_size_text(n) for n in (8, 512, 1024, 3 << 10, 1 << 20, 64 << 20, 1 << 30)] == \
+        ["8", "512", "1K", "3K", "1M", "64M", "1G"]
+    names = ["native"] + [f"a{i}" for i in range(14)]
+    recs = [Record("all_reduce", a, "float32", 8, 2, 2, "gloo", "cpu", False, 1.0, 1.0, 1.0, 1.0, 1.0, 0) for a in names]
+    styles = _styles(recs)
+    assert len({(s["color"], s["marker"], s["ls"]) for s in styles.values()}) == len(names)  # 15 lines, 15 looks
+    assert len({s["marker"] for s in styles.values()}) > 1 and len({s["ls"] for s in styles.values()}) > 1
+    fig, ax = plt.subplots()
+    _size_axis(ax, [8, 1 << 30])
+    fmt = ax.xaxis.get_major_formatter()
+    assert [fmt(t) for t in ax.get_xticks()] == ["32", "1K", "32K", "1M", "32M", "1G"]
+    plt.close(fig)

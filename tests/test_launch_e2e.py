@@ -31,8 +31,13 @@ def _mpiexec() -> str | None:
 def test_main_job_under_torchrun(tmp_path: Path) -> None:
     res = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
                 "launch/bench_allreduce.py", "-b", "1K", "-e", "4K", "-f", "4", "-n", "3", "-r", "2", "-w", "1",
-                "--json", str(tmp_path / "r.json"), "--csv", str(tmp_path / "r.csv"), "--plot", str(tmp_path / "r.png")])
+                "--json", str(tmp_path / "r.json"), "--csv", str(tmp_path / "r.csv"), "--plot", str(tmp_path / "r.png"),
+                "--out", str(tmp_path / "record")])
     assert res.returncode == 0, res.stdout + res.stderr
+    # the record every run leaves (here in the folder asked for), and the line that says where
+    assert f"# record of this run: {tmp_path / 'record'}" in res.stdout, res.stdout[-2000:]
+    assert json.loads((tmp_path / "record" / "results.json").read_text())["records"]
+    assert (tmp_path / "record" / "plot.png").stat().st_size > 1000
     rows = _rows(res.stdout)
     algos = {r[3].split("(")[0] for r in rows}
     from collectives.algos import for_op
@@ -49,7 +54,8 @@ def test_main_job_under_torchrun(tmp_path: Path) -> None:
 @pytest.mark.parametrize("op", ["all_to_all", "reduce_scatter", "broadcast"])
 def test_collectives_benchmark(op: str) -> None:
     res = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                "launch/bench_collectives.py", "--op", op, "-b", "1K", "-e", "1K", "-n", "2", "-r", "2", "-w", "1"])
+                "launch/bench_collectives.py", "--op", op, "-b", "1K", "-e", "1K", "-n", "2", "-r", "2", "-w", "1",
+                "--out", "none"])
     assert res.returncode == 0, res.stdout + res.stderr
     rows = _rows(res.stdout)
     assert rows and all(r[8] == "0" for r in rows)
@@ -62,7 +68,7 @@ def test_main_job_under_mpiexec() -> None:
             pytest.fail("mpiexec is missing in CI: the 'mpi' extra (mpi4py, mpich) must be installed")
         pytest.skip("no mpiexec on PATH (pip install 'commops[mpi]')")
     res = _run([mpiexec, "-n", "3", sys.executable, "launch/bench_allreduce.py", "-b", "1K", "-e", "1K",
-                "-n", "2", "-r", "2", "-w", "1"])
+                "-n", "2", "-r", "2", "-w", "1", "--out", "none"])
     assert res.returncode == 0, res.stdout + res.stderr
     assert "3 ranks, backend gloo" in res.stdout
     from collectives.algos import for_op
