@@ -6,8 +6,9 @@ Every handle has ``torch.distributed.Work``'s surface: ``wait(timeout=None)``, `
 torch's, only a receive answers: none of these is one), and is a context manager that waits on
 exit. Which one you get depends on how the call runs: the backend's own ``Work`` (native), a
 CUDA event recorded after the enqueued schedule (point-to-point algorithms on GPUs, where nothing
-blocks the host), or a future of the communicator's worker thread (point-to-point algorithms on
-CPU backends, whose transfers block).
+blocks the host), a future of the communicator's worker thread (point-to-point algorithms on
+CPU backends, whose transfers block), or, for a list form that copies its result into the
+caller's list, one of those wrapped so that the copy runs when it is waited on (``ThenWork``).
 """
 
 from __future__ import annotations

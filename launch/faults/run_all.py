@@ -236,12 +236,13 @@ def main() -> int:
         rows.append(run_one(n, scenarios[n], world, args.timeout, args.gpu, args.keep_traces))
         print(f"[run_all] {n}: {'detected' if rows[-1]['detected'] else 'MISSED'} in {rows[-1]['wall_s']:.1f} s",
               file=sys.stderr, flush=True)
-    print(f"{'scenario':<20} {'detected':<9} {'diagnosis (culprit, call #, op)':<36} {'to detect':>9} "
+    wide = max([len("scenario")] + [len(r["scenario"]) for r in rows])  # the longest name sets the column
+    print(f"{'scenario':<{wide}} {'detected':<9} {'diagnosis (culprit, call #, op)':<36} {'to detect':>9} "
           f"{'all exited':>10} {'left':>5}")
     for r in rows:
         diag = f"rank {r['culprit_named']}, #{r['seq']}, {r['op']}"
         det = "-" if r["detect_s"] is None else f"{r['detect_s']:.1f} s"
-        print(f"{r['scenario']:<20} {'yes' if r['detected'] else 'NO':<9} {diag:<36} {det:>9} "
+        print(f"{r['scenario']:<{wide}} {'yes' if r['detected'] else 'NO':<9} {diag:<36} {det:>9} "
               f"{'yes' if r['all_exited'] else 'NO':>10} {r['processes_left']:>5}")
     for r in rows:
         if not r["detected"]:
