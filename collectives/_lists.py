@@ -205,15 +205,25 @@ def _root_list(comm: Communicator, verb: str, list_name: str, ts: object, root: 
     return []
 
 
+def _rooted(comm: Communicator, verb: str, tensor: object, ts: object, value: int | None,
+            group_value: int | None) -> tuple[int, list[torch.Tensor]]:
+    """A gather's or scatter's checked arguments: the root's group rank (global rank 0 where
+    neither root argument is given, as torch) and the root's list ([] elsewhere)."""
+    src = verb == "scatter"
+    name, group_name, list_name = ("src", "group_src", "scatter_list") if src else ("dst", "group_dst", "gather_list")
+
+    def check() -> tuple[int, list[torch.Tensor]]:
+        t = check_tensor("tensor", tensor, comm)
+        root = check_root(comm, name, group_name, 0 if value is None and group_value is None else value, group_value)
+        return root, _root_list(comm, verb, list_name, ts, root, t)
+    return _checked(comm, verb, check)  # type: ignore[no-any-return]
+
+
 def gather(comm: Communicator, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None,
            dst: int | None = None, async_op: bool = False, *, group_dst: int | None = None,
            algorithm: str = "auto") -> Work | None:
     """Gather every rank's ``tensor`` into ``gather_list`` on global rank ``dst`` (or group rank ``group_dst``)."""
-    def check() -> tuple[int, list[torch.Tensor]]:
-        t = check_tensor("tensor", tensor, comm)
-        root = check_root(comm, "dst", "group_dst", 0 if dst is None and group_dst is None else dst, group_dst)
-        return root, _root_list(comm, "gather", "gather_list", gather_list, root, t)
-    root, outs = _checked(comm, "gather", check)
+    root, outs = _rooted(comm, "gather", tensor, gather_list, dst, group_dst)
     n, w = tensor.numel(), comm.size
     send = tensor.view(-1)
     step = None
@@ -234,11 +244,7 @@ def scatter(comm: Communicator, tensor: torch.Tensor, scatter_list: list[torch.T
             src: int | None = None, async_op: bool = False, *, group_src: int | None = None,
             algorithm: str = "auto") -> Work | None:
     """Rank r receives ``scatter_list[r]`` of global rank ``src`` (or group rank ``group_src``) into ``tensor``."""
-    def check() -> tuple[int, list[torch.Tensor]]:
-        t = check_tensor("tensor", tensor, comm)
-        root = check_root(comm, "src", "group_src", 0 if src is None and group_src is None else src, group_src)
-        return root, _root_list(comm, "scatter", "scatter_list", scatter_list, root, t)
-    root, ins = _checked(comm, "scatter", check)
+    root, ins = _rooted(comm, "scatter", tensor, scatter_list, src, group_src)
     n, w = tensor.numel(), comm.size
     recv = tensor.view(-1)
     if comm.rank == root:

@@ -168,7 +168,10 @@ def body_list_forms(rank: int, world: int) -> list[str]:
 
 @pytest.mark.parametrize("size", [2, 3, 4])
 def test_list_forms_match_torch_and_reference(worlds, size: int) -> None:  # noqa: ANN001
-    reports = worlds(size).run(body_list_forms)
+    _no_problems(worlds(size).run(body_list_forms))
+
+
+def _no_problems(reports: list[list[str]]) -> None:
     problems = [f"rank {r}: {p}" for r, rep in enumerate(reports) for p in rep]
     assert not problems, "\n".join(problems)
 
@@ -282,6 +285,4 @@ def body_complex_sparse_errors(rank: int, world: int) -> list[str]:
 
 @pytest.mark.parametrize("size", [1, 2, 3])
 def test_complex_sparse_and_exception_types_as_torch(worlds, size: int) -> None:  # noqa: ANN001
-    reports = worlds(size).run(body_complex_sparse_errors)
-    problems = [f"rank {r}: {p}" for r, rep in enumerate(reports) for p in rep]
-    assert not problems, "\n".join(problems)
+    _no_problems(worlds(size).run(body_complex_sparse_errors))
