@@ -3,6 +3,7 @@
     from overlap import gemm_all_reduce, gemm_reduce_scatter, all_gather_gemm
     from overlap.layers import ColumnParallelLinear, RowParallelLinear
     from overlap import MoEDispatcher, MoELayer, GroupedSwiGLU, reference_moe   # overlap.moe
+    from overlap import parallelize       # a transformers model, sharded in place (overlap.models)
 
 Each operator equals a plain sequence (``reference_*`` beside it) and is differentiable; the
 layers follow Megatron-LM's semantics (``overlap/layers.py``). The mixture of experts lives in
@@ -20,6 +21,7 @@ from .moe import (
     reference_moe,
     register_transport,
 )
+from .models import parallelize
 from .ops import (
     STRATEGIES,
     OverlapChoice,
@@ -38,5 +40,5 @@ __all__ = [
     "reference_gemm_all_reduce", "reference_gemm_reduce_scatter", "reference_all_gather_gemm",
     "OverlapChoice", "last_choice", "set_tuned", "STRATEGIES",
     "MoEDispatcher", "MoELayer", "GroupedSwiGLU", "reference_moe", "DispatchHandle", "LowLatencyHandle",
-    "NcclOptions", "PeerOptions", "register_transport",
+    "NcclOptions", "PeerOptions", "register_transport", "parallelize",
 ]

@@ -1,0 +1,68 @@
+"""Which modules of each ``transformers`` family ``parallelize`` shards, written once per family.
+
+A family is its decoder layers and the dotted names, inside a layer, of the linear layers that are
+column-parallel (their output features split) and row-parallel (their input features split). A
+family whose modules carry these names with these meanings is one more entry in ``FAMILIES``;
+an entry is added only with a test that runs that family (``tests/test_models_parallelize.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+__all__ = ["Family", "FAMILIES", "LLAMA", "QWEN3"]
+
+
+@dataclass(frozen=True)
+class Family:
+    """How to find a family's decoder layers and the linear layers to shard in each.
+
+    Attributes:
+        name: what errors and ``model.commops_parallel`` call it.
+        decoder_layers: the model's decoder layers, in order.
+        column: dotted names (inside a layer) of the column-parallel linears: q, k, v and the
+            MLP's gate and up.
+        row: those of the row-parallel linears: o and the MLP's down.
+        per_head: dotted names of modules kept whole on every rank but applied to each rank's own
+            heads (Qwen3's q_norm and k_norm): each rank's gradient of their parameters is a part
+            of the whole, so the parts are summed over the group in the backward pass.
+    """
+
+    name: str
+    decoder_layers: Callable[[Any], Iterable[nn.Module]]
+    column: tuple[str, ...]
+    row: tuple[str, ...]
+    per_head: tuple[str, ...] = ()
+
+    def layers(self, model: Any) -> list[nn.Module]:
+        return list(self.decoder_layers(model))
+
+    @staticmethod
+    def module(layer: nn.Module, dotted: str) -> Any:
+        return layer.get_submodule(dotted)
+
+    @staticmethod
+    def replace(layer: nn.Module, dotted: str, new: nn.Module) -> None:
+        parent, _, leaf = dotted.rpartition(".")
+        setattr(layer.get_submodule(parent) if parent else layer, leaf, new)
+
+
+def _decoder_layers(model: Any) -> Iterable[nn.Module]:
+    return model.model.layers  # type: ignore[no-any-return]
+
+
+_ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+_MLP = ("mlp.gate_proj", "mlp.up_proj")
+_ROW = ("self_attn.o_proj", "mlp.down_proj")
+
+# Llama: model.model.layers[i].self_attn.{q,k,v,o}_proj and .mlp.{gate,up,down}_proj.
+LLAMA = Family("llama", _decoder_layers, column=_ATTENTION + _MLP, row=_ROW)
+# Qwen3 (dense): Llama's modules plus an RMSNorm over each head's dim of q and of k.
+QWEN3 = Family("qwen3", _decoder_layers, column=_ATTENTION + _MLP, row=_ROW,
+               per_head=("self_attn.q_norm", "self_attn.k_norm"))
+
+FAMILIES: dict[str, Family] = {"llama": LLAMA, "qwen3": QWEN3}
