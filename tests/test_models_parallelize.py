@@ -21,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 import collectives as C  # noqa: E402
 from overlap import parallelize  # noqa: E402
+from overlap.models import ExpertParallelMoE  # noqa: E402
 
 
 def _config(family: str, tie: bool) -> object:
@@ -32,11 +33,40 @@ def _config(family: str, tie: bool) -> object:
     return transformers.Qwen3Config(head_dim=16, **common)
 
 
+def _moe_config() -> object:
+    # layer 0 sparse (4 experts, top 2, renormalised), layer 1 dense (mlp_only_layers)
+    return transformers.Qwen3MoeConfig(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                       num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2,
+                                       mlp_only_layers=[1], num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       max_position_embeddings=64, tie_word_embeddings=False,
+                                       attn_implementation="eager")
+
+
 def _model(family: str, tie: bool) -> torch.nn.Module:
     torch.manual_seed(1234)  # the same weights on every rank
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeForCausalLM(_moe_config()).float().eval()
     cfg = _config(family, tie)
     cls = transformers.LlamaForCausalLM if family == "llama" else transformers.Qwen3ForCausalLM
     return cls(cfg).float().eval()
+
+
+def _expected_grad(name: str, p: torch.Tensor, ref_params: dict, rank: int, world: int, model: torch.nn.Module) -> torch.Tensor:
+    """The reference's gradient for a parameter of the parallelized model: its slice, or for an
+    expert-parallel block's experts (w1 gate, w3 up, w2 down of this rank's experts) the rows of
+    the fused gate_up_proj / down_proj they were taken from."""
+    if name in ref_params:
+        return _slice(ref_params[name].grad, p.grad, rank, world)
+    block_name, _, leaf = name.rpartition(".experts.")
+    block = model.get_submodule(block_name)
+    first, n = block.first_expert, p.shape[0]
+    gate_up = ref_params[f"{block_name}.experts.gate_up_proj"].grad[first:first + n]
+    ffn = gate_up.shape[1] // 2
+    if leaf == "w1":
+        return gate_up[:, :ffn].transpose(1, 2)
+    if leaf == "w3":
+        return gate_up[:, ffn:].transpose(1, 2)
+    return ref_params[f"{block_name}.experts.down_proj"].grad[first:first + n].transpose(1, 2)
 
 
 def _slice(full: torch.Tensor, shard: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -48,11 +78,16 @@ def _slice(full: torch.Tensor, shard: torch.Tensor, rank: int, world: int) -> to
     return full.chunk(world, dim)[rank]
 
 
-def body_parity(rank: int, world: int, family: str, tie: bool) -> list[str]:
+def body_parity(rank: int, world: int, family: str, tie: bool, tp: int = 0, ep: int = 0) -> list[str]:
+    """``tp``/``ep``: the group sizes (0: tensor parallelism over the world, no expert parallelism)."""
     problems: list[str] = []
-    g = dist.new_group(list(range(world)))
+    if not ep:
+        g, e, tp = dist.new_group(list(range(world))), None, world
+    else:
+        g = dist.new_subgroups(tp)[0]  # ranks [0..tp), [tp..2tp), ...
+        e = dist.new_subgroups_by_enumeration([list(range(q, world, tp)) for q in range(tp)])[0]  # across them
     ref = _model(family, tie)
-    model = parallelize(copy.deepcopy(ref), tp_group=g)
+    model = parallelize(copy.deepcopy(ref), tp_group=g, ep_group=e)
     gen = torch.Generator().manual_seed(99)
     ids = torch.randint(0, ref.config.vocab_size, (2, 12), generator=gen)
     # logits, then one backward: every gradient against its slice of the reference's
@@ -62,15 +97,17 @@ def body_parity(rank: int, world: int, family: str, tie: bool) -> list[str]:
     out.loss.backward()
     want.loss.backward()
     ref_params = dict(ref.named_parameters())
+    tp_rank = dist.get_rank(g)
     for name, p in model.named_parameters():
-        full = ref_params[name]
-        exp = _slice(full.grad, p.grad, rank, world)
+        exp = _expected_grad(name, p, ref_params, tp_rank, tp, model)
         if p.grad is None or not torch.allclose(p.grad, exp, rtol=1e-4, atol=1e-6):
             err = "no gradient" if p.grad is None else f"{(p.grad - exp).abs().max().item():.3g}"
             problems.append(f"gradient of {name} {tuple(p.shape)} differs: {err}")
-    sharded = sum(1 for n, p in model.named_parameters() if p.shape != ref_params[n].shape)
-    if sharded < 7 * ref.config.num_hidden_layers:
+    sharded = sum(1 for n, p in model.named_parameters() if n not in ref_params or p.shape != ref_params[n].shape)
+    if tp > 1 and sharded < 4 * ref.config.num_hidden_layers:
         problems.append(f"only {sharded} parameters are sharded")
+    if ep and not any(isinstance(m, ExpertParallelMoE) for m in model.modules()):
+        problems.append("no block went over expert parallelism")
     # 20 optimizer steps on fresh batches: the same losses
     model.zero_grad()
     ref.zero_grad()
@@ -98,7 +135,8 @@ def body_parity(rank: int, world: int, family: str, tie: bool) -> list[str]:
         got, exp_ids = model.generate(prompt, **kw), ref.generate(prompt, **kw)
     if not torch.equal(got, exp_ids):
         problems.append(f"generate: {got.tolist()} vs {exp_ids.tolist()}")
-    C.destroy(g)
+    if not ep:
+        C.destroy(g)
     return problems
 
 
@@ -109,11 +147,20 @@ def test_parallelized_model_matches_the_unsharded_one(worlds, family: str, tie: 
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.parametrize("tp,ep", [(1, 2), (2, 2)], ids=["ep2", "tp2xep2"])
+def test_moe_model_over_expert_parallelism_matches_the_unsharded_one(worlds, tp: int, ep: int) -> None:  # noqa: ANN001
+    reports = worlds(tp * ep).run(body_parity, "qwen3_moe", False, tp, ep, timeout=600)
+    problems = [f"rank {r}: {p}" for r, rep in enumerate(reports) for p in rep]
+    assert not problems, "\n".join(problems)
+
+
 def body_refusals(rank: int, world: int) -> dict[str, str]:
     """Each bad call raises its typed error naming the argument, and leaves the model untouched."""
     from collectives.errors import InvalidArgumentError, UnsupportedError
 
     g = dist.new_group(list(range(world)))
+    alone = dist.new_subgroups(1)[0]
+    pair = dist.new_group([0, 1])
     out: dict[str, str] = {}
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=60))
     cases = {
@@ -123,6 +170,10 @@ def body_refusals(rank: int, world: int) -> dict[str, str]:
         "not a group": (lambda: parallelize(_model("llama", False), tp_group=[0, 1]), TypeError, ["tp_group="]),
         "expert parallelism on a dense model": (lambda: parallelize(_model("llama", False), ep_group=g),
                                                 UnsupportedError, ["ep_group="]),
+        "experts not divisible": (lambda: parallelize(_model("qwen3_moe", False), tp_group=alone, ep_group=g),
+                                  InvalidArgumentError, ["ep_group=", "4 experts"]),
+        "groups overlap wrongly": (lambda: parallelize(_model("qwen3_moe", False), tp_group=g, ep_group=pair),
+                                   InvalidArgumentError, ["ep_group=", "tp_group" if rank < 2 else "member"]),
     }
     for name, (call, exc_type, words) in cases.items():
         try:

@@ -21,9 +21,14 @@ refused by name before anything is changed. Everything is checked before the fir
 replaced (sizes that do not divide, a model that is not one we know), so a refused call leaves the
 model as it was.
 
-Not yet: expert parallelism (``ep_group``), ``sequence_parallel=True`` (Hugging Face's activations
-are ``[batch, seq, hidden]``, where our sequence-parallel layers split dimension 0), and KV heads
-fewer than the tensor-parallel size (replicated KV heads); each is refused with its own error.
+- with ``ep_group``, each sparse MoE block (Qwen3-MoE) over expert parallelism: the model's own
+  router, this rank's experts as a ``GroupedSwiGLU``, the rows through ``MoEDispatcher``
+  (``_experts.py`` says how the ranks share the tokens); its parameters are then named
+  ``experts.w1/w3/w2`` (this rank's experts' gate, up and down) instead of the fused tensors.
+
+Not yet: ``sequence_parallel=True`` (Hugging Face's activations are ``[batch, seq, hidden]``,
+where our sequence-parallel layers split dimension 0), KV heads fewer than the tensor-parallel
+size (replicated KV heads), Mixtral; each is refused with its own error.
 """
 
 from __future__ import annotations
@@ -39,10 +44,11 @@ import collectives as C
 from collectives.errors import InvalidArgumentError, InvalidTypeError, UnsupportedError
 
 from ..layers import ColumnParallelLinear, RowParallelLinear
+from ._experts import ExpertParallelMoE
 from ._vocab import VocabParallelEmbedding, reduce_from_group
 from .families import FAMILIES, Family
 
-__all__ = ["parallelize", "VocabParallelEmbedding", "reduce_from_group", "FAMILIES", "Family"]
+__all__ = ["parallelize", "ExpertParallelMoE", "VocabParallelEmbedding", "reduce_from_group", "FAMILIES", "Family"]
 
 
 def _family(model: Any) -> Family:
@@ -63,7 +69,7 @@ def _divides(what: str, n: int, size: int, fix: str) -> None:
         raise InvalidArgumentError("tp_group", f"a group of {size} ranks", f"does not divide {what} ({n})", fix)
 
 
-def _check(model: Any, family: Family, tp: int) -> None:
+def _check(model: Any, family: Family, tp: int, ep: int) -> None:
     """Every size the sharding splits, checked before any module is replaced."""
     c = model.config
     heads, kv = c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads
@@ -73,20 +79,43 @@ def _check(model: Any, family: Family, tp: int) -> None:
                                f"({kv}); replicated KV heads are not supported yet",
                                f"use a tensor-parallel size that divides {kv}")
     for layer in family.layers(model):
-        for name in (*family.column, *family.row):
+        column, row = family.sharded(layer)
+        for name in (*column, *row):
             lin = family.module(layer, name)
             if not isinstance(lin, nn.Linear):
                 raise UnsupportedError("model", f"{name} = {type(lin).__name__}", "is not an nn.Linear (quantised "
                                        "or already parallelized?)", "pass the model as transformers builds it")
-        for name in family.column:
+        block = family.moe_block(layer)
+        if block is not None and ep > 1:
+            n = int(getattr(block.experts, "gate_up_proj").shape[0])
+            if n % ep:
+                raise InvalidArgumentError("ep_group", f"a group of {ep} ranks", f"does not divide the {n} experts",
+                                           f"use an expert-parallel size that divides {n}")
+        for name in column:
             _divides(f"{name}'s {family.module(layer, name).out_features} output features",
                      family.module(layer, name).out_features, tp, "use a size that divides it")
-        for name in family.row:
+        for name in row:
             _divides(f"{name}'s {family.module(layer, name).in_features} input features",
                      family.module(layer, name).in_features, tp, "use a size that divides it")
     vocab = model.get_input_embeddings().num_embeddings
     _divides("the vocabulary", vocab, tp, f"pad it to a multiple of {tp}: model.resize_token_embeddings(n, "
              f"pad_to_multiple_of={tp})")
+
+
+def _grid(tp_group: Any, ep_group: Any) -> None:
+    """This rank is in both groups, and they are the same ranks or cross in this rank alone (a grid)."""
+    if ep_group is None:
+        return
+    for name, g in (("tp_group", tp_group), ("ep_group", ep_group)):
+        if g is not None and dist.get_rank(g) < 0:
+            raise InvalidArgumentError(name, f"ranks {dist.get_process_group_ranks(g)}",
+                                       f"does not hold this rank ({dist.get_rank()})", "pass a group this rank is in")
+    tp = set(range(dist.get_world_size())) if tp_group is None else set(dist.get_process_group_ranks(tp_group))
+    ep = set(dist.get_process_group_ranks(ep_group))
+    if tp != ep and tp & ep != {dist.get_rank()}:
+        raise InvalidArgumentError("ep_group", f"ranks {sorted(ep)}", f"shares ranks {sorted(tp & ep)} with tp_group "
+                                   f"{sorted(tp)}: the groups must be the same ranks or cross in this rank alone",
+                                   "build them as the rows and columns of one grid of ranks")
 
 
 def _summed_over(group: Any) -> Any:
@@ -105,8 +134,12 @@ def parallelize(model: Any, *, tp_group: Any = None, ep_group: Any = None, seque
     Args:
         model: a model of a family in ``FAMILIES`` (``config.model_type``), built or loaded the same way
             on every rank of ``tp_group``.
-        tp_group: the tensor-parallel group (default: world). Collective: every rank of it calls this.
-        ep_group: the expert-parallel group, for MoE families (not supported yet: refused).
+        tp_group: the tensor-parallel group (default: world; a group of this rank alone,
+            ``torch.distributed.new_subgroups(1)[0]``, for none). Collective: every rank of it calls this.
+        ep_group: the expert-parallel group, for MoE families (``ExpertParallelMoE``): its ranks hold
+            the same activations and split the experts; the same ranks as ``tp_group``, or the other
+            side of a grid with it (``tp_group`` the rows, ``ep_group`` the columns). None: the
+            experts stay whole on every rank.
         sequence_parallel: split the activations between the layer pairs along the sequence (not
             supported yet for these models: refused).
         strategy: the overlap operators' strategy for the row-parallel layers' all-reduce and the
@@ -118,33 +151,49 @@ def parallelize(model: Any, *, tp_group: Any = None, ep_group: Any = None, seque
         names as before). ``model.config`` is left as it was (the full model's sizes).
     """
     family = _family(model)
-    if ep_group is not None:
-        raise UnsupportedError("ep_group", ep_group, f"expert parallelism is not supported for {family.name} yet",
+    if ep_group is not None and family.moe is None:
+        raise UnsupportedError("ep_group", ep_group, f"{family.name} is a dense family: it has no experts",
                                "pass ep_group=None")
     if sequence_parallel:
         raise UnsupportedError("sequence_parallel", True, "is not supported for transformers models yet (their "
                                "activations are [batch, seq, hidden]; our sequence-parallel layers split dim 0)",
                                "pass sequence_parallel=False")
-    if tp_group is not None and not isinstance(tp_group, dist.ProcessGroup):
-        raise InvalidTypeError("tp_group", tp_group, f"is a {type(tp_group).__name__}, not a process group",
-                               "pass a torch.distributed.ProcessGroup (new_group) or None for the world")
+    for name, g in (("tp_group", tp_group), ("ep_group", ep_group)):
+        if g is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group returns on the ranks outside it
+            raise InvalidArgumentError(name, g, f"is not a group this rank ({dist.get_rank()}) is a member of",
+                                       "pass, on each rank, the group that holds it")
+        if g is not None and not isinstance(g, dist.ProcessGroup):
+            raise InvalidTypeError(name, g, f"is a {type(g).__name__}, not a process group",
+                                   "pass a torch.distributed.ProcessGroup (new_group) or None")
     tp = dist.get_world_size(tp_group)
-    _check(model, family, tp)
-    if tp == 1:
+    ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+    _grid(tp_group, ep_group)
+    _check(model, family, tp, ep)
+    if tp == 1 and ep == 1:
         return model
     head = model.get_output_embeddings()
     emb = model.get_input_embeddings()
     tied = head is not None and head.weight is emb.weight
     for layer in family.layers(model):
-        for name in family.column:
+        block = family.moe_block(layer)
+        if block is not None and ep > 1:
+            assert family.moe is not None
+            family.replace(layer, family.moe, ExpertParallelMoE(block, ep_group, _summed_over))
+        if tp == 1:
+            continue
+        column, row = family.sharded(layer)
+        for name in column:
             family.replace(layer, name, ColumnParallelLinear.from_linear(family.module(layer, name), tp_group,
                                                                          strategy=strategy))
-        for name in family.row:
+        for name in row:
             family.replace(layer, name, RowParallelLinear.from_linear(family.module(layer, name), tp_group,
                                                                       strategy=strategy))
         for name in family.per_head:
             for p in family.module(layer, name).parameters():
                 p.register_hook(_summed_over(tp_group))
+    model.commops_parallel = {"family": family.name, "tp": tp, "ep": ep, "strategy": strategy}
+    if tp == 1:
+        return model
     new_emb = VocabParallelEmbedding.from_embedding(emb, tp_group)
     model.set_input_embeddings(new_emb)
     if head is not None:
@@ -152,5 +201,4 @@ def parallelize(model: Any, *, tp_group: Any = None, ep_group: Any = None, seque
         if tied:
             new_head.weight = new_emb.weight  # the same rows of the same table
         model.set_output_embeddings(new_head)
-    model.commops_parallel = {"family": family.name, "tp": tp, "strategy": strategy}
     return model

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["Family", "FAMILIES", "LLAMA", "QWEN3"]
+__all__ = ["Family", "FAMILIES", "LLAMA", "QWEN3", "QWEN3_MOE"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,10 @@ class Family:
         per_head: dotted names of modules kept whole on every rank but applied to each rank's own
             heads (Qwen3's q_norm and k_norm): each rank's gradient of their parameters is a part
             of the whole, so the parts are summed over the group in the backward pass.
+        moe: the dotted name of a layer's MLP where it may be a sparse MoE block (one with
+            ``experts``), or None for a dense family. In a layer whose MLP is one, the names in
+            ``column`` and ``row`` that start with ``"{moe}."`` are not sharded: the block goes
+            over expert parallelism instead (``ExpertParallelMoE``), or stays whole.
     """
 
     name: str
@@ -37,9 +41,25 @@ class Family:
     column: tuple[str, ...]
     row: tuple[str, ...]
     per_head: tuple[str, ...] = ()
+    moe: str | None = None
 
     def layers(self, model: Any) -> list[nn.Module]:
         return list(self.decoder_layers(model))
+
+    def moe_block(self, layer: nn.Module) -> nn.Module | None:
+        """The layer's sparse MoE block, or None (a dense layer)."""
+        if self.moe is None:
+            return None
+        block = layer.get_submodule(self.moe)
+        return block if hasattr(block, "experts") and hasattr(block, "gate") else None
+
+    def sharded(self, layer: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The (column, row) linears of this layer that tensor parallelism splits."""
+        if self.moe_block(layer) is None:
+            return self.column, self.row
+        inside = f"{self.moe}."
+        return (tuple(n for n in self.column if not n.startswith(inside)),
+                tuple(n for n in self.row if not n.startswith(inside)))
 
     @staticmethod
     def module(layer: nn.Module, dotted: str) -> Any:
@@ -65,4 +85,9 @@ LLAMA = Family("llama", _decoder_layers, column=_ATTENTION + _MLP, row=_ROW)
 QWEN3 = Family("qwen3", _decoder_layers, column=_ATTENTION + _MLP, row=_ROW,
                per_head=("self_attn.q_norm", "self_attn.k_norm"))
 
-FAMILIES: dict[str, Family] = {"llama": LLAMA, "qwen3": QWEN3}
+# Qwen3-MoE: Qwen3's attention; each layer's mlp a sparse block (gate: top-k router with
+# norm_topk_prob; experts: fused gate_up_proj / down_proj) or, in mlp_only_layers, a dense MLP.
+QWEN3_MOE = Family("qwen3_moe", _decoder_layers, column=_ATTENTION + _MLP, row=_ROW,
+                   per_head=("self_attn.q_norm", "self_attn.k_norm"), moe="mlp")
+
+FAMILIES: dict[str, Family] = {"llama": LLAMA, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE}
