@@ -46,6 +46,12 @@ def _model(family: str, tie: bool) -> torch.nn.Module:
     torch.manual_seed(1234)  # the same weights on every rank
     if family == "qwen3_moe":
         return transformers.Qwen3MoeForCausalLM(_moe_config()).float().eval()
+    if family == "mixtral":
+        cfg = transformers.MixtralConfig(vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                                         num_local_experts=4, num_experts_per_tok=2, num_attention_heads=4,
+                                         num_key_value_heads=2, max_position_embeddings=64,
+                                         tie_word_embeddings=tie, attn_implementation="eager")
+        return transformers.MixtralForCausalLM(cfg).float().eval()
     cfg = _config(family, tie)
     cls = transformers.LlamaForCausalLM if family == "llama" else transformers.Qwen3ForCausalLM
     return cls(cfg).float().eval()
@@ -106,7 +112,7 @@ def body_parity(rank: int, world: int, family: str, tie: bool, tp: int = 0, ep: 
     sharded = sum(1 for n, p in model.named_parameters() if n not in ref_params or p.shape != ref_params[n].shape)
     if tp > 1 and sharded < 4 * ref.config.num_hidden_layers:
         problems.append(f"only {sharded} parameters are sharded")
-    if ep and not any(isinstance(m, ExpertParallelMoE) for m in model.modules()):
+    if ep > 1 and not any(isinstance(m, ExpertParallelMoE) for m in model.modules()):
         problems.append("no block went over expert parallelism")
     # 20 optimizer steps on fresh batches: the same losses
     model.zero_grad()
@@ -147,9 +153,11 @@ def test_parallelized_model_matches_the_unsharded_one(worlds, family: str, tie: 
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("tp,ep", [(1, 2), (2, 2)], ids=["ep2", "tp2xep2"])
-def test_moe_model_over_expert_parallelism_matches_the_unsharded_one(worlds, tp: int, ep: int) -> None:  # noqa: ANN001
-    reports = worlds(tp * ep).run(body_parity, "qwen3_moe", False, tp, ep, timeout=600)
+@pytest.mark.parametrize("family,tp,ep", [("qwen3_moe", 1, 2), ("qwen3_moe", 2, 2), ("mixtral", 1, 2)],
+                         ids=["qwen3_moe-ep2", "qwen3_moe-tp2xep2", "mixtral-ep2"])
+def test_moe_model_over_expert_parallelism_matches_the_unsharded_one(worlds, family: str, tp: int,  # noqa: ANN001
+                                                                    ep: int) -> None:
+    reports = worlds(tp * ep).run(body_parity, family, False, tp, ep, timeout=600)
     problems = [f"rank {r}: {p}" for r, rep in enumerate(reports) for p in rep]
     assert not problems, "\n".join(problems)
 

@@ -21,14 +21,14 @@ refused by name before anything is changed. Everything is checked before the fir
 replaced (sizes that do not divide, a model that is not one we know), so a refused call leaves the
 model as it was.
 
-- with ``ep_group``, each sparse MoE block (Qwen3-MoE) over expert parallelism: the model's own
+- with ``ep_group``, each sparse MoE block (Qwen3-MoE, Mixtral) over expert parallelism: the model's own
   router, this rank's experts as a ``GroupedSwiGLU``, the rows through ``MoEDispatcher``
   (``_experts.py`` says how the ranks share the tokens); its parameters are then named
   ``experts.w1/w3/w2`` (this rank's experts' gate, up and down) instead of the fused tensors.
 
 Not yet: ``sequence_parallel=True`` (Hugging Face's activations are ``[batch, seq, hidden]``,
 where our sequence-parallel layers split dimension 0), KV heads fewer than the tensor-parallel
-size (replicated KV heads), Mixtral; each is refused with its own error.
+size (replicated KV heads); each is refused with its own error.
 """
 
 from __future__ import annotations

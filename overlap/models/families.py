@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["Family", "FAMILIES", "LLAMA", "QWEN3", "QWEN3_MOE"]
+__all__ = ["Family", "FAMILIES", "LLAMA", "QWEN3", "QWEN3_MOE", "MIXTRAL"]
 
 
 @dataclass(frozen=True)
@@ -90,4 +90,8 @@ QWEN3 = Family("qwen3", _decoder_layers, column=_ATTENTION + _MLP, row=_ROW,
 QWEN3_MOE = Family("qwen3_moe", _decoder_layers, column=_ATTENTION + _MLP, row=_ROW,
                    per_head=("self_attn.q_norm", "self_attn.k_norm"), moe="mlp")
 
-FAMILIES: dict[str, Family] = {"llama": LLAMA, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE}
+# Mixtral: Llama's attention; every layer's mlp a sparse block (gate: top-k router, always
+# renormalised; experts: fused gate_up_proj / down_proj).
+MIXTRAL = Family("mixtral", _decoder_layers, column=_ATTENTION + _MLP, row=_ROW, moe="mlp")
+
+FAMILIES: dict[str, Family] = {"llama": LLAMA, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL}
