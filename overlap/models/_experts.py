@@ -29,7 +29,7 @@ from torch import nn
 import collectives as C
 from collectives.errors import UnsupportedError
 
-from ..moe import GroupedSwiGLU, MoEDispatcher
+from ..moe import GroupedSwiGLU, MoEDispatcher, register_block, routed_block
 
 __all__ = ["ExpertParallelMoE"]
 
@@ -103,6 +103,11 @@ class ExpertParallelMoE(nn.Module):
         self.dispatcher = MoEDispatcher(num_experts, hidden, ep_group, dtype=w.dtype, device=w.device,
                                         top_k=self.top_k)
         self.first_expert = rank * local
+        self.op_name = register_block(self)
+
+    def _block(self, flat: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Dispatch, this rank's experts and combine of routed tokens (``routed_block``'s contract)."""
+        return self.dispatcher.forward_pipelined(flat, idx, w, self.experts, chunks=1)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
@@ -114,7 +119,7 @@ class ExpertParallelMoE(nn.Module):
             flat = torch.cat([flat, flat.new_zeros(pad, self.hidden)])
         mine = _TakeRows.apply(flat, self.group)
         _, weights, idx = self.gate(mine)
-        out = self.dispatcher.forward_pipelined(mine, idx, weights.to(mine.dtype), self.experts, chunks=1)
+        out = routed_block(self, mine, idx, weights.to(mine.dtype))
         full = _GatherRows.apply(out, self.group)
         return full[:tokens].reshape(shape)
 

@@ -18,7 +18,7 @@ a new one is a module and a line.
 from .dispatcher import MoEDispatcher
 from .experts import GroupedSwiGLU
 from .handles import DispatchHandle, LowLatencyHandle, TransportState
-from .layer import MoELayer
+from .layer import MoELayer, register_block, routed_block
 from .nccl import NcclOptions, NcclTransport
 from .peer import PeerOptions, PeerTransport
 from .reference import reference_moe
@@ -36,7 +36,7 @@ from .transport import (
 from .tuned import MOE_TUNE_MIN_SPEEDUP
 
 __all__ = [
-    "MoEDispatcher", "MoELayer", "GroupedSwiGLU", "reference_moe", "DispatchHandle", "LowLatencyHandle",
+    "MoEDispatcher", "MoELayer", "register_block", "routed_block", "GroupedSwiGLU", "reference_moe", "DispatchHandle", "LowLatencyHandle",
     "TransportState", "Transport", "TransportSetup", "TransportOptions", "TransportArguments", "NoOptions",
     "NcclOptions", "NcclTransport", "PeerOptions", "PeerTransport", "register_transport", "unregister_transport",
     "registered_transports", "sorted_pairs", "DEVICE_ROUTING_MIN_PAIRS", "MOE_TUNE_MIN_SPEEDUP",

@@ -26,7 +26,7 @@ from .dispatcher import MoEDispatcher
 from .experts import GroupedSwiGLU
 from .transport import TransportOptions
 
-__all__ = ["MoELayer"]
+__all__ = ["MoELayer", "register_block", "routed_block"]
 
 
 class MoELayer(nn.Module):
@@ -76,7 +76,7 @@ class MoELayer(nn.Module):
         if dist.get_world_size(group) > 1:
             C.broadcast(self.router.weight.data, group=group, group_src=0)
         self.experts = GroupedSwiGLU(self.dispatcher.local_experts, hidden, ffn_hidden, dtype=dtype, device=device)
-        self.op_name = _ops.name_for(self, _ops.LAYERS, "moe")  # what torch.ops.commops.moe_layer finds it by
+        self.op_name = register_block(self)
 
     def close(self) -> None:
         """Release the dispatcher's peer buffers, if any (collective)."""
@@ -93,18 +93,30 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         idx, w = self.route(flat)
-        if _compiling():
-            params = list(self.experts.parameters())
-            keep = torch.is_grad_enabled() and (flat.requires_grad or w.requires_grad or
-                                                any(p.requires_grad for p in params))
-            out = torch.ops.commops.moe_layer(flat, idx, w, params, self.op_name, keep)[0]
-        else:
-            out = self._block(flat, idx, w)
-        return out.view(x.shape)
+        return routed_block(self, flat, idx, w).view(x.shape)
 
     def _block(self, flat: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Dispatch, experts and combine of routed tokens ``flat [tokens, hidden]``."""
         return self.dispatcher.forward_pipelined(flat, idx, w, self.experts, chunks=self.chunks)
+
+
+def register_block(module: nn.Module) -> str:
+    """Make ``module`` findable by ``torch.ops.commops.moe_layer`` (weakly held); the name to pass.
+
+    ``module`` has ``_block(x [tokens, hidden], topk_idx, topk_weights) -> [tokens, hidden]`` (its
+    dispatch, experts and combine) and ``experts``, the module whose parameters those use."""
+    return _ops.name_for(module, _ops.LAYERS, "moe")
+
+
+def routed_block(module: Any, flat: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``module._block(flat, idx, w)`` for routed tokens; under ``torch.compile`` the one op
+    ``moe_layer`` (found by ``module.op_name``, from :func:`register_block`), so that the graph
+    holds the exchange and the experts whole, their data-dependent shapes outside it."""
+    if not _compiling():
+        return module._block(flat, idx, w)  # type: ignore[no-any-return]
+    params = list(module.experts.parameters())
+    keep = torch.is_grad_enabled() and (flat.requires_grad or w.requires_grad or any(p.requires_grad for p in params))
+    return torch.ops.commops.moe_layer(flat, idx, w, params, module.op_name, keep)[0]  # type: ignore[no-any-return]
 
 
 _compiling = torch.compiler.is_compiling
