@@ -93,8 +93,9 @@ def main() -> int:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="rank 0 writes the losses and tokens/s here")
+    p.add_argument("--backend", default=None, help="force a backend (default: nccl on GPUs, else gloo)")
     args = p.parse_args()
-    comm = C.init()
+    comm = C.init(backend=args.backend)
     cuda = comm.backend_for("cuda") is not None and torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     tp = args.tp or comm.size // args.ep

@@ -1,5 +1,6 @@
 """``torch.compile`` of a parallelized Hugging Face model's forward and backward (Gloo, 2 ranks):
-one graph, no break, and the compiled steps' losses and gradients equal eager's.
+one graph, no break (torch 2.13; before it, one per expert-parallel block, which runs eagerly),
+and the compiled steps' losses and gradients equal eager's.
 
 A dense model over tensor parallelism (Llama, TP=2) and a MoE model over expert parallelism
 (Qwen3-MoE, EP=2: the block's exchange and experts are the op ``moe_layer``). Each rank builds the
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 transformers = pytest.importorskip("transformers")
+_TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 
 from overlap import parallelize  # noqa: E402
 
@@ -43,7 +45,13 @@ def body_compiled(rank: int, world: int, family: str) -> list[str]:
         return model(input_ids=ids, labels=ids).loss
 
     explained = torch._dynamo.explain(loss_of)(compiled, batches[0])
-    if explained.graph_break_count or explained.graph_count != 1:
+    # before torch 2.13 each expert-parallel block runs eagerly (its compiled backward was wrong
+    # there): the breaks are those blocks' and no others
+    reasons = [b.reason for b in explained.break_reasons]
+    if family == "qwen3_moe" and _TORCH < (2, 13):
+        if not reasons or any("_eager" not in r for r in reasons):
+            problems.append(f"breaks other than the eager expert-parallel block: {[r[:200] for r in reasons]}")
+    elif explained.graph_break_count or explained.graph_count != 1:
         problems.append(f"{explained.graph_count} graphs, {explained.graph_break_count} breaks: "
                         f"{[b.reason[:200] for b in explained.break_reasons]}")
     torch._dynamo.reset()

@@ -1,4 +1,4 @@
-"""``launch/train.py`` as users run it (torchrun, 2 Gloo ranks): a dense model over TP=2 and a MoE
+"""``launch/train.py`` as users run it (torchrun, 2 Gloo ranks, on the CPU even where there are GPUs): a dense model over TP=2 and a MoE
 model over EP=2 each train on the synthetic data and their loss falls."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def test_train_runs_and_the_loss_falls(flags: list[str], tmp_path: Path) -> None
     out = tmp_path / "train.json"
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                           "launch/train.py", *flags, "--steps", "25", "--seq", "64", "--batch", "4",
-                          "--log-every", "5", "--json", str(out)],
+                          "--log-every", "5", "--json", str(out), "--backend", "gloo"],
                          cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
