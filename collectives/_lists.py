@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._validate import _overlaps, check_device, check_root, check_tensor
+from . import _watch
 from .dispatch import refused
 from ._types import ReduceOp
 from .errors import InvalidArgumentError, InvalidTypeError
@@ -130,7 +131,11 @@ def _then(work: Work | None, step: Callable[[], None] | None, outputs: list[torc
 
 def _checked(comm: Communicator, verb: str, check: Callable[[], Any]) -> Any:
     """``check()``, and if it raises, tell the other ranks as the dispatch point does for a call
-    it refuses (they may already wait in this call), then raise."""
+    it refuses (they may already wait in this call), then raise. An earlier failure is settled first,
+    as the dispatch point settles it: a check that failed before it did would leave that failure
+    unsettled, and the watch would later take it for a failure of a call in flight."""
+    if comm._trouble is not None:
+        _watch.settle(comm, verb)
     try:
         return check()
     except BaseException as exc:

@@ -280,6 +280,15 @@ def body_complex_sparse_errors(rank: int, world: int) -> list[str]:
     C.all_reduce(x)
     if not x.eq(world).all():
         problems.append(f"group not usable afterwards: {x.tolist()}")
+    # every refused call was settled (every rank failed it): none is left for the watch to take for
+    # the failure of a later call that waits long (it once aborted the group many calls later)
+    from collectives import _watch
+
+    comm = C.get_communicator()
+    store = _watch._store()
+    left = [] if store is None or comm._epoch is None else _watch._others(comm, store, comm.seq)
+    if left:
+        problems.append(f"unsettled failure notices: {[(n['rank'], n['seq'], n['op']) for n in left]}")
     return problems
 
 

@@ -40,7 +40,6 @@ import torch.distributed as dist
 from torch import nn
 
 import collectives as C
-
 from collectives.errors import InvalidArgumentError, InvalidTypeError, UnsupportedError
 
 from ..layers import ColumnParallelLinear, RowParallelLinear
@@ -147,8 +146,9 @@ def parallelize(model: Any, *, tp_group: Any = None, ep_group: Any = None, seque
 
     Returns:
         ``model``, whose forward on the same ids on every rank returns the unsharded model's logits
-        (all gathered, ``[batch, seq, vocab]``) and whose parameters are this rank's shards (same
-        names as before). ``model.config`` is left as it was (the full model's sizes).
+        (all gathered, ``[batch, seq, vocab]``) and whose parameters are this rank's shards (the
+        same names, but for an expert-parallel block's experts: ``w1``, ``w3``, ``w2``).
+        ``model.config`` is left as it was (the full model's sizes).
     """
     family = _family(model)
     if ep_group is not None and family.moe is None:
