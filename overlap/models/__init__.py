@@ -127,7 +127,7 @@ def _summed_over(group: Any) -> Any:
 
 
 def parallelize(model: Any, *, tp_group: Any = None, ep_group: Any = None, sequence_parallel: bool = False,
-                strategy: str = "auto") -> Any:
+                strategy: str = "auto", moe_transport: Any = "nccl") -> Any:
     """Shard ``model`` (a ``transformers`` causal LM, the same on every rank) in place over ``tp_group``.
 
     Args:
@@ -143,6 +143,9 @@ def parallelize(model: Any, *, tp_group: Any = None, ep_group: Any = None, seque
             supported yet for these models: refused).
         strategy: the overlap operators' strategy for the row-parallel layers' all-reduce and the
             column-parallel layers' backward ("auto", "sequential", "chunked", "copy_engine").
+        moe_transport: the expert-parallel blocks' dispatcher transport (``MoEDispatcher``'s
+            ``transport``): "nccl" (all-to-all), or e.g. ``PeerOptions(max_tokens=..., top_k=...)``
+            on the GPUs of one node, ``max_tokens`` at least ``ceil(batch * seq / ep)``.
 
     Returns:
         ``model``, whose forward on the same ids on every rank returns the unsharded model's logits
@@ -178,7 +181,7 @@ def parallelize(model: Any, *, tp_group: Any = None, ep_group: Any = None, seque
         block = family.moe_block(layer)
         if block is not None and ep > 1:
             assert family.moe is not None
-            family.replace(layer, family.moe, ExpertParallelMoE(block, ep_group, _summed_over))
+            family.replace(layer, family.moe, ExpertParallelMoE(block, ep_group, _summed_over, moe_transport))
         if tp == 1:
             continue
         column, row = family.sharded(layer)
@@ -191,7 +194,9 @@ def parallelize(model: Any, *, tp_group: Any = None, ep_group: Any = None, seque
         for name in family.per_head:
             for p in family.module(layer, name).parameters():
                 p.register_hook(_summed_over(tp_group))
-    model.commops_parallel = {"family": family.name, "tp": tp, "ep": ep, "strategy": strategy}
+    transports = sorted({m.dispatcher.transport for m in model.modules() if isinstance(m, ExpertParallelMoE)})
+    model.commops_parallel = {"family": family.name, "tp": tp, "ep": ep, "strategy": strategy,
+                              "moe_transport": transports[0] if transports else None}
     if tp == 1:
         return model
     new_emb = VocabParallelEmbedding.from_embedding(emb, tp_group)

@@ -87,9 +87,12 @@ class ExpertParallelMoE(nn.Module):
             ``down_proj [E, H, I]``, SiLU), the same on every rank.
         ep_group: the expert-parallel group; its size divides ``E``.
         summed_over: a gradient hook factory for the replicated router (``parallelize`` passes its own).
+        transport: the dispatcher's transport, a registered name or an options object
+            (``MoEDispatcher``'s ``transport``: "nccl", or ``PeerOptions(max_tokens=..., top_k=...)``
+            on the GPUs of one node, ``max_tokens`` the most tokens one rank sends: ``ceil(tokens / W)``).
     """
 
-    def __init__(self, block: Any, ep_group: Any, summed_over: Any) -> None:
+    def __init__(self, block: Any, ep_group: Any, summed_over: Any, transport: Any = "nccl") -> None:
         super().__init__()
         experts = block.experts
         act = getattr(getattr(experts, "act_fn", None), "__class__", type(None)).__name__
@@ -112,7 +115,7 @@ class ExpertParallelMoE(nn.Module):
             self.experts.w3.copy_(w[:, ffn:].transpose(1, 2))   # up
             self.experts.w2.copy_(down.transpose(1, 2))          # down: [local, I, H]
         self.dispatcher = MoEDispatcher(num_experts, hidden, ep_group, dtype=w.dtype, device=w.device,
-                                        top_k=self.top_k)
+                                        top_k=self.top_k, transport=transport)
         self.first_expert = rank * local
         self.op_name = register_block(self)
 

@@ -1,0 +1,383 @@
+"""A Hugging Face model's training step and decode step, parallelized three ways, side by side.
+
+The same checkpoint (random weights of a named size, saved once by rank 0) is loaded on the same
+ranks three ways:
+
+- ``ours/auto``: ``overlap.parallelize(model, strategy="auto")``, the MoE blocks' rows over the
+  peer transport where every expert-parallel rank is a GPU of this node, else over NCCL;
+- ``ours/sequential``: ``strategy="sequential"`` (each GEMM, then its collective) and the MoE
+  blocks over the plain NCCL transport (``all_to_all_single``);
+- ``transformers``: ``from_pretrained(..., distributed_config=DistributedConfig(...))``, its own
+  tensor parallelism over DTensor for a dense family, its own expert parallelism for a MoE one.
+
+Both of ours take the layout transformers' expert parallelism has in the installed version, so
+that the three split the same modules: a dense family is tensor-parallel over all ranks; a MoE
+family's experts are expert-parallel over all ranks, and its attention is split too where
+transformers splits it (``ep_size``, 5.21 and later) or kept whole on every rank where it does not
+(``enable_expert_parallel``, before 5.21). ``layout`` in the records says which.
+
+Each variant is first checked on a small case in float32 against the unsharded model in float32:
+``wrong`` counts logits (prefill and one decode step) outside ``1e-4 * max|ref| + 1e-4 * |ref|``,
+``max_rel_err`` is the largest difference over the largest magnitude. Then, in the bench dtype:
+
+- ``train``: forward + backward of ``[batch, seq]`` ids with their loss (no optimizer step);
+- ``decode``: one new token per sequence of the batch against a static KV cache holding ``seq``
+  tokens (``StaticCache``; the same position each call, so every call does the same work);
+
+each eagerly and, on CUDA, replayed from a CUDA graph, every variant in the same rounds
+(``bench.harness.time_interleaved``); ``vs_transformers`` is the median over rounds of
+transformers' time over the variant's in that round (above 1: faster than transformers). A
+variant that cannot run a step (a CUDA graph capture that fails, say) gets a record with its
+``error`` and no time: nothing is left out without saying why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import collectives as C
+from overlap import parallelize
+from overlap.moe import PeerOptions
+
+from .harness import _captured, _slowest, paired_ratio, time_interleaved
+
+__all__ = ["StepRecord", "PRESETS", "small_model", "save_checkpoint", "measure_model", "format_steps", "plot_steps"]
+
+VARIANTS = ("ours/auto", "ours/sequential", "transformers")
+
+_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+            "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM")}
+_MOE = ("qwen3_moe", "mixtral")
+# Sizes by preset: "tiny" divides TP and EP up to 4 (CPU tests); "gpu" is about 0.9B parameters
+# dense (Llama) and 1.0B MoE (Qwen3-MoE: 32 experts of 768, 4 per token).
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": dict(vocab=512, hidden=256, ffn=512, layers=2, heads=8, kv=4, head_dim=32, experts=8, top_k=2, moe_ffn=128),
+    "gpu": dict(vocab=32000, hidden=2048, ffn=5632, layers=8, heads=16, kv=8, head_dim=128, experts=32, top_k=4,
+                moe_ffn=768),
+}
+
+
+def _config_sizes(family: str, p: dict[str, int]) -> dict[str, Any]:
+    """``PRESETS`` sizes in the names of ``family``'s config."""
+    sizes: dict[str, Any] = dict(vocab_size=p["vocab"], hidden_size=p["hidden"], intermediate_size=p["ffn"],
+                                 num_hidden_layers=p["layers"], num_attention_heads=p["heads"],
+                                 num_key_value_heads=p["kv"], head_dim=p["head_dim"])
+    if family == "qwen3_moe":
+        sizes.update(num_experts=p["experts"], num_experts_per_tok=p["top_k"], moe_intermediate_size=p["moe_ffn"],
+                     norm_topk_prob=True)
+    elif family == "mixtral":  # its experts are intermediate_size wide
+        sizes.update(num_local_experts=p["experts"], num_experts_per_tok=p["top_k"], intermediate_size=p["moe_ffn"])
+    return sizes
+
+
+def small_model(family: str, preset: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> Any:
+    """A ``family`` model of ``PRESETS[preset]`` sizes from random weights, the same on every rank."""
+    import transformers  # deferred: the models extra
+
+    if family not in _CLASSES:
+        raise C.InvalidArgumentError("family", family, "is not a family with a preset", f"use one of {sorted(_CLASSES)}")
+    if preset not in PRESETS:
+        raise C.InvalidArgumentError("preset", preset, "is not a preset", f"use one of {sorted(PRESETS)}")
+    config_name, model_name = _CLASSES[family]
+    cfg = getattr(transformers, config_name)(max_position_embeddings=4096, tie_word_embeddings=False,
+                                             **_config_sizes(family, PRESETS[preset]))
+    torch.manual_seed(seed)
+    return getattr(transformers, model_name)(cfg).to(dtype=dtype, device=device)
+
+
+def save_checkpoint(model: Any, comm: C.Communicator, folder: str | None = None) -> str:
+    """Rank 0 writes ``model`` with ``save_pretrained`` into ``folder`` (default a new temporary
+    folder named by rank 0); every rank returns its path once it is written."""
+    path = [folder or (tempfile.mkdtemp(prefix="commops-model-") if comm.rank == 0 else None)]
+    dist.broadcast_object_list(path, src=0, group=comm.group)
+    if comm.rank == 0:
+        model.save_pretrained(path[0])
+    dist.barrier(group=comm.group)
+    return str(path[0])
+
+
+@dataclass
+class StepRecord:
+    family: str
+    variant: str             # ours/auto, ours/sequential, transformers
+    step: str                # train (forward + backward) or decode (one token, static KV cache)
+    graph: bool              # replayed from a CUDA graph
+    world: int
+    layout: str              # e.g. "tp=2" or "tp=1,ep=2"
+    moe_transport: str | None
+    dtype: str
+    device: str
+    batch: int
+    seq: int                 # the training sequence, or the tokens in the KV cache
+    time_us: float | None
+    tokens_per_s: float | None
+    vs_transformers: float | None   # transformers' time / this one's, paired by round
+    wrong: int | None        # logits off the unsharded fp32 model's (small fp32 case)
+    max_rel_err: float | None
+    error: str | None
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def _hf_layout(world: int, moe: bool) -> tuple[dict[str, Any], int, int]:
+    """transformers' ``DistributedConfig`` keywords for ``world`` ranks, and the (tp, ep) it gives."""
+    if world == 1:
+        return {}, 1, 1
+    if not moe:
+        return {"tp_size": world}, world, 1
+    from transformers.distributed import DistributedConfig  # deferred: the models extra
+
+    if "ep_size" in {f.name for f in dataclasses.fields(DistributedConfig)}:
+        return {"tp_size": world, "ep_size": world}, world, world  # 5.21+: attention TP, experts EP
+    return {"tp_size": world, "enable_expert_parallel": True}, 1, world  # before: the experts' plan alone
+
+
+def _groups(comm: C.Communicator, tp: int, ep: int) -> tuple[Any, Any]:
+    tp_group = comm.group if tp == comm.size else dist.new_subgroups(tp)[0]
+    return tp_group, (None if ep == 1 else comm.group)
+
+
+def _moe_transport(variant: str, family: str, comm: C.Communicator, device: torch.device, ep: int, tokens: int,
+                   top_k: int) -> Any:
+    """"peer" options for ours/auto where the expert-parallel ranks (all ranks) are GPUs of one node."""
+    if variant != "ours/auto" or family not in _MOE or ep == 1 or device.type != "cuda" or len(comm.topology.nodes) > 1:
+        return "nccl"
+    return PeerOptions(max_tokens=-(-tokens // ep), top_k=top_k)
+
+
+def _load(variant: str, family: str, path: str, comm: C.Communicator, dtype: torch.dtype, device: torch.device,
+          tokens: int) -> Any:
+    """One variant of the checkpoint at ``path``, on this rank."""
+    import transformers  # deferred: the models extra
+
+    moe = family in _MOE
+    hf, tp, ep = _hf_layout(comm.size, moe)
+    if variant == "transformers":
+        if not hf:
+            return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        from transformers.distributed import DistributedConfig  # deferred: the models extra
+
+        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                                 distributed_config=DistributedConfig(**hf))
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    tp_group, ep_group = _groups(comm, tp, ep)
+    top_k = int(getattr(model.config, "num_experts_per_tok", 1))
+    return parallelize(model, tp_group=tp_group, ep_group=ep_group,
+                       strategy="auto" if variant == "ours/auto" else "sequential",
+                       moe_transport=_moe_transport(variant, family, comm, device, ep, tokens, top_k))
+
+
+def _logits(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill logits and one decode step's, through a static cache."""
+    from transformers import StaticCache  # deferred: the models extra
+
+    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 4)
+    with torch.no_grad():
+        n = ids.shape[1]
+        pre = model(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(n, device=ids.device))
+        nxt = pre.logits[:, -1:].argmax(-1)
+        dec = model(input_ids=nxt, past_key_values=cache, use_cache=True,
+                    cache_position=torch.tensor([n], device=ids.device))
+    full = [t.full_tensor() if hasattr(t, "full_tensor") else t for t in (pre.logits, dec.logits)]
+    return full[0].float(), full[1].float()
+
+
+def _wrong(got: tuple[torch.Tensor, ...], ref: tuple[torch.Tensor, ...]) -> tuple[int, float]:
+    bad, err = 0, 0.0
+    for g, r in zip(got, ref, strict=True):
+        scale = float(r.abs().max())
+        bad += int((~torch.isclose(g, r, rtol=1e-4, atol=1e-4 * scale)).sum())
+        err = max(err, float((g - r).abs().max()) / max(scale, 1e-30))
+    return bad, err
+
+
+def _check(family: str, variants: tuple[str, ...], preset: str, comm: C.Communicator,
+           device: torch.device) -> dict[str, tuple[int, float] | str]:
+    """#wrong and the largest relative error of each variant's fp32 logits against the unsharded model's."""
+    ref_model = small_model(family, preset, torch.float32, device)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, ref_model.config.vocab_size, (2, 24), generator=g).to(device)
+    ref = _logits(ref_model, ids)
+    path = save_checkpoint(ref_model, comm)
+    del ref_model
+    out: dict[str, tuple[int, float] | str] = {}
+    for v in variants:
+        try:
+            model = _load(v, family, path, comm, torch.float32, device, ids.numel())
+            out[v] = _wrong(_logits(model, ids), ref)
+        except Exception as e:  # a variant that does not run here is reported, not dropped
+            out[v] = f"{type(e).__name__}: {e}"[:300]
+        model = None
+        gc.collect()
+    _forget(path, comm)
+    return out
+
+
+def _train_step(model: Any, ids: torch.Tensor) -> Callable[[], None]:
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step() -> None:
+        model.train()
+        for p in params:
+            p.grad = None
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    return step
+
+
+def _decode_step(model: Any, ids: torch.Tensor) -> Callable[[], None]:
+    """One token per row against a static cache prefilled with ``ids`` (the same slot every call)."""
+    from transformers import StaticCache  # deferred: the models extra
+
+    n = ids.shape[1]
+    cache = StaticCache(config=model.config, max_cache_len=n + 1)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(n, device=ids.device))
+    tok, pos = ids[:, -1:].clone(), torch.tensor([n], device=ids.device)
+    # transformers 5.2x's static layers keep their own write position on the device
+    # (cumulative_length); earlier ones write at cache_position. Either way, back to n each call.
+    counters = [t for t in (getattr(layer, "cumulative_length", None) for layer in getattr(cache, "layers", ()))
+                if isinstance(t, torch.Tensor)]
+
+    def step() -> None:
+        model.eval()
+        for t in counters:
+            t.fill_(n)
+        with torch.no_grad():
+            model(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=pos, position_ids=pos.view(1, 1))
+    return step
+
+
+def _agreed(comm: C.Communicator, ok: bool, device: torch.device) -> bool:
+    """Whether every rank's ``ok`` holds (so that all ranks go on, or none)."""
+    return _slowest(comm, [0.0 if ok else 1.0], device)[0] == 0.0
+
+
+def _time(fns: dict[str, Callable[[], None]], comm: C.Communicator, device: torch.device, graph: bool, iters: int,
+          reps: int) -> tuple[dict[str, float], dict[str, list[float]], dict[str, str]]:
+    """Each function's time (us), its times by round, and why those that could not run did not."""
+    errors: dict[str, str] = {}
+    ready = {}
+    for name, fn in fns.items():  # one call (or capture) alone first: a failure is its own record
+        try:
+            fn()
+            if graph:
+                _captured(fn, 1)()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            ok = True
+        except Exception as e:
+            errors[name], ok = f"{type(e).__name__}: {e}"[:300], False
+        if _agreed(comm, ok, device):
+            ready[name] = fn
+        else:
+            errors.setdefault(name, "failed on another rank")
+    rounds: dict[str, list[float]] = {}
+    times = time_interleaved(ready, comm, device, iters, reps, graph=graph, rounds=rounds) if ready else {}
+    return times, rounds, errors
+
+
+def measure_model(family: str, comm: C.Communicator, device: torch.device, dtype: torch.dtype, *, preset: str,
+                  batch: int, seq: int, decode_batch: int, decode_seq: int, graphs: bool, iters: int = 5,
+                  reps: int = 5, variants: tuple[str, ...] = VARIANTS, check_preset: str | None = None,
+                  progress: Callable[[str], None] = lambda s: None) -> list[StepRecord]:
+    """The records of one family: each variant's check, then its train and decode steps' times."""
+    check = _check(family, variants, check_preset or preset, comm, device)
+    progress(f"{family}: checked " + ", ".join(f"{v}: {c if isinstance(c, str) else c[0]} wrong"
+                                                for v, c in check.items()))
+    base = small_model(family, preset, dtype, device)
+    path = save_checkpoint(base, comm)
+    del base
+    gen = torch.Generator().manual_seed(2)
+    vocab = PRESETS[preset]["vocab"]
+    ids = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
+    prompt = torch.randint(0, vocab, (decode_batch, decode_seq), generator=gen).to(device)
+    models: dict[str, Any] = {}
+    errors: dict[str, str] = {v: c for v, c in check.items() if isinstance(c, str)}
+    for v in variants:
+        if v in errors:
+            continue
+        models[v] = _load(v, family, path, comm, dtype, device, max(ids.numel(), prompt.numel()))
+    hf, tp, ep = _hf_layout(comm.size, family in _MOE)
+    layout = f"tp={tp}" + (f",ep={ep}" if family in _MOE else "")
+    records = []
+    for step in ("train", "decode"):
+        for graph in ((False, True) if graphs and device.type == "cuda" else (False,)):
+            fns = {v: (_train_step(m, ids) if step == "train" else _decode_step(m, prompt)) for v, m in models.items()}
+            times, rounds, failed = _time(fns, comm, device, graph, iters, reps)
+            tokens = ids.numel() if step == "train" else prompt.shape[0]
+            for v in variants:
+                c = check[v]
+                t = times.get(v)
+                ratio = paired_ratio(rounds, "transformers", v) if t and "transformers" in rounds else None
+                par = getattr(models.get(v), "commops_parallel", None) or {}
+                records.append(StepRecord(
+                    family, v, step, graph, comm.size, layout, par.get("moe_transport"), str(dtype).removeprefix("torch."),
+                    str(device), batch if step == "train" else prompt.shape[0], seq if step == "train" else prompt.shape[1],
+                    t, tokens / (t * 1e-6) if t else None, ratio, None if isinstance(c, str) else c[0],
+                    None if isinstance(c, str) else c[1], errors.get(v) or failed.get(v)))
+            progress(format_steps(records[-len(variants):]))
+    models.clear()
+    gc.collect()
+    _forget(path, comm)
+    return records
+
+
+def _forget(path: str, comm: C.Communicator) -> None:
+    """Rank 0 removes a checkpoint folder once every rank has loaded it."""
+    dist.barrier(group=comm.group)
+    if comm.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def format_steps(records: list[StepRecord]) -> str:
+    lines = []
+    for r in records:
+        head = (f"{r.family:<10} {r.step:<6} {'graph' if r.graph else 'eager':<5} {r.variant:<16} {r.layout:<10} "
+                f"b={r.batch} s={r.seq}")
+        if r.time_us is None:
+            lines.append(f"{head}  not run: {r.error}")
+            continue
+        vs = f"{r.vs_transformers:5.2f}x vs transformers" if r.vs_transformers else ""
+        lines.append(f"{head} {r.time_us:11.1f} us {r.tokens_per_s:12,.0f} tok/s  {vs}  #wrong {r.wrong} "
+                     f"(max rel {r.max_rel_err:.1e})")
+    return "\n".join(lines)
+
+
+def plot_steps(records: list[StepRecord], path: str, title: str = "") -> None:
+    """PNG: tokens/s per variant, one panel per family and step, eager and graph side by side."""
+    import matplotlib  # deferred: the plot extra
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = list(dict.fromkeys((r.family, r.step) for r in records))
+    variants = list(dict.fromkeys(r.variant for r in records))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
+    for ax, (family, step) in zip(axes[0], panels, strict=True):
+        modes = list(dict.fromkeys(r.graph for r in records if (r.family, r.step) == (family, step)))
+        width = 0.8 / len(variants)
+        for i, v in enumerate(variants):
+            for j, g in enumerate(modes):
+                hit = [r for r in records if (r.family, r.step, r.variant, r.graph) == (family, step, v, g)]
+                if hit and hit[0].tokens_per_s:
+                    ax.bar(j + i * width, hit[0].tokens_per_s, width, color=f"C{i}", label=v if j == 0 else None)
+                elif hit:
+                    ax.text(j + i * width, 0, "x", ha="center", va="bottom", color=f"C{i}")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(modes))], ["graph" if g else "eager" for g in modes])
+        ax.set_title(f"{family} {step}", fontsize=10)
+        ax.set_ylabel("tokens/s")
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,102 @@
+"""Time a Hugging Face model's training and decode steps, parallelized by commops and by transformers.
+
+    torchrun --nproc-per-node 2 launch/bench_model.py                      # llama and qwen3_moe
+    torchrun --nproc-per-node 2 launch/bench_model.py --families llama --batch 8 --seq 1024
+    torchrun --nproc-per-node 2 launch/bench_model.py --preset tiny --backend gloo   # on CPUs
+
+The same checkpoint three ways on the same ranks and data (``bench/model_step.py`` says how):
+``ours/auto``, ``ours/sequential`` (and the plain NCCL transport for MoE rows) and transformers'
+own tensor or expert parallelism; each variant's logits checked against the unsharded float32
+model first (``#wrong``), then its forward + backward step and its decode step timed side by side,
+eagerly and (on CUDA) replayed from CUDA graphs. Rank 0 prints a table and writes
+``results.json``, ``results.csv`` and ``plot.png`` into ``--out`` (default
+``commops-results/model-<date>-<time>/``; ``--out none`` for none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+import collectives as C  # noqa: E402
+from bench.cli import DTYPES  # noqa: E402
+from bench.model_step import PRESETS, VARIANTS, measure_model, plot_steps  # noqa: E402
+from bench.report import run_meta  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(prog="launch/bench_model.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--families", default="llama,qwen3_moe", help="comma-separated: llama, qwen3, qwen3_moe, mixtral")
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS), help="model sizes (default gpu on GPUs, else tiny)")
+    p.add_argument("--batch", type=int, default=None, help="training batch (default 4 on GPUs, 2 on CPUs)")
+    p.add_argument("--seq", type=int, default=None, help="training sequence (default 1024 on GPUs, 32 on CPUs)")
+    p.add_argument("--decode-batch", type=int, default=None, help="decode batch (default 16 on GPUs, 2 on CPUs)")
+    p.add_argument("--decode-seq", type=int, default=None, help="tokens in the KV cache (default 1024 / 32)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ", ".join(VARIANTS))
+    p.add_argument("--no-graphs", action="store_true", help="eager only (on CPUs it always is)")
+    p.add_argument("-d", "--dtype", default=None, choices=sorted(DTYPES), help="default bf16 on GPUs, float on CPUs")
+    p.add_argument("-n", "--iters", type=int, default=5)
+    p.add_argument("-r", "--reps", type=int, default=5)
+    p.add_argument("--backend", default=None, help="force a backend (default: nccl on GPUs, else gloo)")
+    p.add_argument("--out", default=None, help="folder for results.json/csv and plot.png, or 'none'")
+    args = p.parse_args()
+    variants = tuple(v.strip() for v in args.variants.split(","))
+    for v in variants:
+        if v not in VARIANTS:
+            p.error(f"--variants: {v!r} is not one of {', '.join(VARIANTS)}")
+    out = None
+    if args.out != "none":
+        out = Path(args.out or f"commops-results/model-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    comm = C.init(backend=args.backend)
+    cuda = comm.backend_for("cuda") is not None and torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    lead = comm.rank == 0
+    if lead and out is not None:
+        out.mkdir(parents=True, exist_ok=True)  # before the run: a folder that cannot be made fails now
+    dtype = DTYPES[args.dtype or ("bf16" if cuda else "float")]
+    preset = args.preset or ("gpu" if cuda else "tiny")
+    gpu = preset == "gpu"
+    records = []
+    for family in (f.strip() for f in args.families.split(",")):
+        records += measure_model(
+            family, comm, device, dtype, preset=preset, batch=args.batch or (4 if gpu else 2),
+            seq=args.seq or (1024 if gpu else 32), decode_batch=args.decode_batch or (16 if gpu else 2),
+            decode_seq=args.decode_seq or (1024 if gpu else 32), graphs=cuda and not args.no_graphs,
+            iters=args.iters, reps=args.reps, variants=variants, check_preset="tiny",
+            progress=lambda s: print(s, flush=True) if lead else None)
+    if lead:
+        meta = run_meta("launch/bench_model.py", comm, cuda)
+        import transformers  # deferred: the models extra
+
+        meta.update(transformers=transformers.__version__, preset=preset, sizes=PRESETS[preset],
+                    omp_num_threads=os.environ.get("OMP_NUM_THREADS"))
+        bad = sum(r.wrong or 0 for r in records)
+        print(f"# logits off the unsharded fp32 model: {bad}  ({'OK' if bad == 0 else 'FAILED'})", flush=True)
+        if out is not None:
+            rows = [r.as_dict() for r in records]
+            (out / "results.json").write_text(json.dumps({"meta": meta, "records": rows}, indent=1) + "\n")
+            with open(out / "results.csv", "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=list(rows[0]))
+                w.writeheader()
+                w.writerows(rows)
+            try:
+                plot_steps(records, str(out / "plot.png"), f"{comm.size} x {meta['device']}, {str(dtype).removeprefix('torch.')}, "
+                                                           f"transformers {transformers.__version__}")
+            except ImportError as e:
+                print(f"# no plot: {e}", flush=True)
+            print(f"# wrote {out}/results.json, results.csv, plot.png", flush=True)
+    C.destroy()
+    return 1 if any(r.wrong for r in records) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""``launch/bench_model.py`` end to end: the three variants of a dense and a MoE model checked against
+the unsharded fp32 model and timed. CPU: 2 Gloo ranks (transformers' own TP and EP over Gloo, next
+to ours). GPU (marker ``gpu``): world 1 over NCCL, eager and CUDA-graph steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests._checks import NO_MULTICAST
+
+pytest.importorskip("transformers")
+ROOT = Path(__file__).resolve().parent.parent
+VARIANTS = {"ours/auto", "ours/sequential", "transformers"}
+
+
+def _run(tmp_path: Path, ranks: int, *flags: str) -> dict:
+    out = tmp_path / "res"
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+                          "launch/bench_model.py", "--preset", "tiny", "-n", "1", "-r", "2", "--out", str(out), *flags],
+                         cwd=ROOT, env={**os.environ, **NO_MULTICAST, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "# logits off the unsharded fp32 model: 0  (OK)" in res.stdout, res.stdout[-3000:]
+    assert (out / "plot.png").stat().st_size > 0 and (out / "results.csv").read_text().count("\n") > 1
+    return json.loads((out / "results.json").read_text())
+
+
+def _every_variant_ran(records: list[dict], graph: bool) -> None:
+    for family in ("llama", "qwen3_moe"):
+        for step in ("train", "decode"):
+            rows = [r for r in records if (r["family"], r["step"], r["graph"]) == (family, step, graph)]
+            assert {r["variant"] for r in rows} == VARIANTS, (family, step, rows)
+            for r in rows:
+                assert r["wrong"] == 0 and r["max_rel_err"] < 1e-4, r
+                assert r["time_us"] is not None and r["time_us"] > 0 and r["tokens_per_s"] > 0, r
+                assert r["vs_transformers"] > 0, r
+
+
+def test_bench_model_on_gloo(tmp_path: Path) -> None:
+    rec = _run(tmp_path, 2, "--backend", "gloo")
+    assert rec["meta"]["world"] == 2 and "transformers" in rec["meta"]
+    _every_variant_ran(rec["records"], graph=False)
+    layouts = {r["family"]: r["layout"] for r in rec["records"]}
+    assert layouts["llama"] == "tp=2" and layouts["qwen3_moe"].endswith("ep=2"), layouts
+
+
+@pytest.mark.gpu
+def test_bench_model_on_one_gpu(tmp_path: Path) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    rec = _run(tmp_path, 1)
+    assert "nccl" in rec["meta"]["backend"] and rec["meta"]["nccl"], rec["meta"]
+    _every_variant_ran(rec["records"], graph=False)
+    graphs = [r for r in rec["records"] if r["graph"]]
+    assert graphs, "no CUDA-graph records"
+    for r in graphs:  # captured, or the reason it could not be, never left out
+        assert (r["time_us"] or 0) > 0 or r["error"], r
+    dense = [r for r in graphs if r["family"] == "llama"]
+    assert all(r["time_us"] for r in dense), dense
