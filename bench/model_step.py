@@ -84,7 +84,8 @@ def small_model(family: str, preset: str, dtype: torch.dtype, device: torch.devi
     import transformers  # deferred: the models extra
 
     if family not in _CLASSES:
-        raise C.InvalidArgumentError("family", family, "is not a family with a preset", f"use one of {sorted(_CLASSES)}")
+        raise C.InvalidArgumentError("family", family, "is not a family with a preset",
+                                     f"use one of {sorted(_CLASSES)}")
     if preset not in PRESETS:
         raise C.InvalidArgumentError("preset", preset, "is not a preset", f"use one of {sorted(PRESETS)}")
     config_name, model_name = _CLASSES[family]
@@ -184,7 +185,8 @@ def _logits(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 4)
     with torch.no_grad():
         n = ids.shape[1]
-        pre = model(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(n, device=ids.device))
+        pre = model(input_ids=ids, past_key_values=cache, use_cache=True,
+                    cache_position=torch.arange(n, device=ids.device))
         nxt = pre.logits[:, -1:].argmax(-1)
         dec = model(input_ids=nxt, past_key_values=cache, use_cache=True,
                     cache_position=torch.tensor([n], device=ids.device))
@@ -307,7 +309,7 @@ def measure_model(family: str, comm: C.Communicator, device: torch.device, dtype
         if v in errors:
             continue
         models[v] = _load(v, family, path, comm, dtype, device, max(ids.numel(), prompt.numel()))
-    hf, tp, ep = _hf_layout(comm.size, family in _MOE)
+    _, tp, ep = _hf_layout(comm.size, family in _MOE)
     layout = f"tp={tp}" + (f",ep={ep}" if family in _MOE else "")
     records = []
     for step in ("train", "decode"):
@@ -315,16 +317,17 @@ def measure_model(family: str, comm: C.Communicator, device: torch.device, dtype
             fns = {v: (_train_step(m, ids) if step == "train" else _decode_step(m, prompt)) for v, m in models.items()}
             times, rounds, failed = _time(fns, comm, device, graph, iters, reps)
             tokens = ids.numel() if step == "train" else prompt.shape[0]
+            shape = tuple(ids.shape if step == "train" else prompt.shape)
             for v in variants:
                 c = check[v]
                 t = times.get(v)
                 ratio = paired_ratio(rounds, "transformers", v) if t and "transformers" in rounds else None
                 par = getattr(models.get(v), "commops_parallel", None) or {}
+                wrong, err = (None, None) if isinstance(c, str) else c
                 records.append(StepRecord(
-                    family, v, step, graph, comm.size, layout, par.get("moe_transport"), str(dtype).removeprefix("torch."),
-                    str(device), batch if step == "train" else prompt.shape[0], seq if step == "train" else prompt.shape[1],
-                    t, tokens / (t * 1e-6) if t else None, ratio, None if isinstance(c, str) else c[0],
-                    None if isinstance(c, str) else c[1], errors.get(v) or failed.get(v)))
+                    family, v, step, graph, comm.size, layout, par.get("moe_transport"),
+                    str(dtype).removeprefix("torch."), str(device), shape[0], shape[1], t,
+                    tokens / (t * 1e-6) if t else None, ratio, wrong, err, errors.get(v) or failed.get(v)))
             progress(format_steps(records[-len(variants):]))
     models.clear()
     gc.collect()

@@ -36,7 +36,8 @@ from bench.report import run_meta  # noqa: E402
 def main() -> int:
     p = argparse.ArgumentParser(prog="launch/bench_model.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--families", default="llama,qwen3_moe", help="comma-separated: llama, qwen3, qwen3_moe, mixtral")
-    p.add_argument("--preset", default=None, choices=sorted(PRESETS), help="model sizes (default gpu on GPUs, else tiny)")
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                   help="model sizes (default gpu on GPUs, else tiny)")
     p.add_argument("--batch", type=int, default=None, help="training batch (default 4 on GPUs, 2 on CPUs)")
     p.add_argument("--seq", type=int, default=None, help="training sequence (default 1024 on GPUs, 32 on CPUs)")
     p.add_argument("--decode-batch", type=int, default=None, help="decode batch (default 16 on GPUs, 2 on CPUs)")
@@ -89,8 +90,9 @@ def main() -> int:
                 w.writeheader()
                 w.writerows(rows)
             try:
-                plot_steps(records, str(out / "plot.png"), f"{comm.size} x {meta['device']}, {str(dtype).removeprefix('torch.')}, "
-                                                           f"transformers {transformers.__version__}")
+                title = (f"{comm.size} x {meta['device']}, {str(dtype).removeprefix('torch.')}, "
+                         f"transformers {transformers.__version__}")
+                plot_steps(records, str(out / "plot.png"), title)
             except ImportError as e:
                 print(f"# no plot: {e}", flush=True)
             print(f"# wrote {out}/results.json, results.csv, plot.png", flush=True)
