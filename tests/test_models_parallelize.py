@@ -24,9 +24,9 @@ from overlap import parallelize  # noqa: E402
 from overlap.models import ExpertParallelMoE  # noqa: E402
 
 
-def _config(family: str, tie: bool) -> object:
+def _config(family: str, tie: bool, kv: int = 0) -> object:
     common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=4 if family == "llama" else 2, max_position_embeddings=64,
+                  num_key_value_heads=kv or (4 if family == "llama" else 2), max_position_embeddings=64,
                   tie_word_embeddings=tie, attn_implementation="eager")
     if family == "llama":
         return transformers.LlamaConfig(**common)
@@ -42,7 +42,7 @@ def _moe_config() -> object:
                                        attn_implementation="eager")
 
 
-def _model(family: str, tie: bool) -> torch.nn.Module:
+def _model(family: str, tie: bool, kv: int = 0) -> torch.nn.Module:
     torch.manual_seed(1234)  # the same weights on every rank
     if family == "qwen3_moe":
         return transformers.Qwen3MoeForCausalLM(_moe_config()).float().eval()
@@ -52,7 +52,7 @@ def _model(family: str, tie: bool) -> torch.nn.Module:
                                          num_key_value_heads=2, max_position_embeddings=64,
                                          tie_word_embeddings=tie, attn_implementation="eager")
         return transformers.MixtralForCausalLM(cfg).float().eval()
-    cfg = _config(family, tie)
+    cfg = _config(family, tie, kv)
     cls = transformers.LlamaForCausalLM if family == "llama" else transformers.Qwen3ForCausalLM
     return cls(cfg).float().eval()
 
@@ -76,23 +76,26 @@ def _expected_grad(name: str, p: torch.Tensor, ref_params: dict, rank: int, worl
 
 
 def _slice(full: torch.Tensor, shard: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """The part of the reference's ``full`` that a rank's ``shard`` holds (even split along the one
-    dimension whose size differs)."""
+    """The part of the reference's ``full`` that a rank's ``shard`` holds: an even split along the one
+    dimension whose size differs, or, where that has fewer parts than ranks (KV heads replicated on
+    consecutive ranks), the part of the ranks' block this rank is in."""
     if full.shape == shard.shape:
         return full
     (dim,) = [d for d in range(full.dim()) if full.shape[d] != shard.shape[d]]
-    return full.chunk(world, dim)[rank]
+    parts = full.shape[dim] // shard.shape[dim]
+    return full.chunk(parts, dim)[rank * parts // world]
 
 
-def body_parity(rank: int, world: int, family: str, tie: bool, tp: int = 0, ep: int = 0) -> list[str]:
-    """``tp``/``ep``: the group sizes (0: tensor parallelism over the world, no expert parallelism)."""
+def body_parity(rank: int, world: int, family: str, tie: bool, tp: int = 0, ep: int = 0, kv: int = 0) -> list[str]:
+    """``tp``/``ep``: the group sizes (0: tensor parallelism over the world, no expert parallelism);
+    ``kv``: the KV heads (0: the family's test default)."""
     problems: list[str] = []
     if not ep:
         g, e, tp = dist.new_group(list(range(world))), None, world
     else:
         g = dist.new_subgroups(tp)[0]  # ranks [0..tp), [tp..2tp), ...
         e = dist.new_subgroups_by_enumeration([list(range(q, world, tp)) for q in range(tp)])[0]  # across them
-    ref = _model(family, tie)
+    ref = _model(family, tie, kv)
     model = parallelize(copy.deepcopy(ref), tp_group=g, ep_group=e)
     gen = torch.Generator().manual_seed(99)
     ids = torch.randint(0, ref.config.vocab_size, (2, 12), generator=gen)
@@ -146,9 +149,12 @@ def body_parity(rank: int, world: int, family: str, tie: bool, tp: int = 0, ep: 
     return problems
 
 
-@pytest.mark.parametrize("family,tie,size", [("llama", False, 2), ("qwen3", True, 2), ("llama", True, 4)])
-def test_parallelized_model_matches_the_unsharded_one(worlds, family: str, tie: bool, size: int) -> None:  # noqa: ANN001
-    reports = worlds(size).run(body_parity, family, tie, timeout=600)
+# llama at 4 ranks has 2 KV heads: each replicated on 2 ranks
+@pytest.mark.parametrize("family,tie,size,kv", [("llama", False, 2, 4), ("qwen3", True, 2, 2), ("llama", True, 4, 2)],
+                         ids=["llama-tp2", "qwen3-tp2-tied", "llama-tp4-kv2-tied"])
+def test_parallelized_model_matches_the_unsharded_one(worlds, family: str, tie: bool, size: int,  # noqa: ANN001
+                                                      kv: int) -> None:
+    reports = worlds(size).run(body_parity, family, tie, 0, 0, kv, timeout=600)
     problems = [f"rank {r}: {p}" for r, rep in enumerate(reports) for p in rep]
     assert not problems, "\n".join(problems)
 
@@ -171,7 +177,12 @@ def body_refusals(rank: int, world: int) -> dict[str, str]:
     pair = dist.new_group([0, 1])
     out: dict[str, str] = {}
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=60))
+    six_heads = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=96, hidden_size=96, intermediate_size=96, num_hidden_layers=1, num_attention_heads=6,
+        num_key_value_heads=2, tie_word_embeddings=False))  # 3 ranks: 2 heads each, but 2 KV heads for 3 ranks
     cases = {
+        "KV heads neither divided nor a divisor": (lambda: parallelize(six_heads, tp_group=g), InvalidArgumentError,
+                                                   ["tp_group=", "2 KV heads", "multiple of 2"]),
         "unknown family": (lambda: parallelize(gpt2, tp_group=g), UnsupportedError, ["gpt2", "llama", "qwen3"]),
         "heads not divisible": (lambda: parallelize(_model("llama", False), tp_group=g), InvalidArgumentError,
                                 ["tp_group=", "attention heads (4)"]),

@@ -7,7 +7,8 @@ unchanged, every rank loading the same one):
 - attention: q, k and v column-parallel (rank r keeps heads ``r * H/p ...``, and the KV heads that
   go with them), o row-parallel (its all-reduce runs as ``gemm_all_reduce``, overlapped per
   ``strategy``); the model's own attention code runs on the local heads unchanged, as it sizes
-  its views by ``head_dim`` and ``-1`` heads;
+  its views by ``head_dim`` and ``-1`` heads; with fewer KV heads than ranks (a multiple of
+  them), each KV head replicated on the ranks whose query heads read it (``_kv.py``);
 - the MLP: gate and up column-parallel, down row-parallel;
 - modules kept whole but applied per head (Qwen3's q_norm and k_norm): their gradients summed
   over the group by a hook on their parameters;
@@ -27,8 +28,7 @@ model as it was.
   ``experts.w1/w3/w2`` (this rank's experts' gate, up and down) instead of the fused tensors.
 
 Not yet: ``sequence_parallel=True`` (Hugging Face's activations are ``[batch, seq, hidden]``,
-where our sequence-parallel layers split dimension 0), KV heads fewer than the tensor-parallel
-size (replicated KV heads); each is refused with its own error.
+where our sequence-parallel layers split dimension 0): refused with its own error.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from collectives.errors import InvalidArgumentError, InvalidTypeError, Unsupport
 
 from ..layers import ColumnParallelLinear, RowParallelLinear
 from ._experts import ExpertParallelMoE
+from ._kv import replicated_kv_linear
 from ._vocab import VocabParallelEmbedding, reduce_from_group
 from .families import FAMILIES, Family
 
@@ -73,10 +74,11 @@ def _check(model: Any, family: Family, tp: int, ep: int) -> None:
     c = model.config
     heads, kv = c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     _divides("the attention heads", heads, tp, f"use a tensor-parallel size that divides {heads}")
-    if kv % tp:
-        raise UnsupportedError("tp_group", f"a group of {tp} ranks", f"is larger than or does not divide the KV heads "
-                               f"({kv}); replicated KV heads are not supported yet",
-                               f"use a tensor-parallel size that divides {kv}")
+    if kv % tp and tp % kv:
+        raise InvalidArgumentError("tp_group", f"a group of {tp} ranks", f"neither divides the {kv} KV heads nor is a "
+                                   "multiple of them (each rank's query heads must read whole KV heads)",
+                                   f"use a tensor-parallel size that divides {kv} or a multiple of {kv} that "
+                                   f"divides {heads}")
     for layer in family.layers(model):
         column, row = family.sharded(layer)
         for name in (*column, *row):
@@ -174,6 +176,8 @@ def parallelize(model: Any, *, tp_group: Any = None, ep_group: Any = None, seque
     _check(model, family, tp, ep)
     if tp == 1 and ep == 1:
         return model
+    heads = model.config.num_attention_heads
+    kv = getattr(model.config, "num_key_value_heads", None) or heads
     head = model.get_output_embeddings()
     emb = model.get_input_embeddings()
     tied = head is not None and head.weight is emb.weight
@@ -186,8 +190,13 @@ def parallelize(model: Any, *, tp_group: Any = None, ep_group: Any = None, seque
             continue
         column, row = family.sharded(layer)
         for name in column:
-            family.replace(layer, name, ColumnParallelLinear.from_linear(family.module(layer, name), tp_group,
-                                                                         strategy=strategy))
+            lin = family.module(layer, name)
+            if kv < tp and name in family.kv:
+                family.replace(layer, name, replicated_kv_linear(lin, tp_group, kv, strategy=strategy))
+            else:
+                family.replace(layer, name, ColumnParallelLinear.from_linear(lin, tp_group, strategy=strategy))
+        if kv < tp:  # the model's attention repeats each local KV head for its local query heads
+            family.module(layer, family.attention).num_key_value_groups = heads // tp
         for name in row:
             family.replace(layer, name, RowParallelLinear.from_linear(family.module(layer, name), tp_group,
                                                                       strategy=strategy))

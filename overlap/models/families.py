@@ -34,6 +34,10 @@ class Family:
             ``experts``), or None for a dense family. In a layer whose MLP is one, the names in
             ``column`` and ``row`` that start with ``"{moe}."`` are not sharded: the block goes
             over expert parallelism instead (``ExpertParallelMoE``), or stays whole.
+        attention: the dotted name of a layer's attention module, whose ``num_key_value_groups``
+            (query heads per KV head) is set to the local count when KV heads are replicated.
+        kv: the names in ``column`` of the k and v projections, replicated per KV head when the
+            KV heads are fewer than the ranks (``_kv.py``).
     """
 
     name: str
@@ -42,6 +46,8 @@ class Family:
     row: tuple[str, ...]
     per_head: tuple[str, ...] = ()
     moe: str | None = None
+    attention: str = "self_attn"
+    kv: tuple[str, ...] = ("self_attn.k_proj", "self_attn.v_proj")
 
     def layers(self, model: Any) -> list[nn.Module]:
         return list(self.decoder_layers(model))
