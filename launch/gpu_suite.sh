@@ -12,7 +12,8 @@
 # pipelines, by token chunks and by source rank, where the exchange is closest to the experts),
 # moe_auto (chunks="auto" following the table moe and moe_pipeline wrote),
 # topology (python -m topology), a2a_bench (NCCL's
-# and our all-to-all algorithms, 8 B - 1 GB, eager and graphs), peer_epilogue (GEMMs writing
+# and our all-to-all algorithms, 8 B - 1 GB, eager and graphs), hf_model (launch/bench_model.py: a
+# Llama and a Qwen3-MoE, ours against transformers' own parallelism), peer_epilogue (GEMMs writing
 # into a peer's memory against GEMMs beside a copy engine) and model (a calibration of this
 # machine, then the cost model's predictions against peer_bench's and a2a_bench's measurements,
 # which run first). On 4 or 8 GPUs: NPROC=n launch/gpu_suite.sh OUT peer_check overlap_check
@@ -113,6 +114,7 @@ for step in $STEPS; do
       done ;;
     peer_big) COMMOPS_PEER_BYTES=$BIG run peer_big 240 $R launch/bench_collectives.py --op all_reduce -d bf16 \
         -b 64M -e 1G -f 2 -a native,two_shot,copy_engine -G both -n 10 -r 5 -w 3 --json "$OUT/peer_big.json" --out none ;;
+    hf_model) run hf_model 420 $R launch/bench_model.py -n 5 -r 5 --out "$OUT/hf_model" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
