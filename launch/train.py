@@ -90,6 +90,7 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--strategy", default="auto", help="the overlap operators' strategy")
+    p.add_argument("--sp", action="store_true", help="sequence parallelism (--seq a multiple of --tp)")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="rank 0 writes the losses and tokens/s here")
@@ -102,7 +103,7 @@ def main() -> int:
     tp_group, ep_group = groups(tp, args.ep)
     dtype = getattr(torch, args.dtype)
     model = parallelize(build_model(args.model, dtype, device), tp_group=tp_group, ep_group=ep_group,
-                        strategy=args.strategy)
+                        strategy=args.strategy, sequence_parallel=args.sp)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     lead = comm.rank == 0

@@ -86,9 +86,11 @@ def _slice(full: torch.Tensor, shard: torch.Tensor, rank: int, world: int) -> to
     return full.chunk(parts, dim)[rank * parts // world]
 
 
-def body_parity(rank: int, world: int, family: str, tie: bool, tp: int = 0, ep: int = 0, kv: int = 0) -> list[str]:
+def body_parity(rank: int, world: int, family: str, tie: bool, tp: int = 0, ep: int = 0, kv: int = 0,
+                sp: bool = False) -> list[str]:
     """``tp``/``ep``: the group sizes (0: tensor parallelism over the world, no expert parallelism);
-    ``kv``: the KV heads (0: the family's test default)."""
+    ``kv``: the KV heads (0: the family's test default); ``sp``: sequence parallelism (the
+    batches' sequences divide the ranks; generate()'s one-token steps run without it)."""
     problems: list[str] = []
     if not ep:
         g, e, tp = dist.new_group(list(range(world))), None, world
@@ -96,7 +98,9 @@ def body_parity(rank: int, world: int, family: str, tie: bool, tp: int = 0, ep: 
         g = dist.new_subgroups(tp)[0]  # ranks [0..tp), [tp..2tp), ...
         e = dist.new_subgroups_by_enumeration([list(range(q, world, tp)) for q in range(tp)])[0]  # across them
     ref = _model(family, tie, kv)
-    model = parallelize(copy.deepcopy(ref), tp_group=g, ep_group=e)
+    model = parallelize(copy.deepcopy(ref), tp_group=g, ep_group=e, sequence_parallel=sp)
+    if sp and not model.commops_parallel["sequence_parallel"]:
+        problems.append("sequence parallelism is off")
     gen = torch.Generator().manual_seed(99)
     ids = torch.randint(0, ref.config.vocab_size, (2, 12), generator=gen)
     # logits, then one backward: every gradient against its slice of the reference's
@@ -138,7 +142,7 @@ def body_parity(rank: int, world: int, family: str, tie: bool, tp: int = 0, ep: 
     # greedy generation through the KV cache
     model.eval()
     ref.eval()
-    prompt = torch.randint(0, ref.config.vocab_size, (2, 5), generator=gen)
+    prompt = torch.randint(0, ref.config.vocab_size, (2, 6), generator=gen)  # 6: a prefill under sp
     kw = dict(max_new_tokens=16, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         got, exp_ids = model.generate(prompt, **kw), ref.generate(prompt, **kw)
@@ -150,20 +154,22 @@ def body_parity(rank: int, world: int, family: str, tie: bool, tp: int = 0, ep: 
 
 
 # llama at 4 ranks has 2 KV heads: each replicated on 2 ranks
-@pytest.mark.parametrize("family,tie,size,kv", [("llama", False, 2, 4), ("qwen3", True, 2, 2), ("llama", True, 4, 2)],
-                         ids=["llama-tp2", "qwen3-tp2-tied", "llama-tp4-kv2-tied"])
+@pytest.mark.parametrize("family,tie,size,kv,sp", [("llama", False, 2, 4, False), ("qwen3", True, 2, 2, True),
+                                                   ("llama", True, 4, 2, False)],
+                         ids=["llama-tp2", "qwen3-tp2-tied-sp", "llama-tp4-kv2-tied"])
 def test_parallelized_model_matches_the_unsharded_one(worlds, family: str, tie: bool, size: int,  # noqa: ANN001
-                                                      kv: int) -> None:
-    reports = worlds(size).run(body_parity, family, tie, 0, 0, kv, timeout=600)
+                                                      kv: int, sp: bool) -> None:
+    reports = worlds(size).run(body_parity, family, tie, 0, 0, kv, sp, timeout=600)
     problems = [f"rank {r}: {p}" for r, rep in enumerate(reports) for p in rep]
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("family,tp,ep", [("qwen3_moe", 1, 2), ("qwen3_moe", 2, 2), ("mixtral", 1, 2)],
-                         ids=["qwen3_moe-ep2", "qwen3_moe-tp2xep2", "mixtral-ep2"])
+@pytest.mark.parametrize("family,tp,ep,sp", [("qwen3_moe", 1, 2, False), ("qwen3_moe", 2, 2, True),
+                                             ("mixtral", 1, 2, False)],
+                         ids=["qwen3_moe-ep2", "qwen3_moe-tp2xep2-sp", "mixtral-ep2"])
 def test_moe_model_over_expert_parallelism_matches_the_unsharded_one(worlds, family: str, tp: int,  # noqa: ANN001
-                                                                    ep: int) -> None:
-    reports = worlds(tp * ep).run(body_parity, family, False, tp, ep, timeout=600)
+                                                                    ep: int, sp: bool) -> None:
+    reports = worlds(tp * ep).run(body_parity, family, False, tp, ep, 0, sp, timeout=600)
     problems = [f"rank {r}: {p}" for r, rep in enumerate(reports) for p in rep]
     assert not problems, "\n".join(problems)
 
@@ -187,6 +193,8 @@ def body_refusals(rank: int, world: int) -> dict[str, str]:
         "heads not divisible": (lambda: parallelize(_model("llama", False), tp_group=g), InvalidArgumentError,
                                 ["tp_group=", "attention heads (4)"]),
         "not a group": (lambda: parallelize(_model("llama", False), tp_group=[0, 1]), TypeError, ["tp_group="]),
+        "sequence_parallel not a bool": (lambda: parallelize(_model("llama", False), sequence_parallel="yes"),
+                                         TypeError, ["sequence_parallel=", "'yes'"]),
         "expert parallelism on a dense model": (lambda: parallelize(_model("llama", False), ep_group=g),
                                                 UnsupportedError, ["ep_group="]),
         "experts not divisible": (lambda: parallelize(_model("qwen3_moe", False), tp_group=alone, ep_group=g),

@@ -27,8 +27,9 @@ model as it was.
   (``_experts.py`` says how the ranks share the tokens); its parameters are then named
   ``experts.w1/w3/w2`` (this rank's experts' gate, up and down) instead of the fused tensors.
 
-Not yet: ``sequence_parallel=True`` (Hugging Face's activations are ``[batch, seq, hidden]``,
-where our sequence-parallel layers split dimension 0): refused with its own error.
+- with ``sequence_parallel=True``, the residual stream between the layer pairs split along the
+  sequence (dimension 1 of Hugging Face's ``[batch, seq, hidden]``) in every forward whose
+  sequence divides the group; o and down reduce-scatter instead of all-reducing (``_sequence.py``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from collectives.errors import InvalidArgumentError, InvalidTypeError, Unsupport
 from ..layers import ColumnParallelLinear, RowParallelLinear
 from ._experts import ExpertParallelMoE
 from ._kv import replicated_kv_linear
+from ._sequence import SequenceRowParallelLinear, SequenceSplit, split_sequence
 from ._vocab import VocabParallelEmbedding, reduce_from_group
 from .families import FAMILIES, Family
 
@@ -141,8 +143,9 @@ def parallelize(model: Any, *, tp_group: Any = None, ep_group: Any = None, seque
             the same activations and split the experts; the same ranks as ``tp_group``, or the other
             side of a grid with it (``tp_group`` the rows, ``ep_group`` the columns). None: the
             experts stay whole on every rank.
-        sequence_parallel: split the activations between the layer pairs along the sequence (not
-            supported yet for these models: refused).
+        sequence_parallel: split the activations between the layer pairs along the sequence, in
+            each forward whose sequence length divides the group (others, such as decode steps,
+            run without the split); ``_sequence.py`` says where it gathers and scatters.
         strategy: the overlap operators' strategy for the row-parallel layers' all-reduce and the
             column-parallel layers' backward ("auto", "sequential", "chunked", "copy_engine").
         moe_transport: the expert-parallel blocks' dispatcher transport (``MoEDispatcher``'s
@@ -159,10 +162,8 @@ def parallelize(model: Any, *, tp_group: Any = None, ep_group: Any = None, seque
     if ep_group is not None and family.moe is None:
         raise UnsupportedError("ep_group", ep_group, f"{family.name} is a dense family: it has no experts",
                                "pass ep_group=None")
-    if sequence_parallel:
-        raise UnsupportedError("sequence_parallel", True, "is not supported for transformers models yet (their "
-                               "activations are [batch, seq, hidden]; our sequence-parallel layers split dim 0)",
-                               "pass sequence_parallel=False")
+    if not isinstance(sequence_parallel, bool):
+        raise InvalidTypeError("sequence_parallel", sequence_parallel, "is not a bool", "pass True or False")
     for name, g in (("tp_group", tp_group), ("ep_group", ep_group)):
         if g is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group returns on the ranks outside it
             raise InvalidArgumentError(name, g, f"is not a group this rank ({dist.get_rank()}) is a member of",
@@ -181,6 +182,7 @@ def parallelize(model: Any, *, tp_group: Any = None, ep_group: Any = None, seque
     head = model.get_output_embeddings()
     emb = model.get_input_embeddings()
     tied = head is not None and head.weight is emb.weight
+    split = SequenceSplit(tp_group) if sequence_parallel and tp > 1 else None
     for layer in family.layers(model):
         block = family.moe_block(layer)
         if block is not None and ep > 1:
@@ -197,14 +199,19 @@ def parallelize(model: Any, *, tp_group: Any = None, ep_group: Any = None, seque
                 family.replace(layer, name, ColumnParallelLinear.from_linear(lin, tp_group, strategy=strategy))
         if kv < tp:  # the model's attention repeats each local KV head for its local query heads
             family.module(layer, family.attention).num_key_value_groups = heads // tp
+        row_cls = SequenceRowParallelLinear if split is not None else RowParallelLinear
         for name in row:
-            family.replace(layer, name, RowParallelLinear.from_linear(family.module(layer, name), tp_group,
-                                                                      strategy=strategy))
+            family.replace(layer, name, row_cls.from_linear(family.module(layer, name), tp_group, strategy=strategy))
+            if split is not None:
+                family.module(layer, name).split = split
         for name in family.per_head:
             for p in family.module(layer, name).parameters():
                 p.register_hook(_summed_over(tp_group))
     transports = sorted({m.dispatcher.transport for m in model.modules() if isinstance(m, ExpertParallelMoE)})
+    if split is not None:
+        split_sequence(model, family, split)
     model.commops_parallel = {"family": family.name, "tp": tp, "ep": ep, "strategy": strategy,
+                              "sequence_parallel": split is not None,
                               "moe_transport": transports[0] if transports else None}
     if tp == 1:
         return model

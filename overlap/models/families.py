@@ -36,6 +36,8 @@ class Family:
             over expert parallelism instead (``ExpertParallelMoE``), or stays whole.
         attention: the dotted name of a layer's attention module, whose ``num_key_value_groups``
             (query heads per KV head) is set to the local count when KV heads are replicated.
+        mlp: the dotted name of a layer's MLP (dense or MoE); final_norm: that of the norm after
+            the last layer, from the model's root (both where sequence parallelism gathers).
         kv: the names in ``column`` of the k and v projections, replicated per KV head when the
             KV heads are fewer than the ranks (``_kv.py``).
     """
@@ -47,6 +49,8 @@ class Family:
     per_head: tuple[str, ...] = ()
     moe: str | None = None
     attention: str = "self_attn"
+    mlp: str = "mlp"
+    final_norm: str = "model.norm"
     kv: tuple[str, ...] = ("self_attn.k_proj", "self_attn.v_proj")
 
     def layers(self, model: Any) -> list[nn.Module]:
