@@ -54,6 +54,9 @@ def main() -> int:
     for v in variants:
         if v not in VARIANTS:
             p.error(f"--variants: {v!r} is not one of {', '.join(VARIANTS)}")
+    if args.backend == "gloo" and torch.cuda.is_available():  # transformers would take the GPUs regardless
+        p.error("--backend gloo on a machine with CUDA GPUs: transformers' own parallelism would load its model "
+                "onto them; for a CPU run hide them: CUDA_VISIBLE_DEVICES= torchrun ... --backend gloo")
     out = None
     if args.out != "none":
         out = Path(args.out or f"commops-results/model-{datetime.datetime.now():%Y%m%d-%H%M%S}")

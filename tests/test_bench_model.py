@@ -20,12 +20,12 @@ ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = {"ours/auto", "ours/sequential", "transformers"}
 
 
-def _run(tmp_path: Path, ranks: int, *flags: str) -> dict:
+def _run(tmp_path: Path, ranks: int, *flags: str, env: dict[str, str] | None = None) -> dict:
     out = tmp_path / "res"
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                           "launch/bench_model.py", "--preset", "tiny", "-n", "1", "-r", "2", "--out", str(out), *flags],
-                         cwd=ROOT, env={**os.environ, **NO_MULTICAST, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                         text=True, timeout=600)
+                         cwd=ROOT, env={**os.environ, **NO_MULTICAST, "OMP_NUM_THREADS": "1", **(env or {})},
+                         capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "# logits off the unsharded fp32 model: 0  (OK)" in res.stdout, res.stdout[-3000:]
     assert (out / "plot.png").stat().st_size > 0 and (out / "results.csv").read_text().count("\n") > 1
@@ -44,7 +44,7 @@ def _every_variant_ran(records: list[dict], graph: bool) -> None:
 
 
 def test_bench_model_on_gloo(tmp_path: Path) -> None:
-    rec = _run(tmp_path, 2, "--backend", "gloo")
+    rec = _run(tmp_path, 2, "--backend", "gloo", env={"CUDA_VISIBLE_DEVICES": ""})  # CPUs, even on a GPU machine
     assert rec["meta"]["world"] == 2 and "transformers" in rec["meta"]
     _every_variant_ran(rec["records"], graph=False)
     layouts = {r["family"]: r["layout"] for r in rec["records"]}
