@@ -308,7 +308,10 @@ def measure_model(family: str, comm: C.Communicator, device: torch.device, dtype
     for v in variants:
         if v in errors:
             continue
-        models[v] = _load(v, family, path, comm, dtype, device, max(ids.numel(), prompt.numel()))
+        try:
+            models[v] = _load(v, family, path, comm, dtype, device, max(ids.numel(), prompt.numel()))
+        except Exception as e:  # reported in its records, like a check that did not run
+            errors[v] = f"{type(e).__name__}: {e}"[:300]
     _, tp, ep = _hf_layout(comm.size, family in _MOE)
     layout = f"tp={tp}" + (f",ep={ep}" if family in _MOE else "")
     records = []
