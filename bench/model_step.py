@@ -50,13 +50,14 @@ from overlap.moe import PeerOptions
 
 from .harness import _captured, _slowest, paired_ratio, time_interleaved
 
-__all__ = ["StepRecord", "PRESETS", "small_model", "save_checkpoint", "measure_model", "format_steps", "plot_steps"]
+__all__ = ["StepRecord", "PRESETS", "FAMILY_PRESETS", "small_model", "save_checkpoint", "measure_model", "format_steps", "plot_steps"]
 
 VARIANTS = ("ours/auto", "ours/sequential", "transformers")
 
 _CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
             "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM")}
 _MOE = ("qwen3_moe", "mixtral")
+FAMILY_PRESETS = tuple(_CLASSES)  # the families small_model builds
 # Sizes by preset: "tiny" divides TP and EP up to 4 (CPU tests); "gpu" is about 0.9B parameters
 # dense (Llama) and 1.0B MoE (Qwen3-MoE: 32 experts of 768, 4 per token).
 PRESETS: dict[str, dict[str, int]] = {
@@ -143,8 +144,15 @@ def _hf_layout(world: int, moe: bool) -> tuple[dict[str, Any], int, int]:
     return {"tp_size": world, "enable_expert_parallel": True}, 1, world  # before: the experts' plan alone
 
 
+_SUBGROUPS: dict[int, Any] = {}
+
+
 def _groups(comm: C.Communicator, tp: int, ep: int) -> tuple[Any, Any]:
-    tp_group = comm.group if tp == comm.size else dist.new_subgroups(tp)[0]
+    """(tp_group, ep_group): the tensor-parallel groups made once per size (collective the first time)."""
+    if tp == comm.size:
+        tp_group = comm.group
+    else:
+        tp_group = _SUBGROUPS.get(tp) or _SUBGROUPS.setdefault(tp, dist.new_subgroups(tp)[0])
     return tp_group, (None if ep == 1 else comm.group)
 
 
@@ -219,6 +227,8 @@ def _check(family: str, variants: tuple[str, ...], preset: str, comm: C.Communic
             out[v] = _wrong(_logits(model, ids), ref)
         except Exception as e:  # a variant that does not run here is reported, not dropped
             out[v] = f"{type(e).__name__}: {e}"[:300]
+        if not _agreed(comm, not isinstance(out[v], str), device):  # all ranks go on with the same variants
+            out[v] = out[v] if isinstance(out[v], str) else "failed on another rank"
         model = None
         gc.collect()
     _forget(path, comm)
@@ -312,6 +322,9 @@ def measure_model(family: str, comm: C.Communicator, device: torch.device, dtype
             models[v] = _load(v, family, path, comm, dtype, device, max(ids.numel(), prompt.numel()))
         except Exception as e:  # reported in its records, like a check that did not run
             errors[v] = f"{type(e).__name__}: {e}"[:300]
+        if not _agreed(comm, v not in errors, device):
+            errors.setdefault(v, "failed on another rank")
+            models.pop(v, None)
     _, tp, ep = _hf_layout(comm.size, family in _MOE)
     layout = f"tp={tp}" + (f",ep={ep}" if family in _MOE else "")
     records = []

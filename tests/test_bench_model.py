@@ -1,6 +1,8 @@
 """``launch/bench_model.py`` end to end: the three variants of a dense and a MoE model checked against
 the unsharded fp32 model and timed. CPU: 2 Gloo ranks (transformers' own TP and EP over Gloo, next
-to ours). GPU (marker ``gpu``): world 1 over NCCL, eager and CUDA-graph steps."""
+to ours). GPU (marker ``gpu``): world 1 over NCCL, eager and CUDA-graph steps; a smoke test of
+the benchmark's GPU path: at world 1 the three variants are one program, so their agreement and
+ratios say nothing of the parallelism (the 2-rank Gloo test and the parity tests do)."""
 
 from __future__ import annotations
 

@@ -104,7 +104,17 @@ def body_parity(rank: int, world: int, family: str, tie: bool, tp: int = 0, ep: 
     gen = torch.Generator().manual_seed(99)
     ids = torch.randint(0, ref.config.vocab_size, (2, 12), generator=gen)
     # logits, then one backward: every gradient against its slice of the reference's
+    seen: list[int] = []  # the sequence length the second layer's input has (split: 12 / tp)
+    hook = model.model.layers[1].register_forward_pre_hook(
+        lambda mod, args, kwargs: seen.append((args[0] if args else kwargs["hidden_states"]).shape[1]),
+        with_kwargs=True)
     out, want = model(ids, labels=ids), ref(ids, labels=ids)
+    if sp:
+        with torch.no_grad():  # a forward in between that cannot split (5 positions): changes nothing
+            model(ids[:, :5])
+    hook.remove()
+    if seen != ([12 // tp, 5] if sp else [12]):
+        problems.append(f"the second layer's inputs had {seen} positions")
     if not torch.allclose(out.logits, want.logits, rtol=1e-5, atol=1e-5):
         problems.append(f"logits differ by {(out.logits - want.logits).abs().max().item():.3g}")
     out.loss.backward()

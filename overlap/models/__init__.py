@@ -145,7 +145,9 @@ def parallelize(model: Any, *, tp_group: Any = None, ep_group: Any = None, seque
             experts stay whole on every rank.
         sequence_parallel: split the activations between the layer pairs along the sequence, in
             each forward whose sequence length divides the group (others, such as decode steps,
-            run without the split); ``_sequence.py`` says where it gathers and scatters.
+            run without the split); ``_sequence.py`` says where it gathers and scatters, and what
+            it costs. Nothing to split with a tensor-parallel group of one rank
+            (``model.commops_parallel["sequence_parallel"]`` says whether it is on).
         strategy: the overlap operators' strategy for the row-parallel layers' all-reduce and the
             column-parallel layers' backward ("auto", "sequential", "chunked", "copy_engine").
         moe_transport: the expert-parallel blocks' dispatcher transport (``MoEDispatcher``'s

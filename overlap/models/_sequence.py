@@ -16,9 +16,11 @@ as without it, the same modules unsplit):
 - a MoE block's output (whole on every rank) is sliced like the embedding's;
 - the final norm's output is gathered, so the LM head, the loss and ``generate()`` see every position.
 
-What it saves is activation memory (the norms' and residuals' activations are ``1/p``) and, forward,
-the reduce-scatter moves half an all-reduce. Not yet: the column layers' input gradient goes
-through an all-reduce and a slice, where Megatron-LM's reduce-scatter moves half of that.
+What it saves is activation memory: the norms' and residuals' activations are ``1/p``. It moves
+more, not less: forward, an all-gather before each block and a reduce-scatter after it (together
+an all-reduce's bytes); backward, the reduce-scatter's all-gather on top of the column layers'
+all-reduce of the input gradient, where Megatron-LM reduce-scatters that gradient instead (half
+its bytes): about 1.5x the unsplit layers' backward traffic. Not yet: that reduce-scatter.
 """
 
 from __future__ import annotations
@@ -39,42 +41,53 @@ __all__ = ["SequenceRowParallelLinear", "SequenceSplit", "split_sequence"]
 
 
 class SequenceSplit:
-    """Whether the forward under way runs sequence-parallel over ``group`` (set at the first layer)."""
+    """Whether the forward under way runs sequence-parallel over ``group`` (``active``, set at the
+    first layer), and whether the backward under way is one of such a forward (``summing``: set by
+    the final norm's gather, the first split operation a backward meets, and cleared by the first
+    layer's slice, the last; read by the norms' gradient hooks). The backward's own flag, not the
+    forward's, so that forwards in between (an evaluation, a decode step) change nothing."""
 
     def __init__(self, group: Any) -> None:
         self.group, self.world, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
         self.active = False
+        self.summing = False
 
 
 class _Slice(torch.autograd.Function):
     """Forward: this rank's positions of a whole ``[b, s, ...]``; backward: the ranks' gradients gathered."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
-        ctx.split = split
+    def forward(ctx: Any, x: torch.Tensor, split: SequenceSplit, last: bool = False) -> torch.Tensor:
+        ctx.split, ctx.last = split, last
         n = x.shape[1] // split.world
         return x[:, split.rank * n:(split.rank + 1) * n].contiguous()
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> Any:
+        if ctx.last:  # the first layer's input: this backward's split operations are done
+            ctx.split.summing = False
         with torch.no_grad():
-            return F.all_gather_tensor(g.contiguous(), 1, ctx.split.group), None
+            return F.all_gather_tensor(g.contiguous(), 1, ctx.split.group), None, None
 
 
 class _Gather(torch.autograd.Function):
     """Forward: the ranks' positions gathered into the whole; backward: this rank's positions of a
-    gradient that is whole on every rank already (summed by the column layers' all-reduce)."""
+    gradient that is whole and the same on every rank already (after q, k, v or gate and up, summed
+    by the column layers' all-reduce; after a MoE block, computed the same on every rank from the
+    gathered gradient of its sliced output; after the final norm, the LM head's all-reduce)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
-        ctx.split, ctx.n = split, x.shape[1]
+    def forward(ctx: Any, x: torch.Tensor, split: SequenceSplit, first: bool = False) -> torch.Tensor:
+        ctx.split, ctx.n, ctx.first = split, x.shape[1], first
         with torch.no_grad():
             return F.all_gather_tensor(x.contiguous(), 1, split.group)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> Any:
+        if ctx.first:  # the final norm's output: a backward of a split forward begins
+            ctx.split.summing = True
         r, n = ctx.split.rank, ctx.n
-        return g[:, r * n:(r + 1) * n].contiguous(), None
+        return g[:, r * n:(r + 1) * n].contiguous(), None, None
 
 
 def _first(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, bool]:
@@ -93,7 +106,7 @@ def _enter(split: SequenceSplit) -> Any:
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         x, positional = _first(args, kwargs)
         split.active = x.shape[1] % split.world == 0
-        return _with_first(args, kwargs, _Slice.apply(x, split), positional) if split.active else None
+        return _with_first(args, kwargs, _Slice.apply(x, split, True), positional) if split.active else None
     return hook
 
 
@@ -108,7 +121,7 @@ def _gather_input(split: SequenceSplit) -> Any:
 
 def _gather_output(split: SequenceSplit) -> Any:
     def hook(module: nn.Module, args: Any, out: torch.Tensor) -> Any:
-        return _Gather.apply(out, split) if split.active else None
+        return _Gather.apply(out, split, True) if split.active else None
     return hook
 
 
@@ -137,10 +150,11 @@ class SequenceRowParallelLinear(RowParallelLinear):
 
 
 def _summed_if_split(split: SequenceSplit) -> Any:
-    """A gradient hook: in a sequence-parallel step, the sum of the ranks' gradients (each from
-    its own positions); otherwise the gradient as it is (every rank saw every position)."""
+    """A gradient hook: in the backward of a sequence-parallel forward, the sum of the ranks'
+    gradients (each from its own positions); otherwise the gradient as it is (every rank saw
+    every position)."""
     def hook(grad: torch.Tensor) -> torch.Tensor:
-        if not split.active:
+        if not split.summing:
             return grad
         total = grad.contiguous().clone()
         C.all_reduce(total, group=split.group)
@@ -152,8 +166,7 @@ def split_sequence(model: Any, family: Any, split: SequenceSplit) -> None:
     """Put the hooks above on a tensor-parallel ``model`` whose row-parallel layers are
     ``SequenceRowParallelLinear`` of ``split`` (see the module docstring). The parameters that
     see a rank's positions alone (the layers' norms, the final norm) get their gradients summed
-    over the group in a sequence-parallel step; whether a step was is read in its backward pass,
-    so each backward must follow its own forward (as a training step's does)."""
+    over the group in the backward of a sequence-parallel forward (``SequenceSplit.summing``)."""
     layers = family.layers(model)
     layers[0].register_forward_pre_hook(_enter(split), with_kwargs=True)
     inside = (f"{family.attention}.", f"{family.mlp}.")
