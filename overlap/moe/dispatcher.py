@@ -18,10 +18,15 @@ another through the differentiable halves. ``chunks="auto"`` asks the transport
 (``Transport.auto_chunks``: the peer transport follows a tuned table, ``tuned.py``), and runs one
 chunk with autograd; ``chunks="sources"`` is the peer transport's pipeline by source rank. On
 2xH200 no pipeline measured faster than one chunk (``nccl.py``, ``peer.py`` say by how much).
+
+``forward_micro_batches`` overlaps at the level of the contract instead, over any transport and
+with autograd: micro-batch i+1's dispatch and micro-batch i's combine travel on a side stream
+while the experts compute (``micro_batches.py``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -31,8 +36,8 @@ import collectives as C
 from collectives.errors import InvalidArgumentError, UnsupportedError
 
 from . import _ops
-from .experts import GroupedSwiGLU
 from .handles import DispatchHandle, LowLatencyHandle
+from .micro_batches import forward_micro_batches, run_experts
 from .transport import (
     CombineGrads,
     Experts,
@@ -206,6 +211,7 @@ class MoEDispatcher(_TransportAttributes):
         setup = TransportSetup(comm, group, num_experts, hidden, dtype, self.device, capacity_factor)
         self.transport_impl: Transport = spec.factory(setup, options)
         self.last_chunks: tuple[int, str] | None = None
+        self.exchange_streams: dict[torch.device, Any] = {}  # forward_micro_batches' side streams
         # what the low-latency ops find it by under torch.compile (overlap/moe/_ops.py)
         self.op_name = _ops.name_for(self, _ops.DISPATCHERS, "dispatcher")
 
@@ -343,11 +349,18 @@ class MoEDispatcher(_TransportAttributes):
         """dispatch -> ``experts(recv_x, tokens_per_expert)`` -> combine (a ``GroupedSwiGLU`` also
         gets the handle's ``expert_ends``, where the dispatch has them on the device)."""
         recv, handle = self.dispatch(x, topk_idx, topk_weights)
-        if handle.expert_ends is not None and isinstance(experts, GroupedSwiGLU):
-            rows = experts(recv, handle.tokens_per_expert, ends=handle.expert_ends)
-        else:
-            rows = experts(recv, handle.tokens_per_expert)
-        return self.combine(rows, handle, topk_weights)
+        return self.combine(run_experts(experts, recv, handle), handle, topk_weights)
+
+    def forward_micro_batches(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                              experts: Experts, micro_batches: int = 2,
+                              shared_expert: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """``forward`` in ``micro_batches`` token ranges whose exchanges travel on a side stream
+        while another range's experts compute, with autograd (the backward overlaps the same
+        way), over every transport; ``shared_expert`` (``[tokens, hidden] -> [tokens, hidden]``)
+        runs while the first dispatch travels and is added. Every rank passes the same
+        ``micro_batches``; token counts may differ or be zero. ``micro_batches.py`` has the
+        timeline. Returns ``out [tokens, hidden]`` in token order."""
+        return forward_micro_batches(self, x, topk_idx, topk_weights, experts, micro_batches, shared_expert)
 
     def forward_pipelined(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                           experts: Experts, chunks: int | str = "auto") -> torch.Tensor:

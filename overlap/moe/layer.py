@@ -52,6 +52,13 @@ class MoELayer(nn.Module):
         max_tokens, routing, exchange_pieces, pipeline_transfers: with a transport's name, its
             options as keyword arguments (``MoEDispatcher``; transport "peer" needs ``max_tokens``,
             the most tokens one forward takes on any rank, and takes this layer's ``top_k``).
+        micro_batches: more than 1: the forward runs ``MoEDispatcher.forward_micro_batches``
+            (one micro-batch's exchanges travel while another's experts compute, with autograd,
+            over any transport) instead of ``forward_pipelined``; then ``chunks`` must be "auto".
+        shared_expert: a module ``[tokens, hidden] -> [tokens, hidden]`` every token also goes
+            through (a model's shared expert; replicated, not expert-parallel), added to the
+            routed experts' output; it runs while the first dispatch travels
+            (``forward_micro_batches``, at ``micro_batches`` micro-batches, 1 included).
 
     ``forward(x)`` takes this rank's tokens ``[..., hidden]`` (any count, zero included) and
     returns the same shape; every rank calls it together.
@@ -61,11 +68,17 @@ class MoELayer(nn.Module):
                  dtype: torch.dtype | None = None, device: Any = None, capacity_factor: float | None = None,
                  chunks: int | str = "auto", exchange_pieces: int | None = None,
                  transport: str | TransportOptions = "nccl", max_tokens: int | None = None, routing: str | None = None,
-                 pipeline_transfers: str | None = None) -> None:
+                 pipeline_transfers: str | None = None, micro_batches: int = 1,
+                 shared_expert: nn.Module | None = None) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise InvalidArgumentError("top_k", top_k, f"is not in 1..num_experts ({num_experts})", "pick fewer experts per token")
-        self.group, self.top_k, self.chunks = group, top_k, chunks
+        if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
+            raise InvalidArgumentError("micro_batches", micro_batches, "is not a positive int", "pass 1 or 2")
+        if micro_batches > 1 and chunks != "auto":
+            raise InvalidArgumentError("chunks", chunks, f"cannot be set with micro_batches={micro_batches} (the "
+                                       "micro-batches are the overlap)", "leave chunks='auto', or micro_batches=1")
+        self.group, self.top_k, self.chunks, self.micro_batches = group, top_k, chunks, micro_batches
         self.dispatcher = MoEDispatcher(num_experts, hidden, group, dtype=dtype, device=device,
                                         capacity_factor=capacity_factor, exchange_pieces=exchange_pieces,
                                         transport=transport, max_tokens=max_tokens,
@@ -76,6 +89,7 @@ class MoELayer(nn.Module):
         if dist.get_world_size(group) > 1:
             C.broadcast(self.router.weight.data, group=group, group_src=0)
         self.experts = GroupedSwiGLU(self.dispatcher.local_experts, hidden, ffn_hidden, dtype=dtype, device=device)
+        self.shared_expert = shared_expert
         self.op_name = register_block(self)
 
     def close(self) -> None:
@@ -93,10 +107,18 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         idx, w = self.route(flat)
-        return routed_block(self, flat, idx, w).view(x.shape)
+        if not _compiling():
+            return self._block(flat, idx, w, self.shared_expert).view(x.shape)
+        # the op differentiates the routed experts' parameters: the shared expert stays in the graph
+        out = routed_block(self, flat, idx, w)
+        return (out if self.shared_expert is None else out + self.shared_expert(flat)).view(x.shape)
 
-    def _block(self, flat: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """Dispatch, experts and combine of routed tokens ``flat [tokens, hidden]``."""
+    def _block(self, flat: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
+               shared: nn.Module | None = None) -> torch.Tensor:
+        """Dispatch, experts and combine of routed tokens ``flat [tokens, hidden]`` (plus
+        ``shared(flat)``, overlapping the first dispatch, where given)."""
+        if self.micro_batches > 1 or shared is not None:
+            return self.dispatcher.forward_micro_batches(flat, idx, w, self.experts, self.micro_batches, shared)
         return self.dispatcher.forward_pipelined(flat, idx, w, self.experts, chunks=self.chunks)
 
 
