@@ -2,10 +2,14 @@
 
 For one configuration (tokens per rank, hidden, experts, top-k) with uniformly random routing,
 the same run times: ``dispatch`` (routing and exchange), the experts (``GroupedSwiGLU``),
-``combine``, the three in sequence, ``forward_pipelined`` at each chunk count, and NCCL's (or
-Gloo's) ``all_to_all_single`` moving the same rows with the same splits. Bandwidths count the
-rows a rank sends, its own included. ``hidden_pct`` is ``(sequential - pipelined) /
-(dispatch + combine)``.
+``combine``, the three in sequence, ``forward_pipelined`` at each chunk count (or
+``forward_micro_batches``: a chunk count "micro<n>"), and NCCL's (or Gloo's)
+``all_to_all_single`` moving the same rows with the same splits. ``*_GBps`` count the rows a rank
+sends, its own included; ``*_link_GBps`` only the bytes that cross to other ranks
+(``bytes_crossing``). ``hidden_pct`` is ``(sequential - pipelined) / (dispatch + combine)``;
+``hidden_small_pct`` is ``(sequential - pipelined) / min(experts, dispatch + combine)``, the share
+of the smaller term hidden, and ``ideal_us`` ``max(experts, dispatch + combine)``, the best any
+overlap reaches.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from overlap.moe import MOE_TUNE_MIN_SPEEDUP, GroupedSwiGLU, MoEDispatcher, Peer
 from .harness import _align, paired_ratio, time_interleaved
 from .harness import time_fn as _time
 
-__all__ = ["MoERecord", "measure_config", "format_moe_table", "plot_moe", "tuned_moe_table"]
+__all__ = ["MoERecord", "measure_config", "format_moe_table", "plot_moe", "tuned_moe_table", "micro_batches_of"]
 
 
 LOW_LATENCY_MAX_TOKENS = 256  # configurations timed on the low-latency path too (decode)
@@ -82,6 +86,17 @@ class MoERecord:
     layer_sequential_us: float = 0.0
     layer_pipelined_us: float = 0.0
     layer_speedup_paired: float = 0.0
+    bytes_crossing: int = 0         # the bytes of bytes_sent bound for other ranks (what crosses the link)
+    dispatch_link_GBps: float = 0.0  # bytes_crossing over the dispatch's and the combine's time
+    combine_link_GBps: float = 0.0
+    ideal_us: float = 0.0           # max(experts, dispatch + combine)
+    hidden_small_pct: float = 0.0   # (sequential - pipelined) / min(experts, dispatch + combine)
+    # the training step (forward + backward, as train_us) through this record's pipeline, timed in
+    # the same rounds as train_us, and the median of their per-round ratio (a pipeline without
+    # autograd runs one chunk when gradients are wanted)
+    train_pipelined_us: float = 0.0
+    train_speedup_paired: float = 0.0
+    train_hidden_small_pct: float = 0.0
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -98,6 +113,8 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
     A chunk count "sources" is the pipeline by source rank (peer transport, its buffers sized for
     copy engines; one record, whatever ``transfers``), checked in the run's dtype against the
     float32 reference at that dtype's tolerance (it runs the experts' bf16/fp16 kernels only).
+    A chunk count "micro<n>" is ``forward_micro_batches(micro_batches=n)`` (any transport, with
+    autograd), checked like the chunk counts in float32.
     A chunk count "auto" is ``forward_pipelined(chunks="auto")`` (a tuned table's choice, or one
     chunk), checked the same way; ``auto_ran`` says what it ran. Each record also times the layer,
     ``MoELayer`` (its router, then ``forward_pipelined``) over the same dispatcher and experts, at
@@ -126,6 +143,7 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
         y = mlp(recv, handle.tokens_per_expert)
         es = x.element_size()
         sent_bytes = sum(handle.send_counts) * hidden * es
+        crossing = (sum(handle.send_counts) - handle.send_counts[comm.rank]) * hidden * es
         t_dispatch = _time(lambda: disp.dispatch(x, idx, w), comm, device, iters, reps)
         t_experts = _time(lambda: mlp(recv, handle.tokens_per_expert), comm, device, iters, reps)
         t_combine = _time(lambda: disp.combine(y, handle, w), comm, device, iters, reps)
@@ -145,8 +163,8 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
     xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
     gout = torch.randn(tokens, hidden, generator=g, device=device).to(dtype)
 
-    def train() -> None:
-        disp.forward(xg, idx, wg, mlp).backward(gout)
+    def train(k: int | str = 1) -> None:
+        _pipeline(disp, xg, idx, wg, mlp, k)().backward(gout)
 
     t_train = _time(train, comm, device, iters, reps)
     with torch.no_grad():
@@ -177,10 +195,10 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
                 got = disp.forward_pipelined(x, idx, w, mlp, chunks=k).float()
                 wrong = int(((got - ref).abs() > 2 ** -5 * (ref.abs() + ref.abs().mean() + 1e-12)).sum()) + wrong_seq
             else:
-                wrong = off(disp32.forward_pipelined(x.float(), idx, w.float(), mlp32, chunks=k)) + wrong_seq
+                wrong = off(_pipeline(disp32, x.float(), idx, w.float(), mlp32, k)()) + wrong_seq
             rounds: dict[str, list[float]] = {}
             both = time_interleaved({"sequential": lambda: disp.forward(x, idx, w, mlp),
-                                     "pipelined": functools.partial(disp.forward_pipelined, x, idx, w, mlp, chunks=k)},
+                                     "pipelined": _pipeline(disp, x, idx, w, mlp, k)},
                                     comm, device, iters, reps, rounds=rounds)
             t_pipe = both["pipelined"]
             # (read before the layer's calls below set last_chunks again)
@@ -192,6 +210,11 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
             timeline = _timeline(disp, functools.partial(disp.forward_pipelined, x, idx, w, mlp, chunks=k), comm,
                                  device) if k == "sources" and device.type == "cuda" else []
             comm_us = t_dispatch + t_combine
+            small = min(t_experts, comm_us)
+            with torch.enable_grad():
+                train_rounds: dict[str, list[float]] = {}
+                train_t = time_interleaved({"sequential": train, "pipelined": functools.partial(train, k)},
+                                           comm, device, iters, reps, rounds=train_rounds)
             how = disp.last_pipeline[0] if disp.last_pipeline else transport  # the transport's record, if it keeps one
             records.append(MoERecord(
                 name, tokens, hidden, ffn_hidden, experts, top_k, comm.size, str(dtype).removeprefix("torch."),
@@ -201,14 +224,39 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
                 routing="device" if where else "host", pipeline=how,
                 speedup_paired=1 / paired_ratio(rounds, "pipelined", "sequential"), timeline=timeline,
                 auto_ran=auto_ran, layer_sequential_us=layer_t["sequential"], layer_pipelined_us=layer_t["pipelined"],
-                layer_speedup_paired=1 / paired_ratio(layer_rounds, "pipelined", "sequential")))
+                layer_speedup_paired=1 / paired_ratio(layer_rounds, "pipelined", "sequential"),
+                bytes_crossing=crossing, dispatch_link_GBps=crossing / t_dispatch / 1e3,
+                combine_link_GBps=crossing / t_combine / 1e3, ideal_us=max(t_experts, comm_us),
+                hidden_small_pct=100 * (t_seq - t_pipe) / small if small else 0.0,
+                train_pipelined_us=train_t["pipelined"],
+                train_speedup_paired=1 / paired_ratio(train_rounds, "pipelined", "sequential"),
+                # the training step's smaller term: the forward's, twice (the backward repeats both)
+                train_hidden_small_pct=100 * (train_t["sequential"] - train_t["pipelined"]) / (2 * small)
+                if small else 0.0))
     disp.close()
     disp32.close()
     return records
 
 
+def micro_batches_of(k: int | str) -> int:
+    """``n`` of a chunk count "micro<n>" (``forward_micro_batches``), else 0."""
+    return int(k[5:]) if isinstance(k, str) and k.startswith("micro") and k[5:].isdigit() else 0
+
+
+def _pipeline(disp: MoEDispatcher, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, mlp: GroupedSwiGLU,
+              k: int | str) -> Callable[[], torch.Tensor]:
+    """The forward a record's chunk count names: ``forward_micro_batches`` at "micro<n>", else
+    ``forward_pipelined(chunks=k)`` (at 1: ``forward``)."""
+    if micro_batches_of(k):
+        return functools.partial(disp.forward_micro_batches, x, idx, w, mlp, micro_batches_of(k))
+    if k == 1:
+        return functools.partial(disp.forward, x, idx, w, mlp)
+    return functools.partial(disp.forward_pipelined, x, idx, w, mlp, chunks=k)
+
+
 def _layer_at(layer: MoELayer, x: torch.Tensor, chunks: int | str) -> torch.Tensor:
-    layer.chunks = chunks
+    n = micro_batches_of(chunks)
+    layer.chunks, layer.micro_batches = ("auto", n) if n else (chunks, 1)
     return layer(x)
 
 
@@ -266,7 +314,7 @@ def tuned_moe_table(records: list[MoERecord], meta: dict[str, Any], into: dict[s
     size)."""
     groups: dict[tuple[Any, ...], list[MoERecord]] = {}
     for r in records:
-        if r.chunks == "auto":  # what a table picked, not a pipeline of its own
+        if r.chunks == "auto" or micro_batches_of(r.chunks):  # a table's pick, or not forward_pipelined's
             continue
         key = (r.transport, r.pieces, r.dtype, r.device.split(":")[0], r.tokens, r.hidden, r.ffn_hidden, r.experts,
                r.top_k)
@@ -307,6 +355,10 @@ def format_moe_table(records: list[MoERecord]) -> str:
                      f"{r.experts_us:9.1f} us | sequential {r.sequential_us:9.1f} us | pipelined/{r.chunks} {r.pipeline} "
                      f"{r.pipelined_us:9.1f} us ({r.hidden_pct:6.1f}% hidden, {r.speedup_paired:.3f}x paired) | train step {r.train_us:9.1f} us "
                      f"#wrong {r.wrong}")
+        lines.append(f"{'':<14} crossing {r.bytes_crossing / 1e6:8.2f} MB: dispatch {r.dispatch_link_GBps:7.2f} GB/s, "
+                     f"combine {r.combine_link_GBps:7.2f} GB/s | ideal {r.ideal_us:9.1f} us | smaller term hidden "
+                     f"{r.hidden_small_pct:6.1f}% | train step pipelined/{r.chunks} {r.train_pipelined_us:9.1f} us "
+                     f"({r.train_speedup_paired:.3f}x paired, {r.train_hidden_small_pct:6.1f}% hidden)")
         lines.append(f"{'':<14} layer (router included): sequential {r.layer_sequential_us:9.1f} us | pipelined/{r.chunks} "
                      f"{r.layer_pipelined_us:9.1f} us ({r.layer_speedup_paired:.3f}x paired)")
         if r.auto_ran:

@@ -8,7 +8,10 @@ Qwen3-30B-A3B-like one (hidden 2048, expert width 768, 16 experts per rank, top-
 where the exchange is closest to the experts' time;
 on CPUs small ones. Prints
 dispatch and combine time and GB/s beside the backend's ``all_to_all_single`` on the same rows,
-the experts' time, sequential and pipelined totals and the share of communication hidden.
+the experts' time, sequential and pipelined totals and the share of communication hidden, the
+ideal max(experts, exchange) and the share of the smaller of the two hidden, and the same for the
+training step. Bandwidths: ``*_GBps`` on the rows a rank sends (its own included), ``*_link_GBps``
+on the bytes that cross to other ranks.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import collectives as C  # noqa: E402
 from bench.cli import DTYPES  # noqa: E402
-from bench.moe_bench import format_moe_table, measure_config, plot_moe, tuned_moe_table  # noqa: E402
+from bench.moe_bench import format_moe_table, measure_config, micro_batches_of, plot_moe, tuned_moe_table  # noqa: E402
 from bench.report import run_meta, write_csv, write_json  # noqa: E402
 
 
@@ -43,7 +46,8 @@ def main() -> int:
     p.add_argument("--chunks", default="2,4",
                    help="comma-separated token chunk counts of the pipelined forward, 'sources' for the "
                         "pipeline by source rank (transport peer, GPUs: forward_pipelined(chunks='sources')) and "
-                        "'auto' (what a tuned table picks, COMMOPS_OVERLAP_TUNED)")
+                        "'auto' (what a tuned table picks, COMMOPS_OVERLAP_TUNED) and 'micro<n>' (forward_micro_batches at n "
+                        "micro-batches, any transport, with autograd)")
     p.add_argument("--pieces", default="1,4", help="exchange_pieces of the dispatcher, comma-separated (transport nccl)")
     p.add_argument("--transport", default=None,
                    help="comma-separated: nccl, peer (default: both on the GPUs of one node, else nccl)")
@@ -74,7 +78,7 @@ def main() -> int:
         for c in args.config:
             name, *nums = c.split(":")
             configs.append((name, *map(int, nums)))  # type: ignore[arg-type]
-    chunks = tuple(x if x in ("sources", "auto") else int(x) for x in args.chunks.split(","))
+    chunks = tuple(x if x in ("sources", "auto") or micro_batches_of(x) else int(x) for x in args.chunks.split(","))
     records = []
     transports = args.transport.split(",") if args.transport else ["nccl"]
     if not args.transport and cuda:

@@ -75,10 +75,10 @@ for step in $STEPS; do
         --json "$OUT/overlap_graph.json" --plot "$OUT/overlap_graph.png" ;;
     tp_mlp) COMMOPS_PEER_BYTES=$BIG COMMOPS_OVERLAP_TUNED=$TUNED run tp_mlp 240 $R launch/bench_tp_mlp.py \
         --variants sequential,chunked/2,copy_engine/2,copy_engine/4,auto --json "$OUT/tp_mlp.json" --plot "$OUT/tp_mlp.png" ;;
-    moe) run moe 300 $R launch/bench_moe.py --pieces 1 --chunks 2,sources -n 10 -r 5 --json "$OUT/moe.json" \
+    moe) run moe 300 $R launch/bench_moe.py --pieces 1 --chunks 2,sources,micro2 -n 10 -r 5 --json "$OUT/moe.json" \
       --csv "$OUT/moe.csv" --plot "$OUT/moe.png" --tune "$MOE_TUNED" ;;
     moe_pipeline)  # the pipelines on the peer transport, where the exchange is closest to the experts
-      run moe_pipeline 300 $R launch/bench_moe.py --transport peer --chunks 2,sources --pipeline-transfers auto \
+      run moe_pipeline 300 $R launch/bench_moe.py --transport peer --chunks 2,sources,micro2 --pipeline-transfers auto \
         -n 10 -r 5 --config qwen3-30b-prefill:8192:2048:768:$((16 * N)):8 \
         --config top2-h4096-f512:16384:4096:512:$((16 * N)):2 --config top1-h4096-f1024:16384:4096:1024:$((8 * N)):1 \
         --json "$OUT/moe_pipeline.json" --csv "$OUT/moe_pipeline.csv" --plot "$OUT/moe_pipeline.png" \

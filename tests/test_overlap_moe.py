@@ -321,8 +321,16 @@ def _moe_bench_smoke(rank: int, world: int) -> list[tuple[int, int, float]]:
     from bench.moe_bench import measure_config
 
     recs = measure_config(C.get_communicator(), "tiny", 6 + rank, 8, 12, 2 * world, 2, torch.float32,
-                          torch.device("cpu"), chunk_counts=(2, "auto"), iters=1, reps=1)
+                          torch.device("cpu"), chunk_counts=(2, "auto", "micro2"), iters=1, reps=1)
     assert recs[1].auto_ran.startswith("1 (one chunk"), recs[1].auto_ran  # no table over NCCL/Gloo
+    for r in recs:  # the derived figures follow from the timed ones
+        small = min(r.experts_us, r.dispatch_us + r.combine_us)
+        assert r.ideal_us == max(r.experts_us, r.dispatch_us + r.combine_us) and small > 0
+        assert abs(r.hidden_small_pct - 100 * (r.sequential_us - r.pipelined_us) / small) < 1e-6
+        assert r.train_pipelined_us > 0 and r.train_speedup_paired > 0
+        # what crosses: whole rows (8 floats) bound for the other rank, a part of those sent
+        assert 0 <= r.bytes_crossing < r.bytes_sent and r.bytes_crossing % 32 == 0, (r.bytes_crossing, r.bytes_sent)
+        assert abs(r.dispatch_link_GBps * r.dispatch_us * 1e3 - r.bytes_crossing) <= 1e-6 * r.bytes_sent
     recs += measure_config(C.get_communicator(), "tiny", 6 + rank, 8, 12, 2 * world, 2, torch.float32,
                            torch.device("cpu"), chunk_counts=(2,), iters=1, reps=1, routing="device")
     assert all(r.layer_sequential_us > 0 and r.layer_pipelined_us > 0 and r.layer_speedup_paired > 0 for r in recs)
@@ -332,7 +340,8 @@ def _moe_bench_smoke(rank: int, world: int) -> list[tuple[int, int, float]]:
 def test_moe_benchmark_smoke(worlds) -> None:  # noqa: ANN001
     for rank, recs in enumerate(worlds(2).run(_moe_bench_smoke)):
         sent = (6 + rank) * 2 * 8 * 4  # tokens * k rows of 8 floats
-        assert recs == [(2, 0, sent, "host"), ("auto", 0, sent, "host"), (2, 0, sent, "device")]
+        assert recs == [(2, 0, sent, "host"), ("auto", 0, sent, "host"), ("micro2", 0, sent, "host"),
+                        (2, 0, sent, "device")]
 
 
 def _pipelined_no_grad(rank: int, world: int, chunks: int, routing: str = "auto") -> float:
