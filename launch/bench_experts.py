@@ -4,7 +4,11 @@
 torch's GEMMs (``fused=False``, the anchor), side by side in rounds, at the rows one rank of two
 receives in the MoE benchmark's configurations (``launch/bench_moe.py``: tokens x top-k), expert
 sizes drawn unevenly around the mean, each checked against float64 (``bench/experts.py``); with
-``--padded`` also ``forward_padded`` on the low-latency layout, eagerly and under CUDA graphs.
+``--padded`` also ``forward_padded`` on the low-latency layout, eagerly and under CUDA graphs;
+with ``--beside`` the experts' slowdown beside copy-engine copies and beside an SM copy kernel of
+8-32 blocks (with and without the experts' grid reduced by as many SMs), and with ``--gather``
+the gate/up kernel reading the rows where they landed through a table against ``index_select``
+then torch's grouped GEMMs (``bench/experts_beside.py``; prefill configurations).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.experts import measure_experts, measure_padded, plot_experts  # noqa: E402
+from bench.experts_beside import measure_beside, measure_gather, plot_beside  # noqa: E402
 from bench.report import write_csv, write_json  # noqa: E402
 
 # name, rows on one rank of two (tokens x top-k), hidden, expert width, local experts
@@ -27,6 +32,7 @@ CONFIGS = [("qwen3-30b-prefill", 8192 * 8, 2048, 768, 16), ("top2-h4096-f512", 1
            ("top1-h4096-f1024", 16384, 4096, 1024, 8), ("qwen3-prefill", 4096 * 8, 4096, 1536, 16),
            ("dsv3-prefill", 4096 * 8, 7168, 2048, 32), ("dsv3-decode", 128 * 8, 7168, 2048, 32),
            ("qwen3-30b-decode", 128 * 8, 2048, 768, 16)]
+TOP_K = {"qwen3-30b-prefill": 8, "top2-h4096-f512": 2, "top1-h4096-f1024": 1, "qwen3-prefill": 8, "dsv3-prefill": 8}
 
 
 def main() -> int:
@@ -38,11 +44,18 @@ def main() -> int:
                         "does not take it)")
     p.add_argument("--padded", action="store_true",
                    help="also time forward_padded on the low-latency layout of the decode configurations")
+    p.add_argument("--beside", action="store_true",
+                   help="time the experts beside copy-engine and SM-budget copies instead (prefill configurations)")
+    p.add_argument("--gather", action="store_true",
+                   help="with --beside: also the gate/up kernel reading rows through a table against index_select "
+                        "+ torch's grouped GEMMs")
     p.add_argument("--json")
     p.add_argument("--csv")
     p.add_argument("--plot")
     args = p.parse_args()
     dev = torch.device("cuda", 0)
+    if args.beside:
+        return _beside(args, dev)
     records = []
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
     for dt, (name, rows, hidden, ffn, experts) in itertools.product(args.dtype.split(","), CONFIGS):
@@ -81,6 +94,42 @@ def main() -> int:
         plot_experts(records, args.plot, f"{meta['device']}, torch {meta['torch']}, Triton {meta['triton']}")
     bad = any(r.wrong_fused or r.wrong_torch for r in records) or any(r.wrong_fused or r.wrong_bmm for r in padded)
     return 1 if bad else 0
+
+
+def _meta(dev: torch.device) -> dict[str, str]:
+    import triton
+
+    return {"command": " ".join(["launch/bench_experts.py", *sys.argv[1:]]),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name(dev)}
+
+
+def _beside(args: argparse.Namespace, dev: torch.device) -> int:
+    beside, gather = [], []
+    for name, rows, hidden, ffn, experts in CONFIGS:
+        if name not in TOP_K:
+            continue
+        for r in measure_beside(name, rows, hidden, ffn, experts, dev, reps=args.reps):
+            beside.append(r)
+            print(f"{r.config:<18} {r.transfer:<16} experts {r.experts_us:8.1f} us, beside {r.experts_beside_us:8.1f} "
+                  f"us ({r.slowdown:.3f}x paired) | copies {r.copy_GBps:7.1f} GB/s alone, {r.copy_beside_GBps:7.1f} "
+                  f"beside ({r.copy_slowdown:.3f}x)", flush=True)
+        if args.gather:
+            g = measure_gather(name, rows, hidden, ffn, experts, dev, tokens=2 * rows // TOP_K[name],
+                               iters=args.iters, reps=args.reps)
+            gather.append(g)
+            print(f"{g.config:<18} gate/up of {g.rows} rows from {g.tokens} tokens | index_select + torch "
+                  f"{g.gather_torch_us:8.1f} us | index_select + fused {g.gather_fused_us:8.1f} us | fused through "
+                  f"the index {g.fused_index_us:8.1f} us ({g.index_over_torch_paired:.3f}x torch's, "
+                  f"{g.index_over_gather_fused_paired:.3f}x gathered, paired) | #wrong {g.wrong_index}/{g.wrong_torch}",
+                  flush=True)
+        torch.cuda.empty_cache()
+    meta = _meta(dev)
+    if args.json:
+        write_json([*beside, *gather], args.json, meta)  # type: ignore[arg-type]
+    if args.plot:
+        plot_beside(beside, gather, args.plot, f"{meta['device']}, torch {meta['torch']}, Triton {meta['triton']}")
+    return 1 if any(g.wrong_index or g.wrong_torch for g in gather) else 0
 
 
 if __name__ == "__main__":

@@ -542,3 +542,51 @@ def test_pipeline_by_source_rank_needs_a_buffer_sized_for_it(monkeypatch: pytest
 
     for msg in run_ranks(world, plain, rank_fn):
         assert "pipeline_transfers" in msg and "copy_engine" in msg, msg
+
+
+def _dispatcher_over(transport: PeerTransport, E: int, dtype: torch.dtype) -> Any:
+    """A ``MoEDispatcher`` over ``transport`` without a process group (its checks and halves only)."""
+    from overlap.moe.dispatcher import MoEDispatcher
+
+    d = object.__new__(MoEDispatcher)
+    d.num_experts, d.hidden, d.dtype, d.device = E, HIDDEN, dtype, None
+    d.transport_impl, d.exchange_streams = transport, {}
+    return d
+
+
+@pytest.mark.parametrize("world,e_loc,k,rounds,n", [
+    (2, 2, 2, [[9, 6], [0, 7]], 2),          # then a rank without tokens
+    (3, 1, 2, [[5, 1, 8]], 3),               # a rank with fewer tokens than micro-batches
+    (2, 3, 3, [[6, 6], [4, 9]], 2),          # several of a token's experts on one rank
+])
+def test_micro_batches_over_the_device_layout_with_gradients(monkeypatch: pytest.MonkeyPatch, world: int, e_loc: int,
+                                                             k: int, rounds: list[list[int]], n: int) -> None:
+    """``forward_micro_batches`` over the peer transport's dense path (the one the GPU check
+    takes), forward and backward, against the definitions: an expert scales its rows by 1 + its
+    id, a shared expert doubles every token."""
+    E = world * e_loc
+    max_tokens = max(max(r) for r in rounds) + 1
+    # the GPU check of the transport (CUDA tensors on one node) does not apply to the threads
+    monkeypatch.setattr(PeerTransport, "check_tokens", lambda self, x: None)
+
+    def rank_fn(mem: Any, r: int) -> None:
+        disp = _dispatcher_over(_transport(world, r, E, max_tokens, k, torch.float32, mem), E, torch.float32)
+
+        def experts(recv: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
+            scale = torch.repeat_interleave(torch.arange(e_loc, dtype=torch.float32) + r * e_loc + 1,
+                                            torch.tensor(per_expert))
+            return recv * scale.unsqueeze(-1)
+
+        for c, tokens in enumerate(rounds):
+            idx, x, w, gout = _inputs(world, E, k, tokens, 510 + 7 * c, torch.float32)[r]
+            xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+            out = disp.forward_micro_batches(xg, idx, wg, experts, n, lambda t: 2 * t)
+            (out * gout).sum().backward()
+            factor = (w.double() * (idx.double() + 1)).sum(1) if idx.numel() else torch.zeros(0, dtype=torch.float64)
+            want_out = x.double() * (factor.unsqueeze(-1) + 2)
+            want_gx = gout.double() * (factor.unsqueeze(-1) + 2)
+            want_gw = (idx.double() + 1) * (x.double() * gout.double()).sum(-1, keepdim=True)
+            for got, want in ((out, want_out), (xg.grad, want_gx), (wg.grad, want_gw)):
+                assert got is not None and torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5), (r, c)
+
+    run_ranks(world, PP.buffer_bytes(world, max_tokens, k, HIDDEN * 4), rank_fn)
