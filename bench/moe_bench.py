@@ -97,6 +97,12 @@ class MoERecord:
     train_pipelined_us: float = 0.0
     train_speedup_paired: float = 0.0
     train_hidden_small_pct: float = 0.0
+    # the FP8 dispatch (dispatch(fp8=True), where the transport takes it: "nccl"; hidden % 128 == 0):
+    # its time, and the layer's error with it and without it, each the RMS of (out - ref) over
+    # the RMS of ref, ref the float32 forward (0.0 where not run)
+    fp8_dispatch_us: float = 0.0
+    fp8_rms_err: float = 0.0
+    plain_rms_err: float = 0.0
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -145,6 +151,8 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
         sent_bytes = sum(handle.send_counts) * hidden * es
         crossing = (sum(handle.send_counts) - handle.send_counts[comm.rank]) * hidden * es
         t_dispatch = _time(lambda: disp.dispatch(x, idx, w), comm, device, iters, reps)
+        fp8 = disp.transport_impl.any_row_width and hidden % 128 == 0
+        t_fp8 = _time(lambda: disp.dispatch(x, idx, w, fp8=True), comm, device, iters, reps) if fp8 else 0.0
         t_experts = _time(lambda: mlp(recv, handle.tokens_per_expert), comm, device, iters, reps)
         t_combine = _time(lambda: disp.combine(y, handle, w), comm, device, iters, reps)
         # NCCL's all-to-all of the same rows (the host-planned handle: the same counts, and which
@@ -182,6 +190,15 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
             return int(((got - ref).abs() > 1e-4 * (ref.abs() + ref.abs().mean() + 1e-12)).sum())
 
         wrong_seq = off(disp32.forward(x.float(), idx, w.float(), mlp32))
+
+        def rms_err(got: torch.Tensor) -> float:
+            # (summed over the group: every rank reports the layer's error)
+            sums = torch.stack([((got.float() - ref) ** 2).sum(), (ref ** 2).sum()]).double()
+            C.all_reduce(sums, group=comm.group)
+            return float((sums[0] / sums[1]).sqrt()) if sums[1] > 0 else 0.0
+
+        errs = {"fp8_dispatch_us": t_fp8, "fp8_rms_err": rms_err(disp.forward(x, idx, w, mlp, fp8=True)),
+                "plain_rms_err": rms_err(disp.forward(x, idx, w, mlp))} if fp8 else {}
         if decode:  # the low-latency path against the same reference
             rv, hl = disp32.dispatch_low_latency(x.float(), idx)
             wrong_seq += off(disp32.combine_low_latency(mlp32.forward_padded(rv), hl, w.float()))
@@ -232,7 +249,7 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
                 train_speedup_paired=1 / paired_ratio(train_rounds, "pipelined", "sequential"),
                 # the training step's smaller term: the forward's, twice (the backward repeats both)
                 train_hidden_small_pct=100 * (train_t["sequential"] - train_t["pipelined"]) / (2 * small)
-                if small else 0.0))
+                if small else 0.0, **errs))
     disp.close()
     disp32.close()
     return records
@@ -361,6 +378,10 @@ def format_moe_table(records: list[MoERecord]) -> str:
                      f"({r.train_speedup_paired:.3f}x paired, {r.train_hidden_small_pct:6.1f}% hidden)")
         lines.append(f"{'':<14} layer (router included): sequential {r.layer_sequential_us:9.1f} us | pipelined/{r.chunks} "
                      f"{r.layer_pipelined_us:9.1f} us ({r.layer_speedup_paired:.3f}x paired)")
+        if r.fp8_dispatch_us:
+            lines.append(f"{'':<14} fp8 dispatch {r.fp8_dispatch_us:9.1f} us ({r.dispatch_us / r.fp8_dispatch_us:.2f}x the "
+                         f"{r.dtype} dispatch's speed) | layer error (RMS, of float32's) fp8 {r.fp8_rms_err:.2e}, "
+                         f"{r.dtype} {r.plain_rms_err:.2e}")
         if r.auto_ran:
             lines.append(f"{'':<14} auto ran: {r.auto_ran}")
         for q in dict.fromkeys(q for q, _, _ in r.timeline):

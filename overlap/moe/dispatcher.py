@@ -37,6 +37,7 @@ from collectives.errors import InvalidArgumentError, UnsupportedError
 
 from . import _ops
 from .handles import DispatchHandle, LowLatencyHandle
+from .fp8 import dispatch_fp8
 from .micro_batches import forward_micro_batches, run_experts
 from .transport import (
     CombineGrads,
@@ -253,16 +254,18 @@ class MoEDispatcher(_TransportAttributes):
         return self.transport_impl.routes_on_device(topk_idx)
 
     # -- the two halves --------------------------------------------------------------------------
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, DispatchHandle]:
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None = None, *,
+                 fp8: bool = False) -> tuple[torch.Tensor, DispatchHandle]:
         """``recv_x [received pairs, hidden]`` grouped by local expert, and the routing handle.
 
         Differentiable in ``x``: its backward is a combine without weights (``_Dispatch``, the
         transport's ``dispatch_backward``). ``topk_weights`` is only checked here; ``combine``
-        takes it.
-        """
+        takes it. ``fp8``: the rows cross as e4m3 with a float32 scale per 128 elements, arrive
+        and go back (backward) in ``x``'s dtype (``fp8.py``; hidden % 128 == 0; transport "nccl")."""
         self._check(x, topk_idx, topk_weights)
         self.transport_impl.check_tokens(x)
+        if fp8:
+            return dispatch_fp8(self.transport_impl, x, topk_idx)
         return self._dispatch(x, topk_idx, None)
 
     def _dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor | None, handle: DispatchHandle | None
@@ -345,10 +348,10 @@ class MoEDispatcher(_TransportAttributes):
 
     # -- the forward -----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                experts: Experts) -> torch.Tensor:
-        """dispatch -> ``experts(recv_x, tokens_per_expert)`` -> combine (a ``GroupedSwiGLU`` also
-        gets the handle's ``expert_ends``, where the dispatch has them on the device)."""
-        recv, handle = self.dispatch(x, topk_idx, topk_weights)
+                experts: Experts, *, fp8: bool = False) -> torch.Tensor:
+        """dispatch (``fp8``: as ``dispatch``'s) -> ``experts(recv_x, tokens_per_expert)`` ->
+        combine (a ``GroupedSwiGLU`` also gets the device's ``expert_ends`` where there are)."""
+        recv, handle = self.dispatch(x, topk_idx, topk_weights, fp8=fp8)
         return self.combine(run_experts(experts, recv, handle), handle, topk_weights)
 
     def forward_micro_batches(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -181,6 +181,7 @@ class NcclTransport(Transport):
     """Rows over ``all_to_all_single`` (``options``: :class:`NcclOptions`). Holds no buffers."""
 
     options: NcclOptions
+    any_row_width: ClassVar[bool] = True  # all_to_all_single of any rows
 
     def __init__(self, setup: TransportSetup, options: NcclOptions) -> None:
         super().__init__(setup, options)

@@ -195,9 +195,12 @@ class Transport(ABC):
         last_pipeline: (how, why) its last pipelined forward moved rows, if it chooses.
         offers_low_latency: whether it implements the low-latency pair (class attribute); the
             dispatcher refuses the pair with ``UnsupportedError`` where it does not.
+        any_row_width: whether ``dispatch_rows`` moves rows of any width and dtype (class
+            attribute), as the FP8 dispatch's packed bytes need (``fp8.py``).
     """
 
     offers_low_latency: ClassVar[bool] = False
+    any_row_width: ClassVar[bool] = False
 
     def __init__(self, setup: TransportSetup, options: Any) -> None:
         self.setup = setup

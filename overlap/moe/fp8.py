@@ -1,0 +1,93 @@
+"""FP8 dispatch: tokens cross as e4m3 with one float32 scale per 128 elements.
+
+Design note. A dispatch moves every (token, rank) row at the activations' width; the experts'
+inputs tolerate e4m3 (DeepSeek-V3 trains with it), so a row of ``hidden`` bf16 elements
+(``2 * hidden`` bytes) can cross as ``hidden`` e4m3 bytes and ``hidden / 128`` float32 scales
+(``hidden * 33 / 32`` bytes, 0.52x). Each block of 128 elements is scaled so that its largest
+magnitude maps to e4m3's largest (448), then rounded to e4m3 (3 mantissa bits): an element's
+error is at most 2^-4 of it, or for elements below 2^-15 of their block's largest (e4m3's
+subnormals) 2^-10 of the block's scale (largest / 448); a block of small elements keeps its own
+scale. The
+packed row is raw bytes (``uint8``), so it crosses over any transport whose ``dispatch_rows``
+takes rows of any width (``Transport.any_row_width``); the receiver dequantizes into the
+dispatcher's dtype before the experts. Combine and every backward pass stay in that dtype
+(the gradient of a dispatch is a combine of the gradient rows: straight through the rounding,
+as FP8 training recipes treat it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from collectives.errors import InvalidArgumentError, UnsupportedError
+
+from .handles import DispatchHandle
+from .transport import Transport
+
+__all__ = ["BLOCK", "E4M3_MAX", "packed_width", "quantize_rows", "dequantize_rows", "check_fp8_rows", "dispatch_fp8"]
+
+BLOCK = 128
+E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+
+
+def packed_width(hidden: int) -> int:
+    """Bytes of one packed row: ``hidden`` e4m3 values, then ``hidden / BLOCK`` float32 scales."""
+    return hidden + 4 * (hidden // BLOCK)
+
+
+def check_fp8_rows(x: torch.Tensor) -> None:
+    """Raise before anything is sent where ``x [tokens, hidden]`` cannot be packed."""
+    if x.shape[1] % BLOCK:
+        raise InvalidArgumentError("x", x, f"has hidden {x.shape[1]}, not a multiple of {BLOCK} (one scale per "
+                                   f"{BLOCK} elements)", "dispatch without fp8, or pad hidden")
+    if not x.dtype.is_floating_point:
+        raise InvalidArgumentError("x", x, f"has dtype {x.dtype}", "pass floating-point tokens")
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """``[tokens, packed_width(hidden)]`` uint8: each row's e4m3 values and its block scales."""
+    T, H = x.shape
+    blocks = x.float().view(T, H // BLOCK, BLOCK)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))  # a block of zeros stays zeros
+    q = (blocks / scale).to(torch.float8_e4m3fn).view(T, H).view(torch.uint8)
+    return torch.cat([q, scale.view(T, H // BLOCK).view(torch.uint8).view(T, 4 * (H // BLOCK))], 1)
+
+
+def dequantize_rows(packed: torch.Tensor, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[rows, hidden]`` in ``dtype`` from rows of :func:`quantize_rows`."""
+    R = packed.shape[0]
+    nb = hidden // BLOCK
+    q = packed[:, :hidden].contiguous().view(torch.float8_e4m3fn).float().view(R, nb, BLOCK)
+    scale = packed[:, hidden:].contiguous().view(torch.float32).view(R, nb, 1)
+    return (q * scale).view(R, hidden).to(dtype)
+
+
+class _Fp8Dispatch(torch.autograd.Function):
+    """The packed rows over ``transport.dispatch_rows``, dequantized; backward: the transport's
+    ``dispatch_backward`` of the gradient rows in their own dtype (straight through)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, handle: DispatchHandle, transport: Transport) -> torch.Tensor:
+        ctx.handle, ctx.transport, ctx.shape = handle, transport, x.shape
+        return dequantize_rows(transport.dispatch_rows(quantize_rows(x), handle), x.shape[1], x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        return ctx.transport.dispatch_backward(g.contiguous(), ctx.handle).view(ctx.shape), None, None
+
+
+def dispatch_fp8(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor
+                 ) -> tuple[torch.Tensor, DispatchHandle]:
+    """``MoEDispatcher.dispatch(..., fp8=True)`` (checked there): route, then the packed rows."""
+    if not transport.any_row_width:
+        raise UnsupportedError("fp8", True, f"needs a transport that moves rows of any width; "
+                               f"{type(transport).__name__} moves rows of its hidden size only",
+                               "use transport='nccl', or fp8=False")
+    check_fp8_rows(x)
+    handle = transport.route(topk_idx, [(0, x.shape[0])])[0]
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Fp8Dispatch.apply(x, handle, transport), handle
+    return dequantize_rows(transport.dispatch_rows(quantize_rows(x), handle), x.shape[1], x.dtype), handle
