@@ -36,17 +36,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
-import collectives as C
 from collectives.errors import InvalidArgumentError, InvalidTypeError, UnsupportedError
 
 from ..layers import ColumnParallelLinear, RowParallelLinear
 from ._experts import ExpertParallelMoE
 from ._kv import replicated_kv_linear
-from ._sequence import SequenceRowParallelLinear, SequenceSplit, split_sequence
+from ._sequence import SequenceRowParallelLinear, SequenceSplit, split_sequence, summed_over
 from ._vocab import VocabParallelEmbedding, reduce_from_group
 from .families import FAMILIES, Family
 
@@ -121,15 +119,6 @@ def _grid(tp_group: Any, ep_group: Any) -> None:
                                    "build them as the rows and columns of one grid of ranks")
 
 
-def _summed_over(group: Any) -> Any:
-    """A gradient hook: the sum of the ranks' gradients (each rank's is the part its heads gave)."""
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        total = grad.contiguous().clone()
-        C.all_reduce(total, group=group)
-        return total
-    return hook
-
-
 def parallelize(model: Any, *, tp_group: Any = None, ep_group: Any = None, sequence_parallel: bool = False,
                 strategy: str = "auto", moe_transport: Any = "nccl") -> Any:
     """Shard ``model`` (a ``transformers`` causal LM, the same on every rank) in place over ``tp_group``.
@@ -189,7 +178,7 @@ def parallelize(model: Any, *, tp_group: Any = None, ep_group: Any = None, seque
         block = family.moe_block(layer)
         if block is not None and ep > 1:
             assert family.moe is not None
-            family.replace(layer, family.moe, ExpertParallelMoE(block, ep_group, _summed_over, moe_transport))
+            family.replace(layer, family.moe, ExpertParallelMoE(block, ep_group, moe_transport))
         if tp == 1:
             continue
         column, row = family.sharded(layer)
@@ -208,7 +197,7 @@ def parallelize(model: Any, *, tp_group: Any = None, ep_group: Any = None, seque
                 family.module(layer, name).split = split
         for name in family.per_head:
             for p in family.module(layer, name).parameters():
-                p.register_hook(_summed_over(tp_group))
+                p.register_hook(summed_over(tp_group))
     transports = sorted({m.dispatcher.transport for m in model.modules() if isinstance(m, ExpertParallelMoE)})
     if split is not None:
         split_sequence(model, family, split)

@@ -30,6 +30,7 @@ from collectives import functional as F
 from collectives.errors import UnsupportedError
 
 from ..moe import GroupedSwiGLU, MoEDispatcher, register_block, routed_block
+from ._sequence import summed_over
 
 __all__ = ["ExpertParallelMoE"]
 
@@ -86,13 +87,12 @@ class ExpertParallelMoE(nn.Module):
             ``(logits, weights, indices)``) and ``experts`` (``gate_up_proj [E, 2I, H]``,
             ``down_proj [E, H, I]``, SiLU), the same on every rank.
         ep_group: the expert-parallel group; its size divides ``E``.
-        summed_over: a gradient hook factory for the replicated router (``parallelize`` passes its own).
         transport: the dispatcher's transport, a registered name or an options object
             (``MoEDispatcher``'s ``transport``: "nccl", or ``PeerOptions(max_tokens=..., top_k=...)``
             on the GPUs of one node, ``max_tokens`` the most tokens one rank sends: ``ceil(tokens / W)``).
     """
 
-    def __init__(self, block: Any, ep_group: Any, summed_over: Any, transport: Any = "nccl") -> None:
+    def __init__(self, block: Any, ep_group: Any, transport: Any = "nccl") -> None:
         super().__init__()
         experts = block.experts
         act = getattr(getattr(experts, "act_fn", None), "__class__", type(None)).__name__

@@ -25,6 +25,7 @@ its bytes): about 1.5x the unsplit layers' backward traffic. Not yet: that reduc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -149,15 +150,15 @@ class SequenceRowParallelLinear(RowParallelLinear):
         return y if self.bias is None else y + _SumGradOverRanks.apply(self.bias, self.group)
 
 
-def _summed_if_split(split: SequenceSplit) -> Any:
-    """A gradient hook: in the backward of a sequence-parallel forward, the sum of the ranks'
-    gradients (each from its own positions); otherwise the gradient as it is (every rank saw
-    every position)."""
+def summed_over(group: Any, when: Callable[[], bool] | None = None) -> Any:
+    """A gradient hook: the sum of the ranks' gradients over ``group`` (each rank's is the part
+    its heads or positions gave); with ``when``, only while ``when()`` holds, else the gradient as
+    it is (every rank saw every position)."""
     def hook(grad: torch.Tensor) -> torch.Tensor:
-        if not split.summing:
+        if when is not None and not when():
             return grad
         total = grad.contiguous().clone()
-        C.all_reduce(total, group=split.group)
+        C.all_reduce(total, group=group)
         return total
     return hook
 
@@ -172,7 +173,7 @@ def split_sequence(model: Any, family: Any, split: SequenceSplit) -> None:
     inside = (f"{family.attention}.", f"{family.mlp}.")
     positional = [p for layer in layers for n, p in layer.named_parameters() if not n.startswith(inside)]
     for p in (*positional, *model.get_submodule(family.final_norm).parameters()):
-        p.register_hook(_summed_if_split(split))
+        p.register_hook(summed_over(split.group, lambda: split.summing))
     for layer in layers:
         family.module(layer, family.attention).register_forward_pre_hook(_gather_input(split), with_kwargs=True)
         mlp = family.module(layer, family.mlp)
