@@ -15,6 +15,8 @@ Families:
   micro-batches.
 - ``soak/eager``: 1,000 ``forward_micro_batches`` calls back to back with changing routing and
   token counts, nothing waited for between them; every output checked afterwards.
+- ``fp8/kernels``: the FP8 dispatch's Triton packing and unpacking byte for byte against their
+  torch definition (``overlap/moe/fp8.py``).
 - ``soak/graph``: the decode layer (``dispatch_low_latency``, ``GroupedSwiGLU.forward_padded``
   on the device counts, ``combine_low_latency``) twice in one CUDA graph (the transport's
   buffer halves alternate), replayed 500 times back to back with new routing copied in before
@@ -39,7 +41,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import collectives as C  # noqa: E402
-from overlap.moe import GroupedSwiGLU, MoEDispatcher, reference_moe  # noqa: E402
+from overlap.moe import GroupedSwiGLU, MoEDispatcher, fp8, reference_moe  # noqa: E402
 from tests._checks import Checks, dtype_name, report  # noqa: E402
 
 DTYPES = (torch.bfloat16, torch.float32)
@@ -51,7 +53,7 @@ SOAK_CALLS, SOAK_MAX_TOKENS = 1000, 96
 
 
 def families() -> tuple[str, ...]:
-    return tuple(f"micro/{dtype_name(d)}" for d in DTYPES) + ("soak/eager", "soak/graph")
+    return tuple(f"micro/{dtype_name(d)}" for d in DTYPES) + ("soak/eager", "soak/graph", "fp8/kernels")
 
 
 class Shared(torch.nn.Module):
@@ -279,6 +281,29 @@ def soak_graph(ck: Checks, r: int, w: int, dev: torch.device) -> None:
     disp.close()
 
 
+def check_fp8_kernels(ck: Checks, r: int, dev: torch.device) -> None:
+    """The FP8 dispatch's Triton packing against its torch definition (``fp8.py``), byte for
+    byte, and the unpacking likewise, over rows of very different magnitudes, a block of
+    zeros, odd row counts and a strided input."""
+    g = torch.Generator(device=dev).manual_seed(31 + r)
+    for T, H, dtype in ((1, 128, torch.bfloat16), (77, 7168, torch.bfloat16), (300, 2048, torch.float32),
+                        (5, 384, torch.float16)):
+        x = torch.randn(T, H, generator=g, device=dev) * torch.logspace(-4, 4, T, device=dev).view(T, 1)
+        x[0, :128] = 0.0
+        x = x.to(dtype)
+        for what, src in (("contiguous", x), ("strided", torch.cat([x, x], 1)[:, :H])):
+            fused = fp8.quantize_rows(src)
+            plain = fp8.quantize_rows(src, fused=False)
+            ck.count()
+            if not torch.equal(fused, plain):
+                ck.fail(f"rank {r} fp8 pack {T}x{H} {dtype_name(dtype)} {what}: "
+                        f"{int((fused != plain).sum())} of {fused.numel()} bytes differ")
+            ck.count()
+            a, b = fp8.dequantize_rows(plain, H, dtype), fp8.dequantize_rows(plain, H, dtype, fused=False)
+            if not torch.equal(a, b):
+                ck.fail(f"rank {r} fp8 unpack {T}x{H} {dtype_name(dtype)} {what}: {int((a != b).sum())} elements differ")
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--json", help="write the results by family here (tests/_checks.py)")
@@ -302,6 +327,9 @@ def main() -> int:
     if "soak/eager" in only:
         with ck.family("soak/eager"):
             soak_eager(ck, r, w, dev)
+    if "fp8/kernels" in only:
+        with ck.family("fp8/kernels"):
+            check_fp8_kernels(ck, r, dev)
     if "soak/graph" in only:
         with ck.family("soak/graph"):
             soak_graph(ck, r, w, dev)

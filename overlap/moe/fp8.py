@@ -17,6 +17,7 @@ as FP8 training recipes treat it).
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import torch
@@ -46,19 +47,37 @@ def check_fp8_rows(x: torch.Tensor) -> None:
         raise InvalidArgumentError("x", x, f"has dtype {x.dtype}", "pass floating-point tokens")
 
 
-def quantize_rows(x: torch.Tensor) -> torch.Tensor:
-    """``[tokens, packed_width(hidden)]`` uint8: each row's e4m3 values and its block scales."""
+def _kernels(t: torch.Tensor) -> Any:
+    """The Triton kernels (``_fp8_triton.py``) where ``t`` is on CUDA and Triton is installed, else None."""
+    if not t.is_cuda or importlib.util.find_spec("triton") is None:
+        return None
+    from . import _fp8_triton  # deferred: Triton is optional and compiles on first use
+
+    return _fp8_triton
+
+
+def quantize_rows(x: torch.Tensor, *, fused: bool = True) -> torch.Tensor:
+    """``[tokens, packed_width(hidden)]`` uint8: each row's e4m3 values and its block scales
+    (on CUDA one Triton kernel where ``fused``; else torch operations, the definition)."""
     T, H = x.shape
+    k = _kernels(x) if fused else None
+    if k is not None:
+        return k.pack(x, torch.empty((T, packed_width(H)), dtype=torch.uint8, device=x.device), BLOCK)
     blocks = x.float().view(T, H // BLOCK, BLOCK)
     amax = blocks.abs().amax(-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))  # a block of zeros stays zeros
+    # times the float32 reciprocal, not divided: the same rounding on every device (torch's CUDA
+    # division by a number multiplies by its reciprocal; the CPU's divides)
+    scale = torch.where(amax > 0, amax * (1.0 / E4M3_MAX), torch.ones_like(amax))  # a block of zeros stays zeros
     q = (blocks / scale).to(torch.float8_e4m3fn).view(T, H).view(torch.uint8)
     return torch.cat([q, scale.view(T, H // BLOCK).view(torch.uint8).view(T, 4 * (H // BLOCK))], 1)
 
 
-def dequantize_rows(packed: torch.Tensor, hidden: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[rows, hidden]`` in ``dtype`` from rows of :func:`quantize_rows`."""
+def dequantize_rows(packed: torch.Tensor, hidden: int, dtype: torch.dtype, *, fused: bool = True) -> torch.Tensor:
+    """``[rows, hidden]`` in ``dtype`` from rows of :func:`quantize_rows` (as it, on CUDA)."""
     R = packed.shape[0]
+    k = _kernels(packed) if fused and packed.stride(-1) == 1 else None
+    if k is not None:
+        return k.unpack(packed, torch.empty((R, hidden), dtype=dtype, device=packed.device), BLOCK)
     nb = hidden // BLOCK
     q = packed[:, :hidden].contiguous().view(torch.float8_e4m3fn).float().view(R, nb, BLOCK)
     scale = packed[:, hidden:].contiguous().view(torch.float32).view(R, nb, 1)
