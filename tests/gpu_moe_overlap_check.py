@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -193,6 +194,18 @@ def _wrong(got: torch.Tensor, want: torch.Tensor, tol: float) -> int:
     return int(bad.sum())
 
 
+def _tally(ck: Checks, where: str, pairs: Iterable[tuple[str, torch.Tensor, torch.Tensor]], tol: float) -> int:
+    """One check per (what, got, want): its wrong elements; the total."""
+    total = 0
+    for what, got, want in pairs:
+        bad = _wrong(got, want, tol)
+        ck.count()
+        if bad:
+            ck.fail(f"{where} {what}: {bad} wrong elements")
+        total += bad
+    return total
+
+
 def soak_eager(ck: Checks, r: int, w: int, dev: torch.device) -> None:
     """``SOAK_CALLS`` micro-batched forwards back to back: changing routing, token counts
     (zero on some rank now and then), 2 or 3 micro-batches, a shared expert every other call."""
@@ -210,16 +223,15 @@ def soak_eager(ck: Checks, r: int, w: int, dev: torch.device) -> None:
             out = disp.forward_micro_batches(x, idx, wt, mine, micro_batches=2 + call % 2, shared_expert=use)
             kept.append((x, idx, wt, use, out))
         torch.cuda.synchronize()
-        wrong = 0
-        for call, (x, idx, wt, use, out) in enumerate(kept):
-            want = _definition(x, idx, wt, whole64)
-            if use is not None:
-                want = want + (F.silu(x.double() @ use.w1.double()) @ use.w2.double())
-            bad = _wrong(out, want, TOL[dtype])
-            ck.count()
-            if bad:
-                ck.fail(f"rank {r} eager soak call {call} ({x.shape[0]} tokens): {bad} wrong elements")
-            wrong += bad
+
+        def pairs() -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+            for call, (x, idx, wt, use, out) in enumerate(kept):
+                want = _definition(x, idx, wt, whole64)
+                if use is not None:
+                    want = want + (F.silu(x.double() @ use.w1.double()) @ use.w2.double())
+                yield f"call {call} ({x.shape[0]} tokens)", out, want
+
+        wrong = _tally(ck, f"rank {r} eager soak", pairs(), TOL[dtype])
     print(f"rank {r}: eager soak, {SOAK_CALLS} calls, {wrong} wrong elements", flush=True)
     disp.close()
 
@@ -270,13 +282,8 @@ def soak_graph(ck: Checks, r: int, w: int, dev: torch.device) -> None:
         ck.fail(f"rank {r} graph soak: {type(exc).__name__}: {str(exc)[:300]}")
         disp.close()
         return
-    wrong = 0
-    for i in range(SOAK_CALLS):
-        bad = _wrong(outs[i], _definition(xs[i], ids[i], wts[i], whole64), TOL[dtype])
-        ck.count()
-        if bad:
-            ck.fail(f"rank {r} graph soak layer {i}: {bad} wrong elements")
-        wrong += bad
+    wrong = _tally(ck, f"rank {r} graph soak", ((f"layer {i}", outs[i], _definition(xs[i], ids[i], wts[i], whole64))
+                                                for i in range(SOAK_CALLS)), TOL[dtype])
     print(f"rank {r}: graph soak, {SOAK_CALLS} layers, {wrong} wrong elements", flush=True)
     disp.close()
 
