@@ -6,11 +6,12 @@ inputs tolerate e4m3 (DeepSeek-V3 trains with it), so a row of ``hidden`` bf16 e
 (``hidden * 33 / 32`` bytes, 0.52x). Each block of 128 elements is scaled so that its largest
 magnitude maps to e4m3's largest (448), then rounded to e4m3 (3 mantissa bits): an element's
 error is at most 2^-4 of it, or for elements below 2^-15 of their block's largest (e4m3's
-subnormals) 2^-10 of the block's scale (largest / 448); a block of small elements keeps its own
-scale. The
-packed row is raw bytes (``uint8``), so it crosses over any transport whose ``dispatch_rows``
-takes rows of any width (``Transport.any_row_width``); the receiver dequantizes into the
-dispatcher's dtype before the experts. Combine and every backward pass stay in that dtype
+subnormals) 2^-10 of the block's scale (largest x 1/448); a block of small elements keeps its
+own scale. The packed row is raw bytes (``uint8``), so it crosses over any transport whose
+``dispatch_rows`` takes rows of any width (``Transport.any_row_width``); the receiver
+dequantizes into the dispatcher's dtype before the experts. On CUDA one Triton kernel packs and
+one unpacks (``_fp8_triton.py``); the torch operations here are the definition they match byte
+for byte. Eager only: under ``torch.compile`` there is no traced op for it yet. Combine and every backward pass stay in that dtype
 (the gradient of a dispatch is a combine of the gradient rows: straight through the rounding,
 as FP8 training recipes treat it).
 """
