@@ -20,6 +20,7 @@ kernel on the grouped copy; outputs checked against float64.
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -149,8 +150,9 @@ def measure_beside(name: str, rows: int, hidden: int, ffn_hidden: int, experts: 
         "ce_device": (lambda: dst.copy_(src, non_blocking=True), None),
         "ce_host": (lambda: host.copy_(src, non_blocking=True), None)}
     for b in blocks:
-        transfers[f"sm_{b}"] = (lambda b=b: _sm_copy(src, dst, b), None)
-        transfers[f"sm_{b}_carveout"] = (lambda b=b: _sm_copy(src, dst, b), b)
+        sm_copy = functools.partial(_sm_copy, src, dst, b)
+        transfers[f"sm_{b}"] = (sm_copy, None)
+        transfers[f"sm_{b}_carveout"] = (sm_copy, b)
     records = []
     with torch.no_grad():
         def run() -> object:

@@ -67,7 +67,7 @@ class _Lanes:
     def __init__(self, device: torch.device, streams: dict[torch.device, Any]) -> None:
         """``streams``: the dispatcher's exchange streams by device (one made and kept per device)."""
         self.cuda = device.type == "cuda"
-        self.main = torch.cuda.current_stream(device) if self.cuda else None
+        self.main: Any = torch.cuda.current_stream(device) if self.cuda else None  # (None on the CPU)
         if self.cuda and device not in streams:
             streams[device] = torch.cuda.Stream(device)
         self.side = streams[device] if self.cuda else None
