@@ -38,7 +38,7 @@ from collectives.errors import InvalidArgumentError, UnsupportedError
 from . import _ops
 from .handles import DispatchHandle, LowLatencyHandle
 from .fp8 import dispatch_fp8
-from .micro_batches import forward_micro_batches, run_experts
+from .micro_batches import forward_micro_batches, micro_batch_bounds, run_experts
 from .transport import (
     CombineGrads,
     Experts,
@@ -414,7 +414,7 @@ class MoEDispatcher(_TransportAttributes):
             return self.forward(x, topk_idx, topk_weights, experts)
         self._check(x, topk_idx, topk_weights)
         t.check_tokens(x)
-        bounds = [(x.shape[0] * i // n, x.shape[0] * (i + 1) // n) for i in range(n)]
+        bounds = micro_batch_bounds(x.shape[0], n)
         if not torch.is_grad_enabled():
             out = t.pipeline(x, topk_idx, topk_weights, experts, bounds)
             if out is not None:

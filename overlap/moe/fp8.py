@@ -85,6 +85,11 @@ def dequantize_rows(packed: torch.Tensor, hidden: int, dtype: torch.dtype, *, fu
     return (q * scale).view(R, hidden).to(dtype)
 
 
+def _sent(transport: Transport, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+    """``x``'s rows packed, through ``transport.dispatch_rows``, unpacked into ``x``'s dtype."""
+    return dequantize_rows(transport.dispatch_rows(quantize_rows(x), handle), x.shape[1], x.dtype)
+
+
 class _Fp8Dispatch(torch.autograd.Function):
     """The packed rows over ``transport.dispatch_rows``, dequantized; backward: the transport's
     ``dispatch_backward`` of the gradient rows in their own dtype (straight through)."""
@@ -92,7 +97,7 @@ class _Fp8Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, handle: DispatchHandle, transport: Transport) -> torch.Tensor:
         ctx.handle, ctx.transport, ctx.shape = handle, transport, x.shape
-        return dequantize_rows(transport.dispatch_rows(quantize_rows(x), handle), x.shape[1], x.dtype)
+        return _sent(transport, x, handle)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> Any:
@@ -110,4 +115,4 @@ def dispatch_fp8(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor
     handle = transport.route(topk_idx, [(0, x.shape[0])])[0]
     if torch.is_grad_enabled() and x.requires_grad:
         return _Fp8Dispatch.apply(x, handle, transport), handle
-    return dequantize_rows(transport.dispatch_rows(quantize_rows(x), handle), x.shape[1], x.dtype), handle
+    return _sent(transport, x, handle), handle

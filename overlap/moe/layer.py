@@ -24,6 +24,7 @@ from collectives.errors import InvalidArgumentError
 from . import _ops
 from .dispatcher import MoEDispatcher
 from .experts import GroupedSwiGLU
+from .micro_batches import check_micro_batches
 from .transport import TransportOptions
 
 __all__ = ["MoELayer", "register_block", "routed_block"]
@@ -73,8 +74,7 @@ class MoELayer(nn.Module):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise InvalidArgumentError("top_k", top_k, f"is not in 1..num_experts ({num_experts})", "pick fewer experts per token")
-        if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
-            raise InvalidArgumentError("micro_batches", micro_batches, "is not a positive int", "pass 1 or 2")
+        check_micro_batches(micro_batches)
         if micro_batches > 1 and chunks != "auto":
             raise InvalidArgumentError("chunks", chunks, f"cannot be set with micro_batches={micro_batches} (the "
                                        "micro-batches are the overlap)", "leave chunks='auto', or micro_batches=1")

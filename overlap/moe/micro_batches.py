@@ -44,7 +44,7 @@ from .transport import Experts
 if TYPE_CHECKING:  # (the dispatcher imports this module)
     from .dispatcher import MoEDispatcher
 
-__all__ = ["forward_micro_batches", "run_experts", "micro_batch_bounds"]
+__all__ = ["forward_micro_batches", "run_experts", "micro_batch_bounds", "check_micro_batches"]
 
 
 def run_experts(experts: Experts, recv: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
@@ -53,6 +53,12 @@ def run_experts(experts: Experts, recv: torch.Tensor, handle: DispatchHandle) ->
     if handle.expert_ends is not None and isinstance(experts, GroupedSwiGLU):
         return experts(recv, handle.tokens_per_expert, ends=handle.expert_ends)
     return experts(recv, handle.tokens_per_expert)
+
+
+def check_micro_batches(n: Any) -> None:
+    """Raise where ``n`` is not a micro-batch count (a positive int)."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise InvalidArgumentError("micro_batches", n, "is not a positive int", "pass 2 (or 1: no overlap)")
 
 
 def micro_batch_bounds(tokens: int, n: int) -> list[tuple[int, int]]:
@@ -116,8 +122,7 @@ def forward_micro_batches(disp: MoEDispatcher, x: torch.Tensor, topk_idx: torch.
                           topk_weights: torch.Tensor, experts: Experts, n: int,
                           shared_expert: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
     """``MoEDispatcher.forward_micro_batches`` (see it and the module's design note)."""
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise InvalidArgumentError("micro_batches", n, "is not a positive int", "pass 2 (or 1: no overlap)")
+    check_micro_batches(n)
     disp._check(x, topk_idx, topk_weights)
     disp.transport_impl.check_tokens(x)
     lanes = _Lanes(x.device, disp.exchange_streams)
