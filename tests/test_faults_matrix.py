@@ -1,5 +1,5 @@
 """The CPU fault matrix (``launch/faults/run_all.py``): every scenario detected, the culprit and the
-call named, every rank gone within timeout + 15 s, no process left (3 Gloo ranks, 3 s timeouts).
+call named, every rank gone within timeout + 15 s of the fault, no process left (3 Gloo ranks, 3 s timeouts).
 
 The default run takes every scenario but the hang inside an algorithm, of which it takes three
 (ring, hierarchical, grid2d: the point-to-point executor and both sub-group algorithms); the

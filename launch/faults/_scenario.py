@@ -138,8 +138,8 @@ def run(name: str, inject: str, expect: str, body: Callable[[C.Communicator, int
     device = torch.device("cuda", torch.cuda.current_device()) if comm.backend_for("cuda") else torch.device("cpu")
     for _ in range(warmup):
         C.all_reduce(torch.ones(8, device=device))
-    outcome: dict[str, Any] = {"rank": comm.rank, "culprit": culprit, "raised": None}
     t0 = time.time()
+    outcome: dict[str, Any] = {"rank": comm.rank, "culprit": culprit, "raised": None, "fault_at": t0}
     try:
         try:
             with C.call_timeout(timeout) if not long_timeout else contextlib.nullcontext():

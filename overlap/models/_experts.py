@@ -41,9 +41,12 @@ __all__ = ["ExpertParallelMoE"]
 _EAGER_BLOCK = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
 
 
-@torch.compiler.disable
-def _eager(fn: Any, x: torch.Tensor) -> torch.Tensor:
+def _call(fn: Any, x: torch.Tensor) -> torch.Tensor:
     return fn(x)  # type: ignore[no-any-return]
+
+
+# (decorated only where it is used: ``torch.compiler.disable`` imports dynamo, 2 s per process)
+_eager = torch.compiler.disable(_call) if _EAGER_BLOCK else _call
 
 
 class _TakeRows(torch.autograd.Function):
