@@ -4,6 +4,7 @@
     from overlap.layers import ColumnParallelLinear, RowParallelLinear
     from overlap import MoEDispatcher, MoELayer, GroupedSwiGLU, reference_moe   # overlap.moe
     from overlap import parallelize       # a transformers model, sharded in place (overlap.models)
+    from overlap import fused_all_reduce_rmsnorm   # all-reduce + residual + RMSNorm (overlap.norm)
 
 Each operator equals a plain sequence (``reference_*`` beside it) and is differentiable; the
 layers follow Megatron-LM's semantics (``overlap/layers.py``). The mixture of experts lives in
@@ -22,6 +23,7 @@ from .moe import (
     register_transport,
 )
 from .models import parallelize
+from .norm import fused_all_reduce_rmsnorm, reference_all_reduce_rmsnorm
 from .ops import (
     STRATEGIES,
     OverlapChoice,
@@ -41,4 +43,5 @@ __all__ = [
     "OverlapChoice", "last_choice", "set_tuned", "STRATEGIES",
     "MoEDispatcher", "MoELayer", "GroupedSwiGLU", "reference_moe", "DispatchHandle", "LowLatencyHandle",
     "NcclOptions", "PeerOptions", "register_transport", "parallelize",
+    "fused_all_reduce_rmsnorm", "reference_all_reduce_rmsnorm",
 ]

@@ -24,49 +24,7 @@ __device__ void one_shot(const Ctx& c, const T* in, T* out, long n, long slot) {
   end(c);
 }
 
-// ---- low-latency words: 4 bytes of data and the call's number in one 8-byte store -------------
-//
-// For small messages the flag round trip of `barrier` (a system fence, a flag, a wait) is most of
-// a call. Here every 4 data bytes travel with the call's number e in one 8-byte store (single-copy
-// atomic), and the reader spins on each word until it carries e: no fence, no separate flag.
-// The words have an area of their own (after the flags, two sets as for the slots), which no
-// other path writes: words of call e - 2 in the same set carry e - 2 and are never taken for
-// e's, while raw data there (a slot buffer's) could carry any number. Each wait is bounded like
-// a barrier's (stage 2).
-
-#define STAGE_LL 2
-
-__device__ __forceinline__ void st_ll(u64* p, u32 data, u32 e) {
-  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(((u64)e << 32) | data) : "memory");
-}
-
-__device__ __forceinline__ u64 ld_relaxed_sys64(const u64* p) {
-  u64 v;
-  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-// Rank q's set of low-latency words for call e.
-__device__ __forceinline__ u64* ll_slots(const Ctx& c, int q, u32 e) {
-  return reinterpret_cast<u64*>(c.flags.p[q] + c.ll_off + (e & 1u) * c.ll_set_bytes);
-}
-
-// The data of word `p` once it carries `e`; false (recorded) on timeout.
-__device__ __forceinline__ bool ld_ll(const Ctx& c, const u64* p, u32 e, int peer, u32* data) {
-  u64 v = ld_relaxed_sys64(p);
-  if ((u32)(v >> 32) != e) {
-    const u64 start = global_ns();
-    do {
-      if (global_ns() - start > c.timeout_ns) {
-        report_timeout(c.err, c.err_dev, STAGE_LL, peer);
-        return false;
-      }
-      v = ld_relaxed_sys64(p);
-    } while ((u32)(v >> 32) != e);
-  }
-  *data = (u32)v;
-  return true;
-}
+// ---- low-latency words (their store, load and area: peer.cuh) ----------------------------------
 
 // Word i of a `bytes`-long message (4-byte aligned; the last word may hold 2 bytes).
 __device__ __forceinline__ u32 word_of(const void* src, long i, long bytes) {

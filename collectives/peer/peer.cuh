@@ -1,10 +1,11 @@
 // What every peer-memory kernel module shares: the types, the flags and the bounded barrier,
-// element packs, the context (`struct Ctx`) and a call's begin and end.
+// element packs, the context (`struct Ctx`), a call's begin and end, and the low-latency words.
 //
 // collectives/peer/_launch.py compiles this text in front of each source, the two concatenated
 // (it is not #included): collectives/peer/kernels.cu (the collectives), and a source of code
 // outside collectives/peer that ships its own kernels against the same context
-// (overlap/_moe_rows.cu, the MoE row kernels). Each source is one compiled module.
+// (overlap/moe/rows.cu, the MoE row kernels; overlap/norm.cu, the fused all-reduce + RMSNorm).
+// Each source is one compiled module.
 //
 // The protocol (see collectives/peer/__init__.py). Every rank owns one IPC buffer of slots, where
 // peers push data, in two halves ("sets"), and one flag area; both are mapped into every other
@@ -272,4 +273,48 @@ __device__ __forceinline__ T* slots_of(const Ctx& c, int q, u32 e) {
 
 __device__ __forceinline__ u32* ce_flag(char* base, int slot, int stage, int src) {
   return reinterpret_cast<u32*>(base) + BLOCK_FLAG_WORDS + (slot * CE_STAGES + stage) * MAX_RANKS + src;
+}
+
+// ---- low-latency words: 4 bytes of data and the call's number in one 8-byte store -------------
+//
+// For small messages the flag round trip of `barrier` (a system fence, a flag, a wait) is most of
+// a call. Here every 4 data bytes travel with the call's number e in one 8-byte store (single-copy
+// atomic), and the reader spins on each word until it carries e: no fence, no separate flag.
+// The words have an area of their own (after the flags, two sets as for the slots), which no
+// other path writes: words of call e - 2 in the same set carry e - 2 and are never taken for
+// e's, while raw data there (a slot buffer's) could carry any number. Each wait is bounded like
+// a barrier's (stage 2).
+
+#define STAGE_LL 2
+
+__device__ __forceinline__ void st_ll(u64* p, u32 data, u32 e) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(((u64)e << 32) | data) : "memory");
+}
+
+__device__ __forceinline__ u64 ld_relaxed_sys64(const u64* p) {
+  u64 v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Rank q's set of low-latency words for call e.
+__device__ __forceinline__ u64* ll_slots(const Ctx& c, int q, u32 e) {
+  return reinterpret_cast<u64*>(c.flags.p[q] + c.ll_off + (e & 1u) * c.ll_set_bytes);
+}
+
+// The data of word `p` once it carries `e`; false (recorded) on timeout.
+__device__ __forceinline__ bool ld_ll(const Ctx& c, const u64* p, u32 e, int peer, u32* data) {
+  u64 v = ld_relaxed_sys64(p);
+  if ((u32)(v >> 32) != e) {
+    const u64 start = global_ns();
+    do {
+      if (global_ns() - start > c.timeout_ns) {
+        report_timeout(c.err, c.err_dev, STAGE_LL, peer);
+        return false;
+      }
+      v = ld_relaxed_sys64(p);
+    } while ((u32)(v >> 32) != e);
+  }
+  *data = (u32)v;
+  return true;
 }
