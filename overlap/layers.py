@@ -209,6 +209,9 @@ class RowParallelLinear(nn.Module):
         self.in_per_rank = _divide("in_features", in_features, comm.size)
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         self.strategy, self.chunks = strategy, chunks
+        # True: forward returns this rank's partial product, unreduced and without the bias, for a
+        # caller that reduces it itself (the decoder layers' fused norm, overlap/models/_decode.py)
+        self.deferred = False
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
         bound = 1 / math.sqrt(in_features)
@@ -236,6 +239,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = _ScatterLastDim.apply(x, self.group)
+        if self.deferred:
+            return torch.nn.functional.linear(x, self.weight)
         if self.sequence_parallel:
             y = gemm_reduce_scatter(x, self.weight.t(), self.group, scatter_dim=0, strategy=self.strategy,
                                     chunks=self.chunks)

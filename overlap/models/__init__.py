@@ -30,6 +30,11 @@ model as it was.
 - with ``sequence_parallel=True``, the residual stream between the layer pairs split along the
   sequence (dimension 1 of Hugging Face's ``[batch, seq, hidden]``) in every forward whose
   sequence divides the group; o and down reduce-scatter instead of all-reducing (``_sequence.py``).
+
+- at decode (a forward without autograd of at most 256 tokens), with ``strategy="auto"``, each
+  all-reduce of o and down fused with the residual add and the RMSNorm after it
+  (``fused_all_reduce_rmsnorm``, ``_decode.py``); ``model.commops_parallel["decode_norms"]`` says
+  whether it is on.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from torch import nn
 from collectives.errors import InvalidArgumentError, InvalidTypeError, UnsupportedError
 
 from ..layers import ColumnParallelLinear, RowParallelLinear
+from ._decode import fuse_decode_norms
 from ._experts import ExpertParallelMoE
 from ._kv import replicated_kv_linear
 from ._sequence import SequenceRowParallelLinear, SequenceSplit, split_sequence, summed_over
@@ -203,9 +209,12 @@ def parallelize(model: Any, *, tp_group: Any = None, ep_group: Any = None, seque
         split_sequence(model, family, split)
     model.commops_parallel = {"family": family.name, "tp": tp, "ep": ep, "strategy": strategy,
                               "sequence_parallel": split is not None,
-                              "moe_transport": transports[0] if transports else None}
+                              "moe_transport": transports[0] if transports else None,
+                              "decode_norms": "off: no tensor parallelism"}
     if tp == 1:
         return model
+    model.commops_parallel["decode_norms"] = fuse_decode_norms(model, family, tp_group, split) \
+        if strategy == "auto" else f"off: strategy={strategy!r} (the fused norms follow 'auto')"
     new_emb = VocabParallelEmbedding.from_embedding(emb, tp_group)
     model.set_input_embeddings(new_emb)
     if head is not None:

@@ -40,6 +40,8 @@ class Family:
             the last layer, from the model's root (both where sequence parallelism gathers).
         kv: the names in ``column`` of the k and v projections, replicated per KV head when the
             KV heads are fewer than the ranks (``_kv.py``).
+        input_norm, post_norm: the dotted names of a layer's RMSNorms before the attention and
+            before the MLP (where decode fuses the all-reduces with them, ``_decode.py``).
     """
 
     name: str
@@ -52,6 +54,8 @@ class Family:
     mlp: str = "mlp"
     final_norm: str = "model.norm"
     kv: tuple[str, ...] = ("self_attn.k_proj", "self_attn.v_proj")
+    input_norm: str = "input_layernorm"
+    post_norm: str = "post_attention_layernorm"
 
     def layers(self, model: Any) -> list[nn.Module]:
         return list(self.decoder_layers(model))
