@@ -10,7 +10,7 @@
 // same bits.
 //
 // Three entry points per dtype:
-//   ar_rmsnorm_ll_*   rows within the low-latency words' area (collectives/peer/_layout.py):
+//   ar_rmsnorm_ll_*   messages within the low-latency words' area (collectives/peer/_layout.py):
 //                     every 4 bytes of x travel with the call's number in one 8-byte store, and the
 //                     reader spins on each word (no flag round trip); rows of whole words.
 //   ar_rmsnorm_*      rows within one rank's share of a set of slots: pushed, one barrier, summed.
@@ -57,7 +57,7 @@ __device__ __forceinline__ float add_row(const T* const* srcs, int world, const 
   }
   for (long i = j + threadIdx.x; i < hidden; i += blockDim.x) {
     float acc = 0.f;
-    for (int q = 0; q < world; ++q) acc += to_f(srcs[q][i]);
+    for (int q = 0; q < world; ++q) acc += to_f(__ldcg(srcs[q] + i));
     const T o = from_f<T>(acc + to_f(res[i]));
     r[i] = o;
     ss += to_f(o) * to_f(o);
@@ -65,7 +65,8 @@ __device__ __forceinline__ float add_row(const T* const* srcs, int world, const 
   return ss;
 }
 
-// y[j] = round(r[j] * inv * w[j]) over this row; each thread reads back the r it wrote itself.
+// y[j] = round(r[j] * inv * w[j]) over this row. Reads r as written by this block: after a
+// __syncthreads (block_sum's) that makes every thread's stores of r visible to the block.
 template <typename T, bool VEC>
 __device__ __forceinline__ void scale_row(const T* r, const T* w, T* y, long hidden, float inv) {
   const int N = Pack<T>::N;

@@ -11,7 +11,7 @@ a few rows each, three launches that each cost more in latency than in bytes. Tw
   ``x`` into every peer's peer memory (``collectives.peer``), sums them in rank order, adds the
   residual, writes ``r``, reduces the row's sum of squares and writes ``y``: the all-reduce's
   bytes and nothing else cross the link, and ``r`` never makes a second trip through memory
-  before the norm reads it. Rows within the low-latency words' area (256 KiB) travel as
+  before the norm reads it. Messages within the low-latency words' area (256 KiB) travel as
   low-latency words, larger ones through the slots with one barrier; at one rank it is the add
   and the norm in one kernel. Every rank computes the same bits. Captured by CUDA graphs (the
   call number lives on the device), once an eager call has built the peer memory and the kernel.
@@ -51,6 +51,7 @@ __all__ = ["fused_all_reduce_rmsnorm", "reference_all_reduce_rmsnorm", "NORM_STR
 
 NORM_STRATEGIES = ("auto", "fused", "sequential")
 DECODE_ROWS = 256  # auto's fused range: the decode batches (tokens) a layer sees
+MAX_ROW_BYTES = 64 << 10  # the fused kernel's widest row (a block per row): hidden 32768 in bf16
 SOURCE = Path(__file__).with_name("norm.cu")  # compiled after collectives/peer/peer.cuh
 _OP = "all_reduce_rmsnorm"
 _GRID = 1024  # the most blocks of the one-rank kernel (a block per row)
@@ -86,8 +87,8 @@ def _check(x: Any, residual: Any, weight: Any, eps: Any, strategy: Any) -> None:
             raise InvalidArgumentError(name, t, f"is on {t.device} but x is on {x.device}", "put all three on one device")
     if not x.is_floating_point():
         raise InvalidArgumentError("x", x, f"has dtype {x.dtype}; the norm needs floating point", "pass float tensors")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-        raise InvalidArgumentError("eps", eps, "must be a number >= 0", "pass the norm's epsilon, e.g. 1e-6")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps <= 3.4e38:
+        raise InvalidArgumentError("eps", eps, "must be a float32 number >= 0", "pass the norm's epsilon, e.g. 1e-6")
     if strategy not in NORM_STRATEGIES:
         raise UnsupportedError("strategy", strategy, "is not a strategy of fused_all_reduce_rmsnorm",
                                f"pass one of {list(NORM_STRATEGIES)}")
@@ -101,6 +102,12 @@ def _unavailable(comm: C.Communicator, x: torch.Tensor) -> str:
         return f"it is a CUDA kernel; these tensors are on {x.device.type}"
     if x.dtype not in DTYPES:
         return f"it reduces {sorted(map(str, DTYPES))}, not {x.dtype}"
+    if x.get_device() != torch.cuda.current_device():
+        return (f"x is on {x.device} but the current CUDA device is cuda:{torch.cuda.current_device()}, where "
+                "peer memory and the launches are: call torch.cuda.set_device first")
+    if x.shape[-1] * x.element_size() > MAX_ROW_BYTES:
+        return (f"rows of {x.shape[-1] * x.element_size()} B: one block takes a whole row, beyond "
+                f"{MAX_ROW_BYTES} B a row needs more than a block")
     if x.is_cuda and _capturing() and not _ready(comm, x):
         return ("its peer memory or module does not exist and cannot be built while capturing: call the "
                 "operator once before capturing")
@@ -110,7 +117,7 @@ def _unavailable(comm: C.Communicator, x: torch.Tensor) -> str:
     if why:
         return f"peer memory: {why}"
     pm = peer_memory(comm)
-    if x.numel() > _slot_elements(pm, x.element_size()):
+    if not _words(x.reshape(-1, x.shape[-1]), pm) and x.numel() > _slot_elements(pm, x.element_size()):
         return (f"{x.numel() * x.element_size()} B do not fit one rank's share of a set of slots "
                 f"({pm.set_bytes // pm.world} B; COMMOPS_PEER_BYTES sets it)")
     return ""
@@ -137,20 +144,31 @@ def _local_kernel(device: int, name: str) -> Any:
     return k
 
 
-def _launch_plan(comm: C.Communicator, x: torch.Tensor, aligned: bool) -> tuple[Any, int, int, int]:
-    """(kernel, grid, slot stride, stream) for ``x`` as ``[rows, hidden]`` rows on this group."""
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    return t if t.data_ptr() % PACK_BYTES == 0 else t.clone()
+
+
+def _words(x: torch.Tensor, pm: Any) -> bool:
+    """Whether ``x`` ([rows, hidden]) travels as low-latency words: the whole message within their
+    area, rows of whole 4-byte words. By shape alone: every rank launches the same kernel."""
+    es = x.element_size()
+    return x.numel() * es <= min(pm.ll_max_bytes, ONE_SHOT_LL_MAX_BYTES) and x.shape[-1] * es % 4 == 0
+
+
+def _launch_plan(comm: C.Communicator, x: torch.Tensor) -> tuple[Any, int, int, int]:
+    """(kernel, grid, slot stride, stream) for ``x`` (``[rows, hidden]``, 16-byte aligned) on this group."""
     rows, hidden = x.shape
     es = x.element_size()
     tag = _TAGS[x.dtype]
-    vec = aligned and hidden % (PACK_BYTES // es) == 0
+    vec = hidden % (PACK_BYTES // es) == 0
     if comm.size == 1:
         dev = x.get_device()
         k = _local_kernel(dev, f"add_rmsnorm_{tag}_{'vec' if vec else 'scalar'}")
         return k, max(1, min(rows, _GRID)), 0, _launch.current_stream(dev)
     pm = peer_memory(comm)
     grid = max(1, min(rows, pm.max_blocks))
-    # (by shape alone: every rank must launch the same one; x is 16-byte aligned, _fused says why)
-    if x.numel() * es <= min(pm.ll_max_bytes, ONE_SHOT_LL_MAX_BYTES) and hidden * es % 4 == 0:
+    if _words(x, pm):  # each rank's words ONE_SHOT_LL_MAX_BYTES // 4 apart (_layout.ll_set_bytes)
         return pm.kernel("ar_rmsnorm_ll", x.dtype, True, 9, source=SOURCE), grid, ONE_SHOT_LL_MAX_BYTES // 4, \
             pm.stream()
     return pm.kernel("ar_rmsnorm", x.dtype, vec, 9, source=SOURCE), grid, _slot_elements(pm, es), pm.stream()
@@ -159,14 +177,13 @@ def _launch_plan(comm: C.Communicator, x: torch.Tensor, aligned: bool) -> tuple[
 def _fused(comm: C.Communicator, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     hidden = x.shape[-1]
-    x2, res2 = x.reshape(-1, hidden).contiguous(), residual.reshape(-1, hidden).contiguous()
-    if x2.data_ptr() % PACK_BYTES:  # (a view into a larger buffer) the words' kernel reads x as words
-        x2 = x2.clone()
-    w = weight.contiguous()
+    # Every input 16-byte aligned (a view into a larger buffer is copied): the kernel's member then
+    # follows from the shape alone, the same on every rank, and so do its sums' order and bits.
+    x2, res2 = _aligned(x.reshape(-1, hidden)), _aligned(residual.reshape(-1, hidden))
+    w = _aligned(weight)
     y, r = torch.empty_like(x2), torch.empty_like(x2)
     if x2.shape[0]:
-        aligned = all(t.data_ptr() % PACK_BYTES == 0 for t in (x2, res2, w, y, r))
-        k, grid, slot, stream = _launch_plan(comm, x2, aligned)
+        k, grid, slot, stream = _launch_plan(comm, x2)
         k(grid, stream, x2.data_ptr(), res2.data_ptr(), w.data_ptr(), y.data_ptr(), r.data_ptr(), x2.shape[0], hidden,
           _eps_bits(eps), slot)
         _WARM.add((x2.get_device(), x2.dtype))

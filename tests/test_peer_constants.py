@@ -2,7 +2,8 @@
 tile, a header or a flag area sized differently on the two sides would make the kernels read and
 write past what the host allocated, on GPUs only, where nothing in this suite runs. The kernels'
 side is every text a module compiles: the common header ``collectives/peer/peer.cuh``, the
-collectives' ``kernels.cu`` and the MoE row kernels' ``overlap/moe/rows.cu``."""
+collectives' ``kernels.cu``, the MoE row kernels' ``overlap/moe/rows.cu`` and the fused
+all-reduce + RMSNorm's ``overlap/norm.cu``."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from pathlib import Path
 from collectives.peer import _launch
 from collectives.peer import copy_engines as CE, memory as M
 from overlap.moe import peer_kernels as K
+from overlap import norm as N
 from overlap.moe import peer_plan as P
 
 ROWS = K.ROWS_SOURCE
-SOURCES = {path.name: path.read_text() for path in (*_launch.sources_of(), ROWS)}
+SOURCES = {path.name: path.read_text() for path in (*_launch.sources_of(), ROWS, N.SOURCE)}
 KERNELS = "\n".join(SOURCES.values())
 
 
@@ -41,8 +43,10 @@ def test_each_kernel_is_defined_in_one_source_and_the_rows_in_their_own() -> Non
     # a module is the header and one source: an entry point in two sources, or a row kernel left
     # in kernels.cu, would be compiled twice or looked up in the wrong module
     entry = re.compile(r'extern "C" __global__ void[\s\\]+(?:__launch_bounds__\(\d+\)[\s\\]+)?(\w+)')
-    header, kernels, rows = (set(entry.findall(text)) for text in SOURCES.values())
+    header, kernels, rows, norm = (set(entry.findall(text)) for text in SOURCES.values())
     assert not header, f"entry points in peer.cuh: {sorted(header)}"
-    assert {"ce_fence", "ce_wait", "ce_wait_from"} <= kernels and not kernels & rows
+    assert {"ce_fence", "ce_wait", "ce_wait_from"} <= kernels and not kernels & rows and not (kernels | rows) & norm
     assert rows and all(name.startswith("rows_") for name in rows), sorted(rows)
     assert not any(name.startswith("rows_") for name in kernels)
+    # the norm's entry points are pasted per dtype (NAME_##TAG##_vec): their stems
+    assert norm == {"ar_rmsnorm_", "ar_rmsnorm_ll_", "add_rmsnorm_"}, sorted(norm)
