@@ -365,9 +365,12 @@ def _break(comm: Communicator) -> None:
                 pass
 
 
+# ops whose leading dimension is each rank's own (its rows to send and receive): not compared
+_PER_RANK_ROWS = frozenset({"all_to_all", "moe_dispatch", "moe_combine"})
+
+
 def _fingerprint_entry(e: list[Any]) -> dict[str, Any]:
-    a2a = e[_AT["op"]] == "all_to_all"
-    keep = 1 if a2a else 0
+    keep = 1 if e[_AT["op"]] in _PER_RANK_ROWS else 0
     rop = e[_AT["reduce_op"]]
     return {"op": e[_AT["op"]], "algorithm": e[_AT["algorithm"]],
             "in_shape": None if e[_AT["in_shape"]] is None else list(e[_AT["in_shape"]])[keep:],

@@ -263,12 +263,20 @@ def _fast_key(op: str, algorithm: str, reduce_op: Any, output: torch.Tensor, inp
 @contextmanager
 def recorded(comm: Communicator, op: str, algorithm: str, output: torch.Tensor, input: torch.Tensor) -> Iterator[None]:
     """Count and record, like a collective, communication that runs outside the verbs (the
-    overlap operators' copy-engine paths): a sequence number of ``comm``, a flight-recorder
-    entry, and on an exception the same dump and timeout handling as a collective's."""
+    overlap operators' copy-engine paths, the peer MoE transport): a sequence number of ``comm``,
+    a flight-recorder entry, and on an exception the same dump and timeout handling as a
+    collective's. A group in trouble is settled first, as before a verb. The host waits inside
+    such a call on the GPU (or compiles), where the patrol cannot break the wait: what the patrol
+    found meanwhile (a mismatch, another rank's failure) is raised when the block ends."""
+    if comm._trouble is not None:
+        _watch.settle(comm, op)
     comm.seq += 1
     entry = RECORDER.start_fast(comm, op, algorithm, output, input, None)
     try:
         yield
+        kept, comm._kept = comm._kept, None
+        if kept is not None:
+            raise kept
     except BaseException as exc:
         entry[_STATE] = "failed"
         entry[_T_END] = _now()

@@ -31,7 +31,8 @@ import torch.distributed as dist
 
 from .. import _env
 from .._agree import agree
-from ..errors import CollectiveTimeout, UnsupportedError
+from .._watch import ABORTED
+from ..errors import CollectiveTimeout, GroupAborted, UnsupportedError
 from . import _launch
 from ._layout import (FENCE_CLEAR, FLAG_BYTES, LL_OFF, MAX_BLOCKS,
                       MAX_RANKS, N_STAGES, ONE_SHOT_LL_MAX_BYTES, PACK_BYTES, STREAM_WAIT, ll_set_bytes)
@@ -132,7 +133,11 @@ def close_peer_memory(comm: Communicator) -> None:
 
 
 def _all_gather_bytes(comm: Communicator, payload: bytes) -> list[bytes]:
-    """Every rank's ``payload`` (equal lengths), over the CPU side of the group where it has one."""
+    """Every rank's ``payload`` (equal lengths), over the CPU side of the group where it has one.
+    Raises ``GroupAborted`` on a group that a failure aborted (its connections are closed)."""
+    trouble = comm._trouble
+    if trouble is not None and trouble[0] == ABORTED:
+        raise GroupAborted("peer memory", comm._group_name, str(trouble[1]))
     device = torch.device("cpu") if comm.backend_for("cpu") else torch.device("cuda", torch.cuda.current_device())
     mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
     out = [torch.empty_like(mine) for _ in range(comm.size)]
