@@ -133,7 +133,8 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group: Any = None,
                  gather_output: bool = False, sequence_parallel: bool = False, dtype: torch.dtype | None = None,
-                 device: Any = None, strategy: str = "auto", chunks: int = DEFAULT_CHUNKS) -> None:
+                 device: Any = None, strategy: str = "auto", chunks: int = DEFAULT_CHUNKS,
+                 _skip_init: bool = False) -> None:
         super().__init__()
         comm = C.get_communicator(group)
         self.group, self.in_features, self.out_features = group, in_features, out_features
@@ -142,7 +143,8 @@ class ColumnParallelLinear(nn.Module):
         self.strategy, self.chunks = strategy, chunks
         self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(self.out_per_rank, dtype=dtype, device=device)) if bias else None
-        self._init(comm)
+        if not _skip_init:  # (from_linear copies the weights in: no full random matrix to make and slice)
+            self._init(comm)
 
     def _init(self, comm: C.Communicator) -> None:
         # nn.Linear's initialisation of the full layer, then this rank's rows (equal on every
@@ -160,7 +162,7 @@ class ColumnParallelLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, group: Any = None, **options: Any) -> ColumnParallelLinear:
         """This rank's shard of ``linear`` (same on every rank): its rows of the weight and bias."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
-                    dtype=linear.weight.dtype, device=linear.weight.device, **options)
+                    dtype=linear.weight.dtype, device=linear.weight.device, _skip_init=True, **options)
         r, n = C.get_communicator(group).rank, layer.out_per_rank
         with torch.no_grad():
             layer.weight.copy_(linear.weight[r * n:(r + 1) * n])
@@ -202,7 +204,8 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group: Any = None,
                  input_is_parallel: bool = True, sequence_parallel: bool = False, dtype: torch.dtype | None = None,
-                 device: Any = None, strategy: str = "auto", chunks: int = DEFAULT_CHUNKS) -> None:
+                 device: Any = None, strategy: str = "auto", chunks: int = DEFAULT_CHUNKS,
+                 _skip_init: bool = False) -> None:
         super().__init__()
         comm = C.get_communicator(group)
         self.group, self.in_features, self.out_features = group, in_features, out_features
@@ -214,8 +217,13 @@ class RowParallelLinear(nn.Module):
         self.deferred = False
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+        if not _skip_init:  # (from_linear copies the weights in: no full matrix, no bias broadcast)
+            self._init(comm)
+
+    def _init(self, comm: C.Communicator) -> None:
+        in_features = self.in_features
         bound = 1 / math.sqrt(in_features)
-        full = torch.empty(out_features, in_features, dtype=self.weight.dtype, device=self.weight.device)
+        full = torch.empty(self.out_features, in_features, dtype=self.weight.dtype, device=self.weight.device)
         nn.init.kaiming_uniform_(full, a=math.sqrt(5))
         with torch.no_grad():
             self.weight.copy_(full[:, comm.rank * self.in_per_rank:(comm.rank + 1) * self.in_per_rank])
@@ -228,7 +236,7 @@ class RowParallelLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, group: Any = None, **options: Any) -> RowParallelLinear:
         """This rank's shard of ``linear`` (same on every rank): its columns of the weight, the whole bias."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
-                    dtype=linear.weight.dtype, device=linear.weight.device, **options)
+                    dtype=linear.weight.dtype, device=linear.weight.device, _skip_init=True, **options)
         r, n = C.get_communicator(group).rank, layer.in_per_rank
         with torch.no_grad():
             layer.weight.copy_(linear.weight[:, r * n:(r + 1) * n])
