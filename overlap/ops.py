@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -395,11 +396,12 @@ def _backward_all_gather_gemm(ctx: Any, g: torch.Tensor, _g_gathered: Any) -> An
 
 
 def _register() -> None:
-    kernels = {"gemm_all_reduce": _op_gemm_all_reduce, "gemm_reduce_scatter": _op_gemm_reduce_scatter,
+    kernels: dict[str, Callable[..., Any]] = {"gemm_all_reduce": _op_gemm_all_reduce, "gemm_reduce_scatter": _op_gemm_reduce_scatter,
                "all_gather_gemm": _op_all_gather_gemm}
-    fakes = {"gemm_all_reduce": _fake_gemm_all_reduce, "gemm_reduce_scatter": _fake_gemm_reduce_scatter,
+    fakes: dict[str, Callable[..., Any]] = {"gemm_all_reduce": _fake_gemm_all_reduce, "gemm_reduce_scatter": _fake_gemm_reduce_scatter,
              "all_gather_gemm": _fake_all_gather_gemm}
-    gradients = {"gemm_all_reduce": (_backward_gemm_all_reduce, _setup_gemm_all_reduce),
+    gradients: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
+                 "gemm_all_reduce": (_backward_gemm_all_reduce, _setup_gemm_all_reduce),
                  "gemm_reduce_scatter": (_backward_gemm_reduce_scatter, _setup_gemm_reduce_scatter),
                  "all_gather_gemm": (_backward_all_gather_gemm, _setup_all_gather_gemm)}
     if _c_ops.defined("gemm_all_reduce"):  # this module imported again (its first copy's ops serve)
