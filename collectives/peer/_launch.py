@@ -45,8 +45,8 @@ import torch
 
 from .. import _native
 
-__all__ = ["Kernel", "OneKernelGraph", "THREADS", "HEADER", "KERNELS", "sources_of", "current_stream", "copy_async",
-           "write_value", "launch"]
+__all__ = ["Kernel", "OneKernelGraph", "THREADS", "HEADER", "KERNELS", "sources_of", "compile_module", "current_stream",
+           "copy_async", "write_value", "launch"]
 
 _INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT: no context is current on this thread
 
@@ -70,6 +70,12 @@ def _module(device: int, sources: tuple[Path, ...]) -> Any:
 
     with cupy.cuda.Device(device):
         return cupy.RawModule(code=_code(sources), options=("--std=c++17",))
+
+
+def compile_module(device: int, source: Path | None = None) -> None:
+    """Compile and load the module of ``source`` (default ``kernels.cu``) for ``device`` now, if
+    it is not yet (what a first launch would do)."""
+    _module(device, sources_of(source))
 
 
 @functools.cache

@@ -253,6 +253,10 @@ class PeerMemory:
         self._kernels: dict[tuple[Any, ...], _launch.Kernel] = {}
         self._slot_tensor: torch.Tensor | None = None  # slot_view's tensor over my slot buffer
         self._views: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor] = {}  # slot_view's, kept
+        # The collectives' module compiled now, not in a first call: on a machine whose kernel
+        # cache is empty that takes seconds, which here the all-gather below waits out on the
+        # host, where a first call's peers would wait inside a bounded barrier on the GPU.
+        _launch.compile_module(self.device_index)
         torch.cuda.synchronize(self.device)
         _all_gather_ints(comm, [0])  # every rank mapped every peer before anyone pushes
 

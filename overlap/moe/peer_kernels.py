@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from collectives.errors import InvalidArgumentError
-from collectives.peer import PeerMemory
+from collectives.peer import PeerMemory, _launch
 from collectives.peer.memory import PACK_BYTES
 
 from .peer_plan import BAD_RANGE, BAD_REPEAT, DeviceLayout, Region, buffer_bytes, errors_at, layout_bytes, totals_at
@@ -62,6 +62,11 @@ class RowKernels:
         self.half = layout_bytes(comm.size, max_tokens, top_k, row_bytes)[2]
         self.slot_bytes_needed = buffer_bytes(comm.size, max_tokens, top_k, row_bytes,
                                               copy_engine=pipeline_transfers == "copy_engine")
+        if memory is None:
+            # the row kernels compiled before PeerMemory's construction lines the ranks up on the
+            # host: a cold compile takes seconds, which a first dispatch's peers would otherwise
+            # wait out inside a bounded barrier on the GPU (a memory given: compiled on first use)
+            _launch.compile_module(torch.cuda.current_device(), ROWS_SOURCE)
         self.pm = memory if memory is not None else PeerMemory(comm, slot_bytes=self.slot_bytes_needed,
                                                                timeout_s=timeout_s)
         self.calls = 0  # the same on every rank: every rank makes the same calls
