@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 import collectives as C
 from collectives import _ops as _c_ops
+from collectives.dispatch import recorded
 from collectives.errors import InvalidArgumentError, InvalidTypeError, UnsupportedError
 from collectives.peer import DTYPES, _launch, has_peer_memory, peer_memory, peer_unavailable
 from collectives.peer._layout import ONE_SHOT_LL_MAX_BYTES
@@ -184,8 +185,9 @@ def _fused(comm: C.Communicator, x: torch.Tensor, residual: torch.Tensor, weight
     y, r = torch.empty_like(x2), torch.empty_like(x2)
     if x2.shape[0]:
         k, grid, slot, stream = _launch_plan(comm, x2)
-        k(grid, stream, x2.data_ptr(), res2.data_ptr(), w.data_ptr(), y.data_ptr(), r.data_ptr(), x2.shape[0], hidden,
-          _eps_bits(eps), slot)
+        with recorded(comm, _OP, "fused", r, x2):  # a call of the group, in the flight recorder
+            k(grid, stream, x2.data_ptr(), res2.data_ptr(), w.data_ptr(), y.data_ptr(), r.data_ptr(), x2.shape[0],
+              hidden, _eps_bits(eps), slot)
         _WARM.add((x2.get_device(), x2.dtype))
     return y.view(x.shape), r.view(x.shape)
 
