@@ -29,6 +29,7 @@ import collectives as C
 from collectives.errors import InvalidArgumentError
 
 from .moe.layer import MoELayer
+from .norm import fused_all_reduce_rmsnorm
 from .ops import DEFAULT_CHUNKS, all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "MoELayer"]
@@ -255,6 +256,24 @@ class RowParallelLinear(nn.Module):
             return y if self.bias is None else y + _SumGradOverRanks.apply(self.bias, self.group)
         return gemm_all_reduce(x, self.weight.t(), self.group, bias=self.bias, strategy=self.strategy,
                                chunks=self.chunks)
+
+    def forward_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                        eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+        """``r = self(x) + residual`` and ``y = rms_norm(r) * norm_weight``, returned as ``(y, r)``:
+        a pre-norm block's output projection, residual add and the next norm. Without sequence
+        parallelism the partial products, the bias and the residual go into one
+        ``fused_all_reduce_rmsnorm`` (``strategy="auto"``: one kernel at decode sizes on the GPUs of
+        one node; ``overlap.last_choice`` says which ran); with it, the reduce-scatter and then
+        torch's add and ``rms_norm`` on this rank's positions."""
+        if self.sequence_parallel:
+            r = self(x) + residual
+            return torch.nn.functional.rms_norm(r, (r.shape[-1],), norm_weight, eps), r
+        if not self.input_is_parallel:
+            x = _ScatterLastDim.apply(x, self.group)
+        partial = torch.nn.functional.linear(x, self.weight)
+        if self.bias is not None:  # added once, after the reduction: into the residual
+            residual = residual + self.bias
+        return fused_all_reduce_rmsnorm(partial, residual, norm_weight, eps, self.group)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} ({self.in_per_rank} here), out_features={self.out_features}, "

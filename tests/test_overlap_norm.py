@@ -162,3 +162,39 @@ def test_the_benchmark_runs_on_cpus_and_says_what_ran(tmp_path) -> None:  # noqa
     for r in records:
         assert r["wrong"] == 0 and r["fused_ran"] == "sequential" and "CUDA kernel" in r["fused_reason"], r
         assert all(r[k] > 0 for k in ("fused_us", "three_us", "nccl_three_us", "sequential_us", "ratio")), r
+
+
+def _row_case(rank: int, world: int, sequence_parallel: bool) -> float:
+    from overlap.layers import RowParallelLinear
+
+    torch.manual_seed(5)  # the same full layer, input, residual and gradients on every rank
+    K, N, T = 6 * world, 10, 4 * world
+    full = torch.nn.Linear(K, N, dtype=torch.float64)
+    x = torch.randn(T, K, dtype=torch.float64)
+    residual = torch.randn(T, N, dtype=torch.float64)
+    w = (0.5 + torch.rand(N, dtype=torch.float64)).requires_grad_()
+    gy, gr = torch.randn(T, N, dtype=torch.float64), torch.randn(T, N, dtype=torch.float64)
+    row = RowParallelLinear.from_linear(full, sequence_parallel=sequence_parallel)
+    xs = x.chunk(world, 1)[rank].clone().requires_grad_()  # this rank's input features
+    # sequence parallel: this rank's positions of the output and the residual stream
+    rows = slice(rank * T // world, (rank + 1) * T // world) if sequence_parallel else slice(None)
+    res = residual[rows].clone().requires_grad_()
+    wl = w.detach().clone().requires_grad_()
+    y, r = row.forward_rmsnorm(xs, res, wl)
+    ((y * gy[rows]).sum() + (r * gr[rows]).sum()).backward()
+    # float64 autograd of the unsharded block; the loss of every position (the ranks' losses summed)
+    xf, resf = x.clone().requires_grad_(), residual.clone().requires_grad_()
+    rf = full(xf) + resf
+    yf = rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    ((yf * gy).sum() + (rf * gr).sum()).backward()
+    pairs = [(y, yf[rows]), (r, rf[rows]), (xs.grad, xf.grad.chunk(world, 1)[rank]), (res.grad, resf.grad[rows]),
+             (row.weight.grad, full.weight.grad.chunk(world, 1)[rank]), (row.bias.grad, full.bias.grad)]
+    if not sequence_parallel:  # (split, each rank's norm weight gradient is its positions' part)
+        pairs.append((wl.grad, w.grad))
+    return max(_err(g, h) for g, h in pairs)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_row_parallel_layer_forward_rmsnorm_equals_the_unsharded_block(worlds, world_size: int) -> None:  # noqa: ANN001
+    for sp in (False, True):
+        assert max(worlds(world_size).run(_row_case, sp)) < 1e-12, sp
