@@ -1,6 +1,6 @@
 """Every algorithm of every op against a float64 reference and against torch.distributed (Gloo).
 
-For each registered algorithm that runs an op on Gloo, at world sizes 1-5, every rank draws fresh
+For each registered algorithm that runs an op on Gloo, at world sizes 1-5 (5 under ``-m slow``), every rank draws fresh
 random inputs from ``(seed, rank)`` (so each rank can compute the expected output of all of them
 in float64), poisons its output, calls the collective, and checks: no element farther from the
 reference than the rounding bound, the same result as ``torch.distributed``'s own collective on

@@ -62,6 +62,7 @@ def test_collectives_across_two_emulated_nodes() -> None:
     assert _namespaces() == before  # everything it made is gone
 
 
+@pytest.mark.slow  # about 30 s: the launcher's timeout path (a failing rank's exit runs by default)
 def test_timeout_kills_every_node_and_cleans_up(tmp_path: Path) -> None:
     script = tmp_path / "hang.py"
     script.write_text("import time\ntime.sleep(600)\n")

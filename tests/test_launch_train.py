@@ -15,7 +15,9 @@ pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("flags", [["--model", "llama", "--tp", "2"], ["--model", "qwen3_moe", "--ep", "2"]],
+# the MoE run (about 25 s) under -m slow: expert parallelism's training parity is in test_models_parallelize.py
+@pytest.mark.parametrize("flags", [["--model", "llama", "--tp", "2"],
+                                   pytest.param(["--model", "qwen3_moe", "--ep", "2"], marks=pytest.mark.slow)],
                          ids=["llama-tp2", "qwen3_moe-ep2"])
 def test_train_runs_and_the_loss_falls(flags: list[str], tmp_path: Path) -> None:
     out = tmp_path / "train.json"

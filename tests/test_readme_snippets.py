@@ -28,7 +28,17 @@ def test_every_snippet_says_how_it_runs() -> None:
         assert HEAD.match(block), f"a README snippet does not start with its command:\n{block[:200]}"
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=[(HEAD.match(b) or [None, "unnamed"])[1] for b in BLOCKS])
+# compiled.py compiles a forward and backward with Inductor: 40-90 s on two cores, the compile
+# tests (tests/test_compile_*.py) cover the same ops in the default run
+SLOW = {"compiled.py"}
+
+
+def _name(block: str) -> str:
+    return (HEAD.match(block) or [None, "unnamed"])[1]  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("block", [pytest.param(b, marks=pytest.mark.slow) if _name(b) in SLOW else b for b in BLOCKS],
+                         ids=[_name(b) for b in BLOCKS])
 def test_snippet_runs_as_written(block: str, tmp_path: Path) -> None:
     head = HEAD.match(block)
     assert head, block[:200]
