@@ -270,7 +270,12 @@ class RowParallelLinear(nn.Module):
             return torch.nn.functional.rms_norm(r, (r.shape[-1],), norm_weight, eps), r
         if not self.input_is_parallel:
             x = _ScatterLastDim.apply(x, self.group)
-        partial = torch.nn.functional.linear(x, self.weight)
+        return self.reduce_rmsnorm(torch.nn.functional.linear(x, self.weight), residual, norm_weight, eps)
+
+    def reduce_rmsnorm(self, partial: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                       eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward_rmsnorm``'s second half, from this rank's partial products (what ``forward``
+        returns while ``deferred``): their all-reduce, the bias and the residual added, normed."""
         if self.bias is not None:  # added once, after the reduction: into the residual
             residual = residual + self.bias
         return fused_all_reduce_rmsnorm(partial, residual, norm_weight, eps, self.group)

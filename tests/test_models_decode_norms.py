@@ -22,11 +22,11 @@ pytest.importorskip("transformers")
 
 import collectives as C  # noqa: E402
 from overlap import last_choice, parallelize  # noqa: E402
-from overlap.models import _decode  # noqa: E402
+from overlap import layers as _layers  # noqa: E402
 from tests.test_models_parallelize import _model  # noqa: E402
 
 
-_REAL = _decode.fused_all_reduce_rmsnorm
+_REAL = _layers.fused_all_reduce_rmsnorm
 
 
 def _counting(calls: list[tuple[int, ...]]) -> Any:
@@ -57,7 +57,7 @@ def body_decode(rank: int, world: int, family: str, tp: int, ep: int, sp: bool) 
     layers = ref.config.num_hidden_layers
     dense = sum(1 for layer in model.model.layers if hasattr(layer.mlp, "down_proj"))  # a row-parallel down
     calls: list[tuple[int, ...]] = []
-    _decode.fused_all_reduce_rmsnorm = _counting(calls)
+    _layers.fused_all_reduce_rmsnorm = _counting(calls)  # what the row layers reduce through
     try:
         gen = torch.Generator().manual_seed(7)
         ids = torch.randint(0, ref.config.vocab_size, (2, 9), generator=gen)
@@ -94,7 +94,7 @@ def body_decode(rank: int, world: int, family: str, tp: int, ep: int, sp: bool) 
             if not torch.equal(model.generate(prompt, **kw), ref.generate(prompt, **kw)):
                 problems.append("generate() tokens differ")
     finally:
-        _decode.fused_all_reduce_rmsnorm = _REAL
+        _layers.fused_all_reduce_rmsnorm = _REAL
     if not ep:
         C.destroy(g)
     return problems

@@ -213,7 +213,7 @@ def parallelize(model: Any, *, tp_group: Any = None, ep_group: Any = None, seque
                               "decode_norms": "off: no tensor parallelism"}
     if tp == 1:
         return model
-    model.commops_parallel["decode_norms"] = fuse_decode_norms(model, family, tp_group, split) \
+    model.commops_parallel["decode_norms"] = fuse_decode_norms(model, family, split) \
         if strategy == "auto" else f"off: strategy={strategy!r} (the fused norms follow 'auto')"
     new_emb = VocabParallelEmbedding.from_embedding(emb, tp_group)
     model.set_input_embeddings(new_emb)

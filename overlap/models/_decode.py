@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ..layers import RowParallelLinear
-from ..norm import DECODE_ROWS, fused_all_reduce_rmsnorm
+from ..norm import DECODE_ROWS
 
 __all__ = ["fuse_decode_norms"]
 
@@ -69,18 +69,21 @@ class _Carry:
 
 
 class _Plan:
-    """One layer's decode path: its group, the modules it calls and where its norm goes."""
+    """One layer's decode path: the modules it calls and where its norm goes (the row layers
+    reduce over their own group)."""
 
-    def __init__(self, group: Any, carry: _Carry, split: Any, o: RowParallelLinear, down: RowParallelLinear | None,
+    def __init__(self, carry: _Carry, split: Any, o: RowParallelLinear, down: RowParallelLinear | None,
                  norm_names: tuple[str, str], attention: str, mlp: str, next_norm: nn.Module | None) -> None:
-        self.group, self.carry, self.split = group, carry, split
+        self.carry, self.split = carry, split
         self.o, self.down = o, down
         self.input_norm, self.post_norm = norm_names
         self.attention, self.mlp = attention, mlp
         self.next_norm = next_norm if down is not None else None
+        self.dtype = o.weight.dtype  # the norms' too (fuse_decode_norms checks): the operator takes one dtype
 
     def applies(self, x: torch.Tensor) -> bool:
         return not torch.is_grad_enabled() and x.dim() >= 2 and x.numel() // x.shape[-1] <= DECODE_ROWS \
+            and x.dtype == self.dtype and not torch.is_autocast_enabled(x.device.type) \
             and (self.split is None or not self.split.active)
 
     def run(self, layer: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
@@ -93,7 +96,7 @@ class _Plan:
         finally:
             self.o.deferred = False
         a = a[0] if isinstance(a, tuple) else a
-        y, h = _fused(a, x, self.o, layer.get_submodule(self.post_norm), self.group)
+        y, h = _fused(a, x, self.o, layer.get_submodule(self.post_norm))
         mlp = layer.get_submodule(self.mlp)
         if self.down is None:
             m = mlp(y)
@@ -104,17 +107,15 @@ class _Plan:
         finally:
             self.down.deferred = False
         if self.next_norm is None:  # nothing to norm next: the all-reduce and the add
-            return _fused(m, h, self.down, layer.get_submodule(self.post_norm), self.group)[1]
-        y2, out = _fused(m, h, self.down, self.next_norm, self.group)
+            return _fused(m, h, self.down, layer.get_submodule(self.post_norm))[1]
+        y2, out = _fused(m, h, self.down, self.next_norm)
         self.carry.put(out, y2)
         return out
 
 
-def _fused(partial: torch.Tensor, residual: torch.Tensor, row: RowParallelLinear, norm: nn.Module,
-           group: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    if row.bias is not None:  # added once, after the reduction: into the residual
-        residual = residual + row.bias
-    return fused_all_reduce_rmsnorm(partial, residual, norm.weight, _eps(norm), group)  # type: ignore[arg-type]
+def _fused(partial: torch.Tensor, residual: torch.Tensor, row: RowParallelLinear,
+           norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    return row.reduce_rmsnorm(partial, residual, norm.weight, _eps(norm))  # type: ignore[arg-type]
 
 
 class _FusedLayer(nn.Module):
@@ -154,10 +155,10 @@ def _subclass(module: nn.Module, mixin: type) -> None:
     module.__class__ = new
 
 
-def fuse_decode_norms(model: Any, family: Any, group: Any, split: Any) -> str:
-    """Put the decode path on every decoder layer of ``model`` (parallelized over ``group``):
-    collective-free, nothing changes the parameters. Returns what was done and why (for
-    ``model.commops_parallel["decode_norms"]``)."""
+def fuse_decode_norms(model: Any, family: Any, split: Any) -> str:
+    """Put the decode path on every decoder layer of tensor-parallel ``model`` (``split``: its
+    sequence split, or None). No collective; no parameter changes. Returns what was done and
+    why (for ``model.commops_parallel["decode_norms"]``)."""
     layers = family.layers(model)
     attention, o_name = family.attention, f"{family.attention}.o_proj"
     norm_names = (family.input_norm, family.post_norm)
@@ -167,12 +168,15 @@ def fuse_decode_norms(model: Any, family: Any, group: Any, split: Any) -> str:
                 not isinstance(layer.get_submodule(o_name), RowParallelLinear):
             return (f"off: a layer lacks an RMSNorm with weight and epsilon at {norm_names} or a row-parallel "
                     f"{o_name}")
+        dtypes = {layer.get_submodule(n).weight.dtype for n in (*norm_names, o_name)}
+        if len(dtypes) > 1:
+            return f"off: a layer's norms and projections have different dtypes ({sorted(map(str, dtypes))})"
     carry = _Carry()
-    chained = _fusable_norm(final)
+    chained = _fusable_norm(final) and final.weight.dtype == layers[-1].get_submodule(o_name).weight.dtype
     for i, layer in enumerate(layers):
         down = layer.get_submodule(f"{family.mlp}.down_proj") if family.moe_block(layer) is None else None
         nxt = layers[i + 1].get_submodule(family.input_norm) if i + 1 < len(layers) else (final if chained else None)
-        layer._commops_decode = _Plan(group, carry, split, layer.get_submodule(o_name),
+        layer._commops_decode = _Plan(carry, split, layer.get_submodule(o_name),
                                       down if isinstance(down, RowParallelLinear) else None, norm_names, attention,
                                       family.mlp, nxt)
         _subclass(layer, _FusedLayer)
