@@ -42,6 +42,15 @@ DTYPES = {"float": torch.float32, "float32": torch.float32, "double": torch.floa
           "int32": torch.int32, "int": torch.int32, "int64": torch.int64}
 
 
+def where(comm: C.Communicator, dtype: str | None) -> tuple[bool, torch.device, torch.dtype]:
+    """A GPU benchmark's (cuda, device, dtype): the current CUDA device where the group has a CUDA
+    backend and a GPU is there, else the CPU; the dtype named (``DTYPES``), by default bf16 on
+    GPUs and float32 on CPUs."""
+    cuda = bool(comm.backend_for("cuda")) and torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return cuda, device, DTYPES[dtype or ("bf16" if cuda else "float")]
+
+
 def parse_size(text: str) -> int:
     """'8', '1K', '16M', '1G' (powers of 1024, as nccl-tests) -> bytes."""
     m = re.fullmatch(r"\s*(\d+)\s*([KMGB]?)B?\s*", text.upper())

@@ -21,12 +21,10 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import collectives as C  # noqa: E402
-from bench.cli import DTYPES  # noqa: E402
+from bench.cli import DTYPES, where  # noqa: E402
 from bench.moe_bench import format_moe_table, measure_config, micro_batches_of, plot_moe, tuned_moe_table  # noqa: E402
 from bench.report import run_meta, write_csv, write_json  # noqa: E402
 
@@ -69,9 +67,7 @@ def main() -> int:
     if args.routing == "device" and any(int(x) != 1 for x in args.pieces.split(",")):
         p.error(f"--routing device works out the routing of one piece only; pass --pieces 1 (got {args.pieces})")
     comm = C.init()
-    cuda = bool(comm.backend_for("cuda")) and torch.cuda.is_available()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    dtype = DTYPES[args.dtype or ("bf16" if cuda else "float")]
+    cuda, device, dtype = where(comm, args.dtype)
     configs = _configs(cuda, comm.size)
     if args.config:
         configs = []

@@ -13,12 +13,10 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import collectives as C  # noqa: E402
-from bench.cli import DTYPES  # noqa: E402
+from bench.cli import DTYPES, where  # noqa: E402
 from bench.norm_bench import format_norm_table, measure_norm, plot_norm  # noqa: E402
 from bench.report import run_meta, write_json  # noqa: E402
 
@@ -35,9 +33,7 @@ def main() -> int:
     p.add_argument("--plot")
     args = p.parse_args()
     comm = C.init()
-    cuda = bool(comm.backend_for("cuda")) and torch.cuda.is_available()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    dtype = DTYPES[args.dtype or ("bf16" if cuda else "float")]
+    cuda, device, dtype = where(comm, args.dtype)
     rows = [int(v) for v in (args.rows or ("1,2,4,8,16,32,64,128,256" if cuda else "1,5")).split(",")]
     hidden = [int(v) for v in (args.hidden or ("4096,8192" if cuda else "64")).split(",")]
     modes = (args.modes or ("eager,graph" if cuda else "eager")).split(",")

@@ -13,12 +13,10 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import collectives as C  # noqa: E402
-from bench.cli import DTYPES  # noqa: E402
+from bench.cli import DTYPES, where  # noqa: E402
 from bench.gemm_collective import OPS, format_overlap_table, measure_shape, plot_overlap, tuned_overlap_table  # noqa: E402
 from bench.report import run_meta, write_csv, write_json  # noqa: E402
 
@@ -47,9 +45,7 @@ def main() -> int:
                    "an existing table for the same world size keeps its other entries")
     args = p.parse_args()
     comm = C.init()
-    cuda = bool(comm.backend_for("cuda")) and torch.cuda.is_available()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    dtype = DTYPES[args.dtype or ("bf16" if cuda else "float")]
+    cuda, device, dtype = where(comm, args.dtype)
     ops = list(OPS) if args.ops == "all" else [o.strip() for o in args.ops.split(",")]
     shapes = [tuple(int(x) for x in s.split("x")) for s in (args.shapes or (GPU_SHAPES if cuda else CPU_SHAPES)).split(",")]
     chunks = tuple(int(x) for x in args.chunks.split(","))

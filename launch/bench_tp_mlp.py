@@ -13,12 +13,10 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import collectives as C  # noqa: E402
-from bench.cli import DTYPES  # noqa: E402
+from bench.cli import DTYPES, where  # noqa: E402
 from bench.report import run_meta, write_json  # noqa: E402
 from bench.tp_mlp import format_mlp_table, measure_mlp, plot_mlp  # noqa: E402
 
@@ -38,9 +36,7 @@ def main() -> int:
     p.add_argument("--plot")
     args = p.parse_args()
     comm = C.init()
-    cuda = bool(comm.backend_for("cuda")) and torch.cuda.is_available()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    dtype = DTYPES[args.dtype or ("bf16" if cuda else "float")]
+    cuda, device, dtype = where(comm, args.dtype)
     tokens = [int(t) for t in (args.tokens or ("2048,4096,8192,16384" if cuda else "64,128")).split(",")]
     hidden = args.hidden or (4096 if cuda else 64)
     ffn = args.ffn or (14336 if cuda else 128)
