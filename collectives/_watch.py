@@ -366,7 +366,7 @@ def _break(comm: Communicator) -> None:
 
 
 # ops whose leading dimension is each rank's own (its rows to send and receive): not compared
-_PER_RANK_ROWS = frozenset({"all_to_all", "moe_dispatch", "moe_combine"})
+_PER_RANK_ROWS = frozenset({"all_to_all", "moe_dispatch", "moe_combine", "moe_forward"})
 
 
 def _fingerprint_entry(e: list[Any]) -> dict[str, Any]:

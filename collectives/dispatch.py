@@ -280,7 +280,12 @@ def recorded(comm: Communicator, op: str, algorithm: str, output: torch.Tensor, 
     except BaseException as exc:
         entry[_STATE] = "failed"
         entry[_T_END] = _now()
-        _failed(comm, op, comm.seq, exc)
+        try:
+            _failed(comm, op, comm.seq, exc)
+        except BaseException as typed:  # the peers hear of it, as of a verb's failure
+            _watch.failed(comm, comm.seq, op, typed)
+            raise
+        _watch.failed(comm, comm.seq, op, exc)
         raise
     RECORDER.end(entry, "enqueued")
 

@@ -19,10 +19,10 @@ a few rows each, three launches that each cost more in latency than in bytes. Tw
   ``torch.nn.functional.rms_norm``: every backend, Gloo included.
 
 ``auto`` runs ``fused`` wherever it can at decode sizes (at most ``DECODE_ROWS`` rows) and
-``sequential`` elsewhere, and ``last_choice(group)`` says which and why. Both round ``r`` to the
-dtype once and compute the norm in float32 from the rounded ``r``; the reference (the plain
-program, torch.distributed) rounds the all-reduce and the add separately, so results agree
-within the dtype's rounding, not bit for bit.
+``sequential`` elsewhere, and ``last_choice(group)`` says which and why. The kernel rounds ``r``
+to the dtype once and computes the norm in float32 from the rounded ``r``; ``sequential``, like
+the reference (the plain program, torch.distributed), rounds the all-reduce and the add
+separately, so the two agree within the dtype's rounding, not bit for bit.
 
 Gradients follow the tensor-parallel convention (``ops.py``): the results are the same on every
 rank, so ``x``'s gradient is ``r``'s total gradient with no communication, as is ``residual``'s.
@@ -44,7 +44,7 @@ from collectives.dispatch import recorded
 from collectives.errors import InvalidArgumentError, InvalidTypeError, UnsupportedError
 from collectives.peer import DTYPES, _launch, has_peer_memory, peer_memory, peer_unavailable
 from collectives.peer._layout import ONE_SHOT_LL_MAX_BYTES
-from collectives.peer.memory import _CTX, _TAGS, PACK_BYTES
+from collectives.peer.memory import _CTX, _TAGS, PACK_BYTES, _all_gather_ints
 
 from .ops import _LAST, OverlapChoice, _capturing
 
@@ -103,9 +103,6 @@ def _unavailable(comm: C.Communicator, x: torch.Tensor) -> str:
         return f"it is a CUDA kernel; these tensors are on {x.device.type}"
     if x.dtype not in DTYPES:
         return f"it reduces {sorted(map(str, DTYPES))}, not {x.dtype}"
-    if x.get_device() != torch.cuda.current_device():
-        return (f"x is on {x.device} but the current CUDA device is cuda:{torch.cuda.current_device()}, where "
-                "peer memory and the launches are: call torch.cuda.set_device first")
     if x.shape[-1] * x.element_size() > MAX_ROW_BYTES:
         return (f"rows of {x.shape[-1] * x.element_size()} B: one block takes a whole row, beyond "
                 f"{MAX_ROW_BYTES} B a row needs more than a block")
@@ -117,11 +114,27 @@ def _unavailable(comm: C.Communicator, x: torch.Tensor) -> str:
     why = peer_unavailable(comm)
     if why:
         return f"peer memory: {why}"
+    _compiled(comm, x.get_device())
     pm = peer_memory(comm)
     if not _words(x.reshape(-1, x.shape[-1]), pm) and x.numel() > _slot_elements(pm, x.element_size()):
         return (f"{x.numel() * x.element_size()} B do not fit one rank's share of a set of slots "
                 f"({pm.set_bytes // pm.world} B; COMMOPS_PEER_BYTES sets it)")
     return ""
+
+
+_COMPILED: set[int] = set()  # the devices this process has compiled norm.cu for
+
+
+def _compiled(comm: C.Communicator, device: int) -> None:
+    """Compile norm.cu for ``device`` on its first use, then line the ranks up on the host: a cold
+    compile takes seconds, which the first call's peers would otherwise wait out inside the
+    kernel's bounded waits on the GPU. Collective the first time (every rank's first fused call
+    is the same call)."""
+    if device in _COMPILED:
+        return
+    _launch.compile_module(device, "ar_rmsnorm_ll_f32_vec", SOURCE)
+    _all_gather_ints(comm, [0])
+    _COMPILED.add(device)
 
 
 def _slot_elements(pm: Any, es: int) -> int:
@@ -210,6 +223,11 @@ def _choose(comm: C.Communicator, x: torch.Tensor, strategy: str) -> OverlapChoi
     rows = x.numel() // x.shape[-1]
     if strategy == "sequential":
         return OverlapChoice(_OP, "sequential", 1, "requested by the caller")
+    if x.is_cuda and x.get_device() != torch.cuda.current_device():
+        # refused, not a fallback: a rank that ran the sequence while its peers run the kernel would hang them
+        raise InvalidArgumentError("x", x, f"is on {x.device} but the current CUDA device is "
+                                   f"cuda:{torch.cuda.current_device()}, where peer memory and the launches are",
+                                   f"call torch.cuda.set_device({x.get_device()}) first")
     if strategy == "fused":
         why = _unavailable(comm, x)
         if why:

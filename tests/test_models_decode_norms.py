@@ -23,6 +23,7 @@ pytest.importorskip("transformers")
 import collectives as C  # noqa: E402
 from overlap import last_choice, parallelize  # noqa: E402
 from overlap import layers as _layers  # noqa: E402
+from overlap.models import _decode  # noqa: E402
 from tests.test_models_parallelize import _model  # noqa: E402
 
 
@@ -58,6 +59,15 @@ def body_decode(rank: int, world: int, family: str, tp: int, ep: int, sp: bool) 
     dense = sum(1 for layer in model.model.layers if hasattr(layer.mlp, "down_proj"))  # a row-parallel down
     calls: list[tuple[int, ...]] = []
     _layers.fused_all_reduce_rmsnorm = _counting(calls)  # what the row layers reduce through
+    hits: list[int] = []  # the norms that took a fused norm's output instead of norming again
+    take = _decode._Carry.take
+
+    def counted(self: Any, x: torch.Tensor) -> Any:
+        y = take(self, x)
+        if y is not None:
+            hits.append(1)
+        return y
+    _decode._Carry.take = counted  # type: ignore[method-assign]
     try:
         gen = torch.Generator().manual_seed(7)
         ids = torch.randint(0, ref.config.vocab_size, (2, 9), generator=gen)
@@ -66,6 +76,8 @@ def body_decode(rank: int, world: int, family: str, tp: int, ep: int, sp: bool) 
             mine = model(ids[:, :5], use_cache=True)
             if len(calls) != layers + dense:
                 problems.append(f"prefill of 10 tokens: {len(calls)} fused calls, want {layers + dense}")
+            if len(hits) != dense:  # each dense layer's down hands its norm to the next module
+                problems.append(f"prefill: {len(hits)} norms taken from the fused calls, want {dense}")
             mcache = mine.past_key_values
             want = ref(ids[:, :5]).logits
             if not torch.allclose(mine.logits, want, rtol=1e-4, atol=1e-5):
@@ -95,6 +107,7 @@ def body_decode(rank: int, world: int, family: str, tp: int, ep: int, sp: bool) 
                 problems.append("generate() tokens differ")
     finally:
         _layers.fused_all_reduce_rmsnorm = _REAL
+        _decode._Carry.take = take  # type: ignore[method-assign]
     if not ep:
         C.destroy(g)
     return problems

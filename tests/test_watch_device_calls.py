@@ -66,3 +66,21 @@ def test_a_row_width_that_differs_is_raised_by_the_call_and_aborts_the_group(wor
 
 def _long_call_mismatch(rank: int, world: int) -> Any:
     return _long_call(rank, world, 8 + rank)
+
+
+def _long_forward(rank: int, world: int) -> Any:
+    """The pipelined forward (``moe_forward``) with each rank's own tokens, as the dispatch above."""
+    g = dist.new_group(list(range(world)), backend="gloo")
+    comm = C.get_communicator(g)
+    try:
+        C.all_reduce(torch.ones(1), group=g)
+        x = torch.zeros(4 + 5 * rank, 8)
+        with recorded(comm, "moe_forward", "peer", torch.empty(x.shape, device="meta"), x):
+            time.sleep(WAIT_S)
+        return _all_gather_ints(comm, [rank])
+    finally:
+        C.destroy(g)
+
+
+def test_a_long_pipelined_forward_with_each_ranks_own_tokens_leaves_the_group_usable(worlds) -> None:  # noqa: ANN001
+    assert worlds(2).run(_long_forward, timeout=120) == [[[0], [1]]] * 2

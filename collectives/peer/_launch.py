@@ -72,10 +72,11 @@ def _module(device: int, sources: tuple[Path, ...]) -> Any:
         return cupy.RawModule(code=_code(sources), options=("--std=c++17",))
 
 
-def compile_module(device: int, source: Path | None = None) -> None:
+def compile_module(device: int, entry: str, source: Path | None = None) -> None:
     """Compile and load the module of ``source`` (default ``kernels.cu``) for ``device`` now, if
-    it is not yet (what a first launch would do)."""
-    _module(device, sources_of(source))
+    it is not yet, as a first launch would: CuPy compiles a module when its first function is
+    looked up (``entry``, one of its entry points), not when it is made."""
+    _function(entry, device, sources_of(source))
 
 
 @functools.cache

@@ -256,7 +256,7 @@ class PeerMemory:
         # The collectives' module compiled now, not in a first call: on a machine whose kernel
         # cache is empty that takes seconds, which here the all-gather below waits out on the
         # host, where a first call's peers would wait inside a bounded barrier on the GPU.
-        _launch.compile_module(self.device_index)
+        _launch.compile_module(self.device_index, "ce_fence")
         torch.cuda.synchronize(self.device)
         _all_gather_ints(comm, [0])  # every rank mapped every peer before anyone pushes
 

@@ -66,7 +66,7 @@ class RowKernels:
             # the row kernels compiled before PeerMemory's construction lines the ranks up on the
             # host: a cold compile takes seconds, which a first dispatch's peers would otherwise
             # wait out inside a bounded barrier on the GPU (a memory given: compiled on first use)
-            _launch.compile_module(torch.cuda.current_device(), ROWS_SOURCE)
+            _launch.compile_module(torch.cuda.current_device(), "rows_post", ROWS_SOURCE)
         self.pm = memory if memory is not None else PeerMemory(comm, slot_bytes=self.slot_bytes_needed,
                                                                timeout_s=timeout_s)
         self.calls = 0  # the same on every rank: every rank makes the same calls
