@@ -396,14 +396,16 @@ def _backward_all_gather_gemm(ctx: Any, g: torch.Tensor, _g_gathered: Any) -> An
 
 
 def _register() -> None:
-    kernels: dict[str, Callable[..., Any]] = {"gemm_all_reduce": _op_gemm_all_reduce, "gemm_reduce_scatter": _op_gemm_reduce_scatter,
-               "all_gather_gemm": _op_all_gather_gemm}
-    fakes: dict[str, Callable[..., Any]] = {"gemm_all_reduce": _fake_gemm_all_reduce, "gemm_reduce_scatter": _fake_gemm_reduce_scatter,
-             "all_gather_gemm": _fake_all_gather_gemm}
+    kernels: dict[str, Callable[..., Any]] = {
+        "gemm_all_reduce": _op_gemm_all_reduce, "gemm_reduce_scatter": _op_gemm_reduce_scatter,
+        "all_gather_gemm": _op_all_gather_gemm}
+    fakes: dict[str, Callable[..., Any]] = {
+        "gemm_all_reduce": _fake_gemm_all_reduce, "gemm_reduce_scatter": _fake_gemm_reduce_scatter,
+        "all_gather_gemm": _fake_all_gather_gemm}
     gradients: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
-                 "gemm_all_reduce": (_backward_gemm_all_reduce, _setup_gemm_all_reduce),
-                 "gemm_reduce_scatter": (_backward_gemm_reduce_scatter, _setup_gemm_reduce_scatter),
-                 "all_gather_gemm": (_backward_all_gather_gemm, _setup_all_gather_gemm)}
+        "gemm_all_reduce": (_backward_gemm_all_reduce, _setup_gemm_all_reduce),
+        "gemm_reduce_scatter": (_backward_gemm_reduce_scatter, _setup_gemm_reduce_scatter),
+        "all_gather_gemm": (_backward_all_gather_gemm, _setup_all_gather_gemm)}
     if _c_ops.defined("gemm_all_reduce"):  # this module imported again (its first copy's ops serve)
         return
     for name, schema in SCHEMAS.items():

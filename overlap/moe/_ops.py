@@ -229,11 +229,12 @@ def traced_combine_low_latency(disp: Any, expert_out: torch.Tensor, handle: LowL
 def _register() -> None:
     if _c_ops.defined("moe_layer"):  # this module imported again (its first copy's ops serve)
         return
-    kernels: dict[str, Callable[..., Any]] = {"moe_layer": _moe_layer, "moe_layer_backward": _moe_layer_backward,
-               "moe_dispatch_low_latency": _dispatch_low_latency, "moe_combine_low_latency": _combine_low_latency}
-    fakes: dict[str, Callable[..., Any]] = {"moe_layer": _fake_moe_layer, "moe_layer_backward": _fake_moe_layer_backward,
-             "moe_dispatch_low_latency": _fake_dispatch_low_latency,
-             "moe_combine_low_latency": _fake_combine_low_latency}
+    kernels: dict[str, Callable[..., Any]] = {
+        "moe_layer": _moe_layer, "moe_layer_backward": _moe_layer_backward,
+        "moe_dispatch_low_latency": _dispatch_low_latency, "moe_combine_low_latency": _combine_low_latency}
+    fakes: dict[str, Callable[..., Any]] = {
+        "moe_layer": _fake_moe_layer, "moe_layer_backward": _fake_moe_layer_backward,
+        "moe_dispatch_low_latency": _fake_dispatch_low_latency, "moe_combine_low_latency": _fake_combine_low_latency}
     for name, schema in SCHEMAS.items():
         _LIB.define(name + schema)
         _LIB.impl(name, kernels[name], "CompositeExplicitAutograd")
