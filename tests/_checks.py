@@ -38,7 +38,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["NO_MULTICAST", "Checks", "ScriptRun", "dtype_name", "merge", "report", "run_script", "write_results"]
+__all__ = ["NO_MULTICAST", "Checks", "ScriptRun", "dtype_name", "merge", "report", "run_script", "shared_gpu_ranks",
+           "write_results"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,6 +49,17 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 _SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 Results = dict[str, dict[str, Any]]
+
+
+def shared_gpu_ranks() -> tuple[Any, torch.device]:
+    """A check script's start under torchrun: this rank's GPU (``LOCAL_RANK`` modulo the GPUs, so
+    that ranks may share one), the default group over Gloo and NCCL (NCCL only made if a check
+    uses it), and its communicator and device."""
+    import collectives as C  # deferred: the pytest side of this module needs none of the library
+
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    dist.init_process_group("cpu:gloo,cuda:nccl")
+    return C.get_communicator(None), torch.device("cuda", torch.cuda.current_device())
 
 
 def dtype_name(dtype: torch.dtype) -> str:

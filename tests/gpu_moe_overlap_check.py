@@ -30,20 +30,18 @@ exits non-zero on any; ``--json`` writes the families (``tests/_checks.py``).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import collectives as C  # noqa: E402
 from overlap.moe import GroupedSwiGLU, MoEDispatcher, fp8, reference_moe  # noqa: E402
-from tests._checks import Checks, dtype_name, report  # noqa: E402
+from tests._checks import Checks, dtype_name, report, shared_gpu_ranks  # noqa: E402
 
 DTYPES = (torch.bfloat16, torch.float32)
 # of the reference tensor's largest element: bf16 rounds the activation, the output and each
@@ -320,12 +318,8 @@ def main() -> int:
     if args.verbose:
         VERBOSE.append(True)
     only = set(args.only.split(",")) if args.only else set(families())
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local % torch.cuda.device_count())
-    dist.init_process_group("cpu:gloo,cuda:nccl")
-    comm = C.get_communicator(None)
+    comm, dev = shared_gpu_ranks()
     w, r = comm.size, comm.rank
-    dev = torch.device("cuda", torch.cuda.current_device())
     ck = Checks(families(), r)
     for dtype in DTYPES:
         if f"micro/{dtype_name(dtype)}" in only:

@@ -23,12 +23,10 @@ writes with their counts and failures, one pytest case each in ``tests/test_gpu_
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -37,7 +35,7 @@ import collectives as C  # noqa: E402
 from collectives.errors import InvalidArgumentError  # noqa: E402
 from overlap import ops  # noqa: E402
 from overlap.moe import GroupedSwiGLU, MoEDispatcher, PeerTransport, reference_moe  # noqa: E402
-from tests._checks import Checks, dtype_name, write_results  # noqa: E402
+from tests._checks import Checks, dtype_name, shared_gpu_ranks, write_results  # noqa: E402
 
 TOL = 3e-2  # of the largest output element: one rounding of the activation and of the output in bf16
 DTYPES = (torch.bfloat16, torch.float16)
@@ -144,12 +142,8 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--json", help="write the results by family here (tests/_checks.py)")
     args = p.parse_args()
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local % torch.cuda.device_count())
-    dist.init_process_group("cpu:gloo,cuda:nccl")
-    comm = C.get_communicator(None)
+    comm, dev = shared_gpu_ranks()
     w, r = comm.size, comm.rank
-    dev = torch.device("cuda", torch.cuda.current_device())
     ck = Checks(families(), r)
     H, FF, E = 256, 192, 4 * w
     for dtype in DTYPES:

@@ -22,7 +22,6 @@ Families:
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -34,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import collectives as C  # noqa: E402
 from overlap import last_choice  # noqa: E402
 from overlap.norm import fused_all_reduce_rmsnorm  # noqa: E402
-from tests._checks import Checks, dtype_name, report  # noqa: E402
+from tests._checks import Checks, dtype_name, report, shared_gpu_ranks  # noqa: E402
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 TOL = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-5}  # of the largest expected magnitude
@@ -184,11 +183,7 @@ def main() -> int:
     p.add_argument("--only", help="comma-separated families to run (default: all)")
     args = p.parse_args()
     only = set(args.only.split(",")) if args.only else set(families())
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local % torch.cuda.device_count())
-    dist.init_process_group("cpu:gloo,cuda:nccl")
-    comm = C.get_communicator(None)
-    dev = torch.device("cuda", torch.cuda.current_device())
+    comm, dev = shared_gpu_ranks()
     ck = Checks(families(), comm.rank)
     for dtype in DTYPES:
         for kind, fn in (("fused", check_fused), ("graph", check_graph)):
