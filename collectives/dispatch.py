@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -278,16 +278,38 @@ def recorded(comm: Communicator, op: str, algorithm: str, output: torch.Tensor, 
         if kept is not None:
             raise kept
     except BaseException as exc:
-        entry[_STATE] = "failed"
-        entry[_T_END] = _now()
-        try:
-            _failed(comm, op, comm.seq, exc)
-        except BaseException as typed:  # the peers hear of it, as of a verb's failure
-            _watch.failed(comm, comm.seq, op, typed)
-            raise
-        _watch.failed(comm, comm.seq, op, exc)
-        raise
+        _record_failure(comm, op, entry, exc)
     RECORDER.end(entry, "enqueued")
+
+
+def run_recorded(comm: Communicator, op: str, algorithm: str, output: torch.Tensor, input: torch.Tensor,
+                 fn: Callable[..., None], *args: Any) -> None:
+    """``fn(*args)`` inside ``recorded(comm, op, algorithm, output, input)``, without a
+    generator's frames: for the calls whose host time is a few microseconds (a decode kernel)."""
+    if comm._trouble is not None:
+        _watch.settle(comm, op)
+    comm.seq += 1
+    entry = RECORDER.start_fast(comm, op, algorithm, output, input, None)
+    try:
+        fn(*args)
+        kept, comm._kept = comm._kept, None
+        if kept is not None:
+            raise kept
+    except BaseException as exc:
+        _record_failure(comm, op, entry, exc)
+    RECORDER.end(entry, "enqueued")
+
+
+def _record_failure(comm: Communicator, op: str, entry: list[Any], exc: BaseException) -> NoReturn:
+    entry[_STATE] = "failed"
+    entry[_T_END] = _now()
+    try:
+        _failed(comm, op, comm.seq, exc)
+    except BaseException as typed:  # the peers hear of it, as of a verb's failure
+        _watch.failed(comm, comm.seq, op, typed)
+        raise
+    _watch.failed(comm, comm.seq, op, exc)
+    raise exc
 
 
 def dispatch(call: Call) -> Work | None:

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
+from weakref import WeakKeyDictionary
 
 import numpy as np
 import torch
@@ -40,7 +41,8 @@ import torch.distributed as dist
 
 import collectives as C
 from collectives import _ops as _c_ops
-from collectives.dispatch import recorded
+from collectives._validate import _current_device
+from collectives.dispatch import run_recorded
 from collectives.errors import InvalidArgumentError, InvalidTypeError, UnsupportedError
 from collectives.peer import DTYPES, _launch, has_peer_memory, peer_memory, peer_unavailable
 from collectives.peer._layout import ONE_SHOT_LL_MAX_BYTES
@@ -142,8 +144,16 @@ def _slot_elements(pm: Any, es: int) -> int:
     return pm.set_bytes // es // pm.world // pack * pack  # type: ignore[no-any-return]
 
 
+_EPS: dict[float, int] = {}  # eps -> its float32 bits, as the kernels take it
+
+
 def _eps_bits(eps: float) -> int:
-    return struct.unpack("<I", struct.pack("<f", eps))[0]  # type: ignore[no-any-return]
+    bits = _EPS.get(eps)
+    if bits is None:
+        if len(_EPS) > 64:
+            _EPS.clear()
+        bits = _EPS[eps] = struct.unpack("<I", struct.pack("<f", eps))[0]
+    return bits
 
 
 _LOCAL: dict[tuple[int, str], Any] = {}  # the one-rank kernels, per (device, name)
@@ -170,39 +180,79 @@ def _words(x: torch.Tensor, pm: Any) -> bool:
     return x.numel() * es <= min(pm.ll_max_bytes, ONE_SHOT_LL_MAX_BYTES) and x.shape[-1] * es % 4 == 0
 
 
-def _launch_plan(comm: C.Communicator, x: torch.Tensor) -> tuple[Any, int, int, int]:
-    """(kernel, grid, slot stride, stream) for ``x`` (``[rows, hidden]``, 16-byte aligned) on this group."""
-    rows, hidden = x.shape
+class _Plan(NamedTuple):
+    """A fused call's launch for one (shape, dtype, device, strategy) on one group, kept after
+    its first launch: repeats (a decode loop) skip the choice and the kernel's lookup."""
+    choice: OverlapChoice
+    kernel: Any
+    grid: int
+    slot: int   # the stride between the ranks' shares of the peer buffers, in elements
+    pm: Any     # the peer memory the kernel is bound to (None at one rank): the plan holds while it is open
+    rows: int
+
+
+_PLANS: WeakKeyDictionary[C.Communicator, dict[tuple[Any, ...], _Plan]] = WeakKeyDictionary()
+_PLANS_MAX = 256  # shapes per group before the table starts again
+
+
+def _plan(comm: C.Communicator, x: torch.Tensor, choice: OverlapChoice) -> _Plan:
+    """The launch for ``x`` (``[..., hidden]``, 16-byte aligned) on this group."""
+    hidden = x.shape[-1]
+    rows = x.numel() // hidden
     es = x.element_size()
-    tag = _TAGS[x.dtype]
     vec = hidden % (PACK_BYTES // es) == 0
     if comm.size == 1:
-        dev = x.get_device()
-        k = _local_kernel(dev, f"add_rmsnorm_{tag}_{'vec' if vec else 'scalar'}")
-        return k, max(1, min(rows, _GRID)), 0, _launch.current_stream(dev)
+        k = _local_kernel(x.get_device(), f"add_rmsnorm_{_TAGS[x.dtype]}_{'vec' if vec else 'scalar'}")
+        return _Plan(choice, k, max(1, min(rows, _GRID)), 0, None, rows)
     pm = peer_memory(comm)
     grid = max(1, min(rows, pm.max_blocks))
     if _words(x, pm):  # each rank's words ONE_SHOT_LL_MAX_BYTES // 4 apart (_layout.ll_set_bytes)
-        return pm.kernel("ar_rmsnorm_ll", x.dtype, True, 9, source=SOURCE), grid, ONE_SHOT_LL_MAX_BYTES // 4, \
-            pm.stream()
-    return pm.kernel("ar_rmsnorm", x.dtype, vec, 9, source=SOURCE), grid, _slot_elements(pm, es), pm.stream()
+        k = pm.kernel("ar_rmsnorm_ll", x.dtype, True, 9, source=SOURCE)
+        return _Plan(choice, k, grid, ONE_SHOT_LL_MAX_BYTES // 4, pm, rows)
+    return _Plan(choice, pm.kernel("ar_rmsnorm", x.dtype, vec, 9, source=SOURCE), grid, _slot_elements(pm, es), pm,
+                 rows)
 
 
-def _fused(comm: C.Communicator, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    hidden = x.shape[-1]
+def _kept_plan(comm: C.Communicator, x: torch.Tensor, strategy: str) -> _Plan | None:
+    """The plan an earlier fused call of this shape left, where it still holds."""
+    plans = _PLANS.get(comm)
+    if plans is None or not x.is_cuda:
+        return None
+    plan = plans.get((x.shape, x.dtype, x.get_device(), strategy))
+    if plan is None or x.get_device() != _current_device():
+        return None
+    pm = plan.pm
+    if pm is not None:
+        if pm is not comm._peer_memory or pm.closed:
+            return None
+        if pm._err_np[0]:  # a kernel of this memory reported a timeout: raise it, as pm.kernel does
+            pm.check()
+    return plan
+
+
+def _fused(comm: C.Communicator, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+           strategy: str, plan: _Plan | OverlapChoice) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel, following ``plan`` (a kept one), or a new plan for ``choice``, kept after its launch."""
     # Every input 16-byte aligned (a view into a larger buffer is copied): the kernel's member then
     # follows from the shape alone, the same on every rank, and so do its sums' order and bits.
-    x2, res2 = _aligned(x.reshape(-1, hidden)), _aligned(residual.reshape(-1, hidden))
-    w = _aligned(weight)
+    x2, res2, w = _aligned(x), _aligned(residual), _aligned(weight)
     y, r = torch.empty_like(x2), torch.empty_like(x2)
-    if x2.shape[0]:
-        k, grid, slot, stream = _launch_plan(comm, x2)
-        with recorded(comm, _OP, "fused", r, x2):  # a call of the group, in the flight recorder
-            k(grid, stream, x2.data_ptr(), res2.data_ptr(), w.data_ptr(), y.data_ptr(), r.data_ptr(), x2.shape[0],
-              hidden, _eps_bits(eps), slot)
+    if x2.numel() == 0:
+        return y, r
+    kept = isinstance(plan, _Plan)
+    if not isinstance(plan, _Plan):
+        plan = _plan(comm, x2, plan)
+    stream = _launch.current_stream(x2.get_device())
+    # a call of the group, in the flight recorder
+    run_recorded(comm, _OP, "fused", r, x2, plan.kernel, plan.grid, stream, x2.data_ptr(), res2.data_ptr(),
+                 w.data_ptr(), y.data_ptr(), r.data_ptr(), plan.rows, x2.shape[-1], _eps_bits(eps), plan.slot)
+    if not kept:
         _WARM.add((x2.get_device(), x2.dtype))
-    return y.view(x.shape), r.view(x.shape)
+        plans = _PLANS.setdefault(comm, {})
+        if len(plans) >= _PLANS_MAX:
+            plans.clear()
+        plans[(x.shape, x.dtype, x.get_device(), strategy)] = plan
+    return y, r
 
 
 def _sequential(comm: C.Communicator, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -247,9 +297,14 @@ def _all_reduce_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
                         strategy: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The primitive (see ``fused_all_reduce_rmsnorm``), without autograd."""
     comm = C.get_communicator(group)
+    plan = _kept_plan(comm, x, strategy) if strategy != "sequential" else None
+    if plan is not None:
+        _LAST[comm] = plan.choice
+        return _fused(comm, x, residual, weight, float(eps), strategy, plan)
     choice = _LAST[comm] = _choose(comm, x, strategy)
-    run = _fused if choice.strategy == "fused" else _sequential
-    return run(comm, x, residual, weight, float(eps))
+    if choice.strategy == "fused":
+        return _fused(comm, x, residual, weight, float(eps), strategy, choice)
+    return _sequential(comm, x, residual, weight, float(eps))
 
 
 # -- the op and its gradient -----------------------------------------------------------------------

@@ -14,6 +14,9 @@ Families:
   bits on every rank. Outputs land in memory poisoned with NaN beforehand.
 - ``graph/<dtype>``: two calls (words and slots) captured in one CUDA graph after an eager
   warm-up, replayed 200 times with new data copied in before each replay; every replay checked.
+- ``replan``: a shape's kept launch (its plan) with new data, with inputs that are misaligned
+  views of larger buffers, and after the group's peer memory was closed and built again (the
+  kept plan must not launch against the closed memory).
 - ``soak/eager``, ``soak/graph``: 1,000 back-to-back calls (bf16, 1-64 rows of 4096, the row
   count changing every call) with nothing in between, eagerly and from graph replays; all
   outputs checked afterwards against float64. A moving error is a race.
@@ -32,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import collectives as C  # noqa: E402
 from overlap import last_choice  # noqa: E402
+from collectives.peer import close_peer_memory  # noqa: E402
 from overlap.norm import fused_all_reduce_rmsnorm  # noqa: E402
 from tests._checks import Checks, dtype_name, report, shared_gpu_ranks  # noqa: E402
 
@@ -43,7 +47,8 @@ EPS = 1e-6
 
 
 def families() -> tuple[str, ...]:
-    return tuple(f"{kind}/{dtype_name(d)}" for kind in ("fused", "graph") for d in DTYPES) + ("soak/eager", "soak/graph")
+    return tuple(f"{kind}/{dtype_name(d)}" for kind in ("fused", "graph") for d in DTYPES) + \
+        ("replan", "soak/eager", "soak/graph")
 
 
 def _inputs(q: int, shape: tuple[int, ...], seed: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
@@ -131,6 +136,26 @@ def check_graph(ck: Checks, world: int, dtype: torch.dtype, dev: torch.device, r
             _close(ck, f"replay {k} {s} r", r, want_r, dtype)
 
 
+def check_replan(ck: Checks, world: int, dev: torch.device) -> None:
+    dtype, rank, shape = torch.bfloat16, dist.get_rank(), (8, 4096)
+    for step, seed in (("first", 300), ("kept", 301), ("view", 302), ("reopened", 303)):
+        x, res, w = (t.to(dtype) for t in _inputs(rank, shape, seed, dev))
+        if step == "view":  # one element into larger buffers: copied to aligned memory first
+            bx, br = torch.empty(x.numel() + 1, dtype=dtype, device=dev), torch.empty(x.numel() + 1, dtype=dtype, device=dev)
+            bx[1:].copy_(x.flatten()), br[1:].copy_(res.flatten())
+            x, res = bx[1:].view(shape), br[1:].view(shape)
+        if step == "reopened" and world > 1:
+            close_peer_memory(C.get_communicator())
+        _poison(dev)
+        y, r = fused_all_reduce_rmsnorm(x, res, w, EPS, strategy="fused")
+        torch.cuda.synchronize()
+        ck.count()
+        want_y, want_r = _want(world, shape, seed, dtype, dev)
+        _close(ck, f"{step} r", r, want_r, dtype)
+        _close(ck, f"{step} y", y, want_y, dtype)
+        _same_on_every_rank(ck, f"{step} y", y)
+
+
 def _soak_rows(k: int) -> int:
     return 1 + (k * 37) % 64
 
@@ -191,7 +216,7 @@ def main() -> int:
             if name in only:
                 with ck.family(name):
                     fn(ck, comm.size, dtype, dev)
-    for name, soak in (("soak/eager", soak_eager), ("soak/graph", soak_graph)):
+    for name, soak in (("replan", check_replan), ("soak/eager", soak_eager), ("soak/graph", soak_graph)):
         if name in only:
             with ck.family(name):
                 soak(ck, comm.size, dev)
