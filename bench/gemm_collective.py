@@ -163,6 +163,11 @@ def measure_shape(comm: C.Communicator, op: str, M: int, K: int, N: int, dtype: 
         if not _copy_engine.unavailable(comm, device, dtype):
             variants += [(f"copy_engine/{k}", functools.partial(run, "copy_engine", k)) for k in chunk_counts
                          if k <= M // w]
+        from overlap import _tile_signal
+
+        if op != "all_gather_gemm" and not _tile_signal.unavailable(comm, device, dtype) and _tile_signal.fits(M, w):
+            variants += [(f"tile_signal/{k}", functools.partial(run, "tile_signal", k)) for k in chunk_counts
+                         if k <= M // w]
         in_graph: list[str] = []
 
         def auto() -> torch.Tensor:

@@ -6,9 +6,10 @@
 # Steps (default: all, in this order): peer_check overlap_check moe_check (the peer MoE layout, its
 # refusals and the pipeline by source against a float64 MoE) moe_overlap_check (micro-batches, soaks
 # eager and from graphs, the FP8 kernels) norm_check (the fused all-reduce + RMSNorm kernels)
-# compile_check (the torch.ops.commops ops compiled, reduce-overhead and CUDA graphs; one GPU
+# tile_signal_check (the tile-signalled GEMM + reduce-scatter / all-reduce) compile_check (the torch.ops.commops ops compiled, reduce-overhead and CUDA graphs; one GPU
 # suffices) faults overlap_tune overlap_tune_graph overlap overlap_graph tp_mlp norm (the fused
-# all-reduce + RMSNorm beside the three steps, decode sizes, eager and graphs) moe peer_bench
+# all-reduce + RMSNorm beside the three steps, decode sizes, eager and graphs) tile_gemm (the
+# tile-signalled GEMM against cuBLAS on one GPU, with copies beside it) moe peer_bench
 # peer_big tune_peer (host cost per call, with a profile); and, only when named: sanitize (the peer-memory checks and
 # tests/gpu_sanitize_cases.py under compute-sanitizer's memcheck and racecheck), moe_pipeline (the MoE
 # pipelines, by token chunks and by source rank, where the exchange is closest to the experts),
@@ -27,7 +28,7 @@
 set -u
 OUT=${1:?usage: launch/gpu_suite.sh OUTDIR [STEP ...]}
 shift
-STEPS=${*:-peer_check overlap_check moe_check moe_overlap_check norm_check compile_check faults overlap_tune overlap_tune_graph overlap overlap_graph tp_mlp norm moe peer_bench peer_big tune_peer}
+STEPS=${*:-peer_check overlap_check moe_check moe_overlap_check norm_check tile_signal_check compile_check faults overlap_tune overlap_tune_graph overlap overlap_graph tp_mlp norm tile_gemm moe peer_bench peer_big tune_peer}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -61,6 +62,9 @@ for step in $STEPS; do
     moe_check) run moe_check 300 $R tests/gpu_moe_sources_check.py --json "$OUT/moe_check.json" ;;
     moe_overlap_check) run moe_overlap_check 300 $R tests/gpu_moe_overlap_check.py --json "$OUT/moe_overlap_check.json" ;;
     norm_check) run norm_check 300 $R tests/gpu_norm_check.py --json "$OUT/norm_check.json" ;;
+    tile_signal_check) run tile_signal_check 300 $R tests/gpu_tile_signal_check.py --json "$OUT/tile_signal_check.json" ;;
+    tile_gemm) run tile_gemm 300 python3 -m torch.distributed.run --standalone --nproc-per-node 1 launch/probe_tile_gemm.py \
+        --json "$OUT/tile_gemm.json" --plot "$OUT/tile_gemm.png" ;;
     norm) run norm 240 $R launch/bench_norm.py --json "$OUT/norm.json" --plot "$OUT/norm.png" ;;
     compile_check) run compile_check 300 $R tests/gpu_compile_check.py --json "$OUT/compile_check.json" ;;
     faults) run faults 300 python3 launch/faults/run_all.py --gpu --timeout 10 --json "$OUT/faults_gpu.json" ;;

@@ -55,7 +55,7 @@ def _with_strategy(rank: int, world: int, case: Any, *args: Any) -> float:
 
 
 def test_the_shipped_strategies_are_registered() -> None:
-    assert list(REGISTRY) == ["sequential", "chunked", "copy_engine"] == list(ops.STRATEGIES)
+    assert list(REGISTRY) == ["sequential", "chunked", "copy_engine", "tile_signal"] == list(ops.STRATEGIES)
     with pytest.raises(ValueError, match="taken"):
         register_strategy(REGISTRY["chunked"])
 

@@ -9,6 +9,7 @@ from .base import OverlapStrategy
 from .chunked import Chunked
 from .copy_engine import CopyEngine
 from .sequential import Sequential
+from .tile_signal import TileSignal
 
 __all__ = ["OverlapStrategy", "REGISTRY", "register_strategy", "unregister_strategy"]
 
@@ -31,3 +32,4 @@ def unregister_strategy(name: str) -> None:
 register_strategy(Sequential())
 register_strategy(Chunked())
 register_strategy(CopyEngine())
+register_strategy(TileSignal())

@@ -1,0 +1,265 @@
+"""The ``tile_signal`` strategy: GEMM + reduce-scatter and GEMM + all-reduce as one tile-signalled
+GEMM (``_tile_gemm.py``) whose finished row groups copy engines move while it runs.
+
+Design note. ``copy_engine`` (``_copy_engine.py``) cuts the GEMM into cuBLAS calls per chunk;
+here the GEMM is one persistent kernel and a chunk is a group of rows in its walk:
+
+* The walk starts at the next rank's block and ends with this rank's own, ``chunks`` groups a
+  block. A peer's group, once its tile counter is full, is pushed into that peer's slots by the
+  push stream (a stream memory wait on the counter, then the copy), and the peer told by flag.
+* This rank's own groups add the peers' partial sums in the kernel: a tile of own group j waits
+  in the kernel for the flags of chunk j's slot (the peers' pushes), then loads those rows as
+  its C operand. No chunk waits for the GEMM to end, and no pass of its own reduces.
+* ``gemm_all_reduce`` then hands each reduced own group to the peers (push stream) and copies
+  theirs into place as they arrive (a third stream), while the kernel computes the next group.
+  Only the last group's all-gather follows the kernel.
+
+Deadlock freedom. Every wait depends only on work issued before it on another stream or rank:
+the push stream waits on counters and on the peers' consumption of a ring slot; consumption is
+signalled from the pull stream (after own group j's counter), never from a stream that itself
+waits on a peer; the all-gather copies run on a stream of their own. A kernel tile waiting for
+chunk j holds a program whose earlier tiles are done, so every group before j completes. At 3
+ranks or more a call reuses no ring slot (it runs fewer, larger groups, or refuses): the push
+stream serves its peers one block after another, so a push waiting for one peer's consumption
+can wait, around the ranks, on itself (3 ranks sharing one H200 hung so, 2026-12-03, with two
+ring slots for eight groups). All of it is issued before anything blocks the host (allocations
+first), inside a copy-engine section whose watchdog bounds every wait (the kernel's waits give
+up when it sets the error word).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from collectives.errors import UnsupportedError
+from collectives.peer import CE_PULLED, CE_PUSHED, CE_RING, PeerMemory, _launch, peer_unavailable
+from collectives.peer._layout import ce_flag_offset
+
+from . import _tile_gemm as T
+from ._copy_engine import _ALIGN, _region
+
+__all__ = ["unavailable", "fits", "gemm_reduce_scatter", "gemm_all_reduce"]
+
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def unavailable(comm: Any, device: torch.device, dtype: torch.dtype) -> str:
+    """Why the strategy cannot run here, or ``""`` (shapes are checked by each call)."""
+    if device.type != "cuda":
+        return f"it is a CUDA kernel with copy engines; these tensors are on {device.type}"
+    if dtype not in _DTYPES:
+        return f"the tile-signalled GEMM multiplies {[str(d) for d in _DTYPES]}, not {dtype}"
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed"
+    return peer_unavailable(comm)
+
+
+def fits(rows: int, world: int) -> bool:
+    """Whether ``rows`` split over ``world`` ranks in whole tiles, as every block must."""
+    return rows > 0 and rows % (world * T.TILE_ROWS) == 0
+
+
+@dataclass
+class _Layout:
+    """One (operator, shape, chunks) on one peer memory: groups, ring and the kernel's meta."""
+    m: int            # rows of a rank's block
+    per_block: int    # groups a block
+    group_rows: int
+    region: int       # bytes of one group's rows in a slot
+    ring: int
+    tiles: list[int]  # each group's full counter
+    meta: torch.Tensor
+    counters: torch.Tensor
+
+
+_LAYOUTS: dict[int, tuple[PeerMemory, dict[tuple[Any, ...], _Layout]]] = {}  # id(pm) -> (pm, its layouts)
+
+
+def _layout(pm: PeerMemory, op: str, rows: torch.Tensor, b: torch.Tensor, chunks: int) -> _Layout:
+    w, r, es = pm.world, pm.rank, rows.element_size()
+    total, n = rows.shape[0], b.shape[1]
+    held = _LAYOUTS.get(id(pm))
+    if held is None or held[0] is not pm:
+        held = _LAYOUTS[id(pm)] = (pm, {})
+    key = (op, total, n, rows.dtype, chunks)
+    lay = held[1].get(key)
+    if lay is not None:
+        return lay
+    if torch.cuda.is_current_stream_capturing():
+        raise UnsupportedError("strategy", "tile_signal", f"has no layout for {total}x{b.shape[0]}x{n} yet, and "
+                               "building one (a copy to the GPU, a compile) cannot be captured",
+                               "call the operator once at this shape before capturing")
+    why = T.supported(rows, b)
+    if why:
+        raise UnsupportedError("strategy", "tile_signal", f"cannot take these operands: {why}", "use 'copy_engine'")
+    if not fits(total, w):
+        raise UnsupportedError("strategy", "tile_signal", f"needs rows in whole tiles of {T.TILE_ROWS} per rank; "
+                               f"{total} rows over {w} ranks are not", "use 'copy_engine' at this shape")
+    m = total // w
+    tiles_b = m // T.TILE_ROWS
+    budget = pm.slot_bytes if op == "rs" else pm.slot_bytes // 2 // _ALIGN * _ALIGN
+    most = CE_RING if op == "rs" else CE_RING // 2
+    per = _divisor(tiles_b, -(-tiles_b // max(1, min(chunks, tiles_b))))  # groups line up with the blocks
+    while True:
+        per_block, group_rows = tiles_b // per, per * T.TILE_ROWS
+        region = _region(group_rows, n, es)
+        ring = min(most, budget // (w * region))
+        # At 3 ranks or more no ring slot is reused within a call ("Deadlock freedom"): fewer groups
+        if w == 2 or ring >= per_block or per == tiles_b:
+            break
+        per = _divisor(tiles_b, per + 1)
+    if ring < 1 or (w > 2 and ring < per_block):
+        raise UnsupportedError("chunks", chunks, f"groups of {group_rows} rows need {w * region} B of peer slots "
+                               f"each{'' if w == 2 else f', {per_block} of them at once at {w} ranks'}, more than the "
+                               f"{budget} B available", "raise COMMOPS_PEER_BYTES (or pass more chunks at 2 ranks)")
+    peers = [(r + d) % w for d in range(1, w)]
+    rows_meta = []
+    for g in range(w * per_block):
+        q, j = divmod(g, per_block)
+        if q != r:
+            # rs: the partial rows wait in staging, peers in walk order; ar: in place in `out`
+            off = (((q - r - 1) % w) * m if op == "rs" else q * m) + j * group_rows
+            rows_meta.append([1 if op == "rs" else 0, off * n] + [0, 0, 0] * len(peers))
+            continue
+        s, u = j % ring, j // ring
+        srcs = []
+        for p in peers:  # peer p's partial sums of chunk j, in this rank's slot s
+            srcs += [pm.slot_pointers[r] + (s * w + p) * region, pm.flag_pointers[r] + ce_flag_offset(s, CE_PUSHED, p),
+                     u + 1]
+        rows_meta.append([0, ((0 if op == "rs" else r * m) + j * group_rows) * n] + srcs)
+    lay = _Layout(m, per_block, group_rows, region, ring, T.tiles(total, n, group_rows),
+                  torch.tensor(rows_meta, dtype=torch.int64, device=rows.device),
+                  T.counters_for(total, group_rows, rows.device))
+    # Compile this specialisation now, outside the section: a cold compile takes seconds that the
+    # peers would spend in the kernel's waits. The same launch without sources waits for nothing.
+    idle = lay.meta.clone()
+    idle[:, 2::3] = 0
+    scratch = rows.new_empty((total, n))
+    T.tile_mm(rows, b, scratch, counters=lay.counters, group_rows=group_rows, first=((r + 1) % w) * per_block,
+              meta=idle, staging=scratch, err=pm._err_dev)
+    torch.cuda.current_stream(rows.device).synchronize()
+    held[1][key] = lay
+    return lay
+
+
+def _divisor(n: int, at_least: int) -> int:
+    """The smallest divisor of ``n`` that is at least ``at_least``."""
+    d = max(1, at_least)
+    while n % d:
+        d += 1
+    return d
+
+
+class _Streams:
+    """The compute stream and three side streams: pushes, consumption signals, all-gather copies."""
+
+    _extra: dict[int, torch.cuda.Stream] = {}  # the all-gather copies' stream, per device
+
+    def __init__(self, pm: PeerMemory) -> None:
+        self.main = torch.cuda.current_stream(pm.device)
+        self.push, self.pull = pm.copy_engines.streams
+        third = self._extra.get(pm.device_index)
+        if third is None:
+            third = self._extra[pm.device_index] = torch.cuda.Stream(pm.device)
+        self.gather = third
+        self.ps, self.ls, self.gs = self.push.cuda_stream, self.pull.cuda_stream, third.cuda_stream
+
+    def fork(self) -> None:
+        mark = torch.cuda.Event()
+        mark.record(self.main)
+        for side in (self.push, self.pull, self.gather):
+            side.wait_event(mark)
+
+    def join(self) -> None:
+        for side in (self.push, self.pull, self.gather):
+            ev = torch.cuda.Event()
+            ev.record(side)
+            self.main.wait_event(ev)
+
+
+def _counter(lay: _Layout, g: int) -> int:
+    return lay.counters.data_ptr() + 4 * g
+
+
+def _run(pm: PeerMemory, op: str, rows: torch.Tensor, b: torch.Tensor, chunks: int) -> torch.Tensor:
+    w, r, es = pm.world, pm.rank, rows.element_size()
+    n = b.shape[1]
+    lay = _layout(pm, op, rows, b, chunks)
+    m, c, gr = lay.m, lay.per_block, lay.group_rows
+    out = rows.new_empty((m if op == "rs" else w * m, n))
+    staging = rows.new_empty(((w - 1) * m, n)) if op == "rs" else out
+    peers = [(r + d) % w for d in range(1, w)]
+    nbytes = gr * n * es
+    ce = pm.copy_engines
+    st = _Streams(pm)
+    ce.open()
+    lay.counters.zero_()
+    st.fork()  # the side streams after the zeroed counters and the operands
+    T.tile_mm(rows, b, out, counters=lay.counters, group_rows=gr, first=((r + 1) % w) * c, meta=lay.meta,
+              staging=staging, err=pm._err_dev)
+
+    def partial(q: int, j: int) -> int:  # where peer q's partial rows of chunk j wait
+        return staging.data_ptr() + ((((q - r - 1) % w) * m if op == "rs" else q * m) + j * gr) * n * es
+
+    for q in peers:  # the walk's order: the next rank's block first
+        for j in range(c):
+            s, u = j % lay.ring, j // lay.ring
+            _launch.wait_value(st.ps, _counter(lay, q * c + j), lay.tiles[q * c + j])
+            if u:
+                ce.wait(st.ps, s, CE_PULLED, u, kernel=False, source=q)  # q has added this slot's last use
+            ce.push(st.ps, q, (s * w + r) * lay.region, partial(q, j), nbytes)
+            ce.signal(st.ps, q, s, CE_PUSHED, u + 1)
+    for j in range(c):  # own group j added the peers' chunk j: their slot s is free again
+        s, u = j % lay.ring, j // lay.ring
+        _launch.wait_value(st.ls, _counter(lay, r * c + j), lay.tiles[r * c + j])
+        for q in peers:
+            ce.signal(st.ls, q, s, CE_PULLED, u + 1)
+    if op == "ar":
+        _gather(pm, st, lay, out, peers, nbytes)
+    st.join()
+    ce.close()
+    return out
+
+
+def _gather(pm: PeerMemory, st: _Streams, lay: _Layout, out: torch.Tensor, peers: list[int], nbytes: int) -> None:
+    """Each reduced own group to every peer as soon as its counter is full (push stream), and the
+    peers' reduced groups copied into place as they land (gather stream)."""
+    w, r, es, n = pm.world, pm.rank, out.element_size(), out.shape[1]
+    m, c, gr = lay.m, lay.per_block, lay.group_rows
+    half, ag0 = pm.slot_bytes // 2 // _ALIGN * _ALIGN, CE_RING // 2
+    ce = pm.copy_engines
+    for j in range(c):
+        s, u = ag0 + j % lay.ring, j // lay.ring
+        _launch.wait_value(st.ps, _counter(lay, r * c + j), lay.tiles[r * c + j])
+        for q in peers:
+            if u:
+                ce.wait(st.ps, s, CE_PULLED, u, kernel=False, source=q)
+            ce.push(st.ps, q, half + ((s - ag0) * w + r) * lay.region, out.data_ptr() + (r * m + j * gr) * n * es,
+                     nbytes)
+            ce.signal(st.ps, q, s, CE_PUSHED, u + 1)
+    for j in range(c):
+        s, u = ag0 + j % lay.ring, j // lay.ring
+        for q in peers:
+            ce.wait(st.gs, s, CE_PUSHED, u + 1, kernel=False, source=q)
+            ce.take(st.gs, half + ((s - ag0) * w + q) * lay.region, out.data_ptr() + (q * m + j * gr) * n * es,
+                    nbytes)
+            ce.signal(st.gs, q, s, CE_PULLED, u + 1)
+
+
+def gemm_reduce_scatter(pm: PeerMemory, rows: torch.Tensor, b: torch.Tensor, chunks: int) -> torch.Tensor:
+    """This rank's ``[M / w, N]`` block of the sum over ranks of ``rows @ b``."""
+    return _run(pm, "rs", rows.contiguous(), _operand(b), chunks)
+
+
+def gemm_all_reduce(pm: PeerMemory, rows: torch.Tensor, b: torch.Tensor, chunks: int) -> torch.Tensor:
+    """The sum over ranks of ``rows @ b``, on every rank."""
+    return _run(pm, "ar", rows.contiguous(), _operand(b), chunks)
+
+
+def _operand(b: torch.Tensor) -> torch.Tensor:
+    """``b`` as the kernel reads it: contiguous, or the transpose of a contiguous weight."""
+    return b if b.is_contiguous() or b.t().is_contiguous() else b.contiguous()

@@ -1,0 +1,46 @@
+"""``tile_signal`` (the GPUs of one node, Triton): GEMM + reduce-scatter and GEMM + all-reduce as
+one persistent GEMM whose finished row groups copy engines move while it runs, the peers' partial
+sums added in its tiles (``overlap/_tile_signal.py``). ``all_gather_gemm`` runs as
+``copy_engine``'s: there the GEMM consumes what arrives, and one cuBLAS call per arrival already
+keeps it whole. Counted and recorded like a collective, as ``copy_engine`` is."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import collectives as C
+from collectives.peer import peer_memory
+
+from .. import _copy_engine, _tile_signal
+from .base import OverlapStrategy
+from .copy_engine import CopyEngine, _recorded
+
+__all__ = ["TileSignal"]
+
+
+class TileSignal(OverlapStrategy):
+    name = "tile_signal"
+
+    def unavailable(self, comm: C.Communicator, device: torch.device, dtype: torch.dtype) -> str:
+        return _tile_signal.unavailable(comm, device, dtype)
+
+    def ready(self, comm: C.Communicator) -> bool:
+        return _copy_engine.ready(comm)
+
+    def prepare(self, comm: C.Communicator) -> None:
+        _copy_engine.prepare(comm)
+
+    def gemm_all_reduce(self, comm: C.Communicator, a: torch.Tensor, b: torch.Tensor, chunks: int) -> torch.Tensor:
+        with _recorded(comm, "gemm_all_reduce", a, (a.shape[0], b.shape[1])):
+            return _tile_signal.gemm_all_reduce(peer_memory(comm), a, b, chunks)
+
+    def gemm_reduce_scatter(self, comm: C.Communicator, rows: torch.Tensor, b: torch.Tensor,
+                            chunks: int) -> torch.Tensor:
+        with _recorded(comm, "gemm_reduce_scatter", rows, (rows.shape[0] // comm.size, b.shape[1])):
+            return _tile_signal.gemm_reduce_scatter(peer_memory(comm), rows, b, chunks)
+
+    def all_gather_gemm(self, comm: C.Communicator, rows: torch.Tensor, b: torch.Tensor, chunks: int,
+                        keep_gathered: bool) -> tuple[torch.Tensor, Any]:
+        return CopyEngine().all_gather_gemm(comm, rows, b, chunks, keep_gathered)
