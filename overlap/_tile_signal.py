@@ -89,7 +89,7 @@ def _layout(pm: PeerMemory, op: str, rows: torch.Tensor, b: torch.Tensor, chunks
     lay = held[1].get(key)
     if lay is not None:
         return lay
-    if torch.cuda.is_current_stream_capturing():
+    if _capturing():
         raise UnsupportedError("strategy", "tile_signal", f"has no layout for {total}x{b.shape[0]}x{n} yet, and "
                                "building one (a copy to the GPU, a compile) cannot be captured",
                                "call the operator once at this shape before capturing")
@@ -141,9 +141,17 @@ def _layout(pm: PeerMemory, op: str, rows: torch.Tensor, b: torch.Tensor, chunks
     scratch = rows.new_empty((total, n))
     T.tile_mm(rows, b, scratch, counters=lay.counters, group_rows=group_rows, first=((r + 1) % w) * per_block,
               meta=idle, staging=scratch, err=pm._err_dev)
-    torch.cuda.current_stream(rows.device).synchronize()
+    _synchronize(rows.device)
     held[1][key] = lay
     return lay
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_current_stream_capturing()
+
+
+def _synchronize(device: torch.device) -> None:
+    torch.cuda.current_stream(device).synchronize()
 
 
 def _divisor(n: int, at_least: int) -> int:
