@@ -285,7 +285,7 @@ def tuned_overlap_table(records: list[OverlapRecord], meta: dict[str, object], g
     for op, m, k, n, dtype in shapes:
         mine = [r for r in records if (r.op, r.M, r.K, r.N, r.dtype) == (op, m, k, n, dtype)]
         seq = next(r for r in mine if r.variant == "sequential")
-        ours = [r for r in mine if r.variant.startswith(("chunked/", "copy_engine/"))]
+        ours = [r for r in mine if r.variant.startswith(("chunked/", "copy_engine/", "tile_signal/"))]
         best = min(ours, key=lambda r: r.time_us) if ours else seq
         if best.time_us > TUNE_MARGIN * seq.time_us:
             best = seq

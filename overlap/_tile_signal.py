@@ -42,7 +42,7 @@ from collectives.peer._layout import ce_flag_offset
 from . import _tile_gemm as T
 from ._copy_engine import _ALIGN, _region
 
-__all__ = ["unavailable", "fits", "gemm_reduce_scatter", "gemm_all_reduce"]
+__all__ = ["unavailable", "fits", "has_layout", "layout", "gemm_reduce_scatter", "gemm_all_reduce"]
 
 _DTYPES = (torch.bfloat16, torch.float16)
 
@@ -79,14 +79,26 @@ class _Layout:
 _LAYOUTS: dict[int, tuple[PeerMemory, dict[tuple[Any, ...], _Layout]]] = {}  # id(pm) -> (pm, its layouts)
 
 
-def _layout(pm: PeerMemory, op: str, rows: torch.Tensor, b: torch.Tensor, chunks: int) -> _Layout:
-    w, r, es = pm.world, pm.rank, rows.element_size()
-    total, n = rows.shape[0], b.shape[1]
+def _kept(pm: PeerMemory) -> dict[tuple[Any, ...], _Layout]:
     held = _LAYOUTS.get(id(pm))
     if held is None or held[0] is not pm:
         held = _LAYOUTS[id(pm)] = (pm, {})
+    return held[1]
+
+
+def has_layout(pm: PeerMemory, op: str, rows: torch.Tensor, b: torch.Tensor, chunks: int) -> bool:
+    """Whether ``op`` ("rs" or "ar") at this shape has its layout on ``pm``: a capture can run it."""
+    return (op, rows.shape[0], b.shape[1], rows.dtype, chunks) in _kept(pm)
+
+
+def layout(pm: PeerMemory, op: str, rows: torch.Tensor, b: torch.Tensor, chunks: int) -> _Layout:
+    """``op``'s layout at this shape on ``pm``, built (and its kernel compiled) on first use: eagerly,
+    never while capturing. Raises ``UnsupportedError`` for a shape the strategy cannot take."""
+    w, r, es = pm.world, pm.rank, rows.element_size()
+    total, n = rows.shape[0], b.shape[1]
+    held = _kept(pm)
     key = (op, total, n, rows.dtype, chunks)
-    lay = held[1].get(key)
+    lay = held.get(key)
     if lay is not None:
         return lay
     if _capturing():
@@ -142,7 +154,7 @@ def _layout(pm: PeerMemory, op: str, rows: torch.Tensor, b: torch.Tensor, chunks
     T.tile_mm(rows, b, scratch, counters=lay.counters, group_rows=group_rows, first=((r + 1) % w) * per_block,
               meta=idle, staging=scratch, err=pm._err_dev)
     _synchronize(rows.device)
-    held[1][key] = lay
+    held[key] = lay
     return lay
 
 
@@ -196,7 +208,7 @@ def _counter(lay: _Layout, g: int) -> int:
 def _run(pm: PeerMemory, op: str, rows: torch.Tensor, b: torch.Tensor, chunks: int) -> torch.Tensor:
     w, r, es = pm.world, pm.rank, rows.element_size()
     n = b.shape[1]
-    lay = _layout(pm, op, rows, b, chunks)
+    lay = layout(pm, op, rows, _operand(b), chunks)
     m, c, gr = lay.m, lay.per_block, lay.group_rows
     out = rows.new_empty((m if op == "rs" else w * m, n))
     staging = rows.new_empty(((w - 1) * m, n)) if op == "rs" else out

@@ -215,14 +215,15 @@ def _capturable(op: str, comm: C.Communicator, a: torch.Tensor, b: torch.Tensor,
     Eagerly, when the table's graph entry for this shape is such a strategy, build them now, so
     that a capture after this warm-up call can follow it."""
     if graph:
-        if not STRATEGIES[found.strategy].ready(comm):
+        if not STRATEGIES[found.strategy].ready_for(comm, op, a, b, found.chunks):
             return OverlapChoice(op, "sequential", 1, f"{found.reason}; but its buffers do not exist and "
                                  "cannot be built while capturing: call the operator once before capturing")
         return found
     if a.device.type == "cuda":
         in_graph = _from_table(op, comm, a.dtype, m, b.shape[0], b.shape[1], True)
         if in_graph is not None and not STRATEGIES[in_graph.strategy].unavailable(comm, a.device, a.dtype):
-            STRATEGIES[in_graph.strategy].prepare(comm)  # collective: every rank makes this call with this shape
+            # collective: every rank makes this call with this shape
+            STRATEGIES[in_graph.strategy].prepare_for(comm, op, a, b, in_graph.chunks)
     return found
 
 

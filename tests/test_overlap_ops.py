@@ -220,10 +220,12 @@ def test_tuned_table_keeps_the_sequence_unless_clearly_beaten() -> None:
                              0.0, t / 100.0, 0)
 
     records = [rec("sequential", 100.0, 64), rec("chunked/4", 100.0 * TUNE_MARGIN + 0.5, 64),
-               rec("sequential", 100.0, 4096), rec("chunked/2", 80.0, 4096), rec("chunked/8", 70.0, 4096)]
+               rec("sequential", 100.0, 4096), rec("chunked/2", 80.0, 4096), rec("chunked/8", 70.0, 4096),
+               rec("sequential", 100.0, 8192), rec("copy_engine/4", 80.0, 8192), rec("tile_signal/8", 75.0, 8192),
+               rec("auto", 60.0, 8192)]  # auto is never a table's entry
     table = tuned_overlap_table(records, {"world": 2})
     got = {(e["M"], e["strategy"], e["chunks"]) for e in table["entries"]}
-    assert got == {(64, "sequential", 1), (4096, "chunked", 8)}
+    assert got == {(64, "sequential", 1), (4096, "chunked", 8), (8192, "tile_signal", 8)}
     assert not any(e["graph"] for e in table["entries"])
     assert all(e["graph"] for e in tuned_overlap_table(records, {"world": 2}, graph=True)["entries"])
 

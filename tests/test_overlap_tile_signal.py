@@ -38,3 +38,17 @@ def test_strategy_says_why_it_cannot_run_on_cpu() -> None:
 def test_blocks_must_be_whole_tiles() -> None:
     assert _tile_signal.fits(256, 2) and _tile_signal.fits(384, 3) and _tile_signal.fits(128, 1)
     assert not _tile_signal.fits(384, 2) and not _tile_signal.fits(0, 2) and not _tile_signal.fits(200, 1)
+
+
+def test_a_capture_without_the_shapes_layout_runs_the_sequence() -> None:
+    from types import SimpleNamespace
+
+    from overlap import ops
+    from overlap.ops import OverlapChoice
+
+    comm = SimpleNamespace(_peer_memory=None, size=2)  # no peer memory, so no layout either
+    a, b = torch.randn(256, 8, dtype=torch.bfloat16), torch.randn(8, 8, dtype=torch.bfloat16)
+    found = OverlapChoice("gemm_all_reduce", "tile_signal", 4, "the table's entry")
+    got = ops._capturable("gemm_all_reduce", comm, a, b, 256, True, found)  # type: ignore[arg-type]
+    assert got.strategy == "sequential" and "call the operator once before capturing" in got.reason
+    assert not REGISTRY["tile_signal"].ready_for(comm, "gemm_reduce_scatter", a, b, 4)  # type: ignore[arg-type]

@@ -37,6 +37,15 @@ class OverlapStrategy:
     def prepare(self, comm: C.Communicator) -> None:
         """Build what a later capture needs (collective: every rank calls it), or nothing."""
 
+    def ready_for(self, comm: C.Communicator, op: str, a: torch.Tensor, b: torch.Tensor, chunks: int) -> bool:
+        """``ready``, for a strategy whose capture also needs something per shape (``a`` the rows
+        the operator would pass, ``b`` its second operand)."""
+        return self.ready(comm)
+
+    def prepare_for(self, comm: C.Communicator, op: str, a: torch.Tensor, b: torch.Tensor, chunks: int) -> None:
+        """``prepare``, and what a later capture of ``op`` at this shape needs (collective)."""
+        self.prepare(comm)
+
     def gemm_all_reduce(self, comm: C.Communicator, a: torch.Tensor, b: torch.Tensor, chunks: int) -> torch.Tensor:
         """``a @ b`` summed over the ranks: ``[M, N]``, the same on every rank."""
         raise NotImplementedError

@@ -11,13 +11,19 @@ from typing import Any
 import torch
 
 import collectives as C
-from collectives.peer import peer_memory
+from collectives.peer import has_peer_memory, peer_memory
 
 from .. import _copy_engine, _tile_signal
 from .base import OverlapStrategy
 from .copy_engine import CopyEngine, _recorded
 
 __all__ = ["TileSignal"]
+
+_OPS = {"gemm_all_reduce": "ar", "gemm_reduce_scatter": "rs"}  # the layouts' names of the operators
+
+
+def _rows(a: torch.Tensor) -> torch.Tensor:
+    return a.reshape(-1, a.shape[-1])
 
 
 class TileSignal(OverlapStrategy):
@@ -31,6 +37,16 @@ class TileSignal(OverlapStrategy):
 
     def prepare(self, comm: C.Communicator) -> None:
         _copy_engine.prepare(comm)
+
+    def ready_for(self, comm: C.Communicator, op: str, a: torch.Tensor, b: torch.Tensor, chunks: int) -> bool:
+        if op not in _OPS:
+            return _copy_engine.ready(comm)
+        return has_peer_memory(comm) and _tile_signal.has_layout(peer_memory(comm), _OPS[op], _rows(a), b, chunks)
+
+    def prepare_for(self, comm: C.Communicator, op: str, a: torch.Tensor, b: torch.Tensor, chunks: int) -> None:
+        self.prepare(comm)
+        if op in _OPS and _tile_signal.fits(_rows(a).shape[0], comm.size):
+            _tile_signal.layout(peer_memory(comm), _OPS[op], _rows(a), b, chunks)
 
     def gemm_all_reduce(self, comm: C.Communicator, a: torch.Tensor, b: torch.Tensor, chunks: int) -> torch.Tensor:
         with _recorded(comm, "gemm_all_reduce", a, (a.shape[0], b.shape[1])):
