@@ -23,6 +23,8 @@ def get_world(size: int) -> World:
 def worlds() -> Iterator[Callable[[int], World]]:
     yield get_world
     for w in _WORLDS.values():
+        w.request_close()
+    for w in _WORLDS.values():
         w.close()
     _WORLDS.clear()
 

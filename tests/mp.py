@@ -90,6 +90,7 @@ class World:
     """``size`` rank processes in one torch.distributed group (Gloo unless told otherwise)."""
 
     def __init__(self, size: int, backend: str = "gloo", start_timeout: float = 180.0) -> None:
+        self._closing = False  # request_close has told the ranks to exit
         self.size = size
         self.backend = backend
         self._dir = tempfile.TemporaryDirectory(prefix=f"commops-world{size}-")
@@ -159,13 +160,20 @@ class World:
                 out[r] = f"(stack unavailable: {exc})"
         return out
 
-    def close(self) -> None:
+    def request_close(self) -> None:
+        """Tell every rank to exit, without waiting (``close`` waits): pools told together exit together."""
         self.broken = True
+        if self._closing:
+            return
+        self._closing = True
         for c in self._conns:
             try:
                 c.send(None)
             except (BrokenPipeError, OSError):
                 pass
+
+    def close(self) -> None:
+        self.request_close()
         for p in self._procs:
             p.join(timeout=5)
             if p.is_alive():
