@@ -199,7 +199,7 @@ def plot_tile_gemm(records: list[TileRecord], path: str, title: str = "") -> Non
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [f"tile_{T.CONFIG[0]}_{T.CONFIG[1]}_{T.CONFIG[2]}", "tile_loop", "signal", "cublas_then_copy", "chunked_beside_copy",
+    names = [_name(T.CONFIG), "tile_loop", "signal", "cublas_then_copy", "chunked_beside_copy",
              "signal_beside_copy"]
     fig, ax = plt.subplots(figsize=(12, 4.5))
     width = 0.8 / len(names)

@@ -268,15 +268,10 @@ def recorded(comm: Communicator, op: str, algorithm: str, output: torch.Tensor, 
     collective's. A group in trouble is settled first, as before a verb. The host waits inside
     such a call on the GPU (or compiles), where the patrol cannot break the wait: what the patrol
     found meanwhile (a mismatch, another rank's failure) is raised when the block ends."""
-    if comm._trouble is not None:
-        _watch.settle(comm, op)
-    comm.seq += 1
-    entry = RECORDER.start_fast(comm, op, algorithm, output, input, None)
+    entry = _record_start(comm, op, algorithm, output, input)
     try:
         yield
-        kept, comm._kept = comm._kept, None
-        if kept is not None:
-            raise kept
+        _raise_kept(comm)
     except BaseException as exc:
         _record_failure(comm, op, entry, exc)
     RECORDER.end(entry, "enqueued")
@@ -286,18 +281,26 @@ def run_recorded(comm: Communicator, op: str, algorithm: str, output: torch.Tens
                  fn: Callable[..., None], *args: Any) -> None:
     """``fn(*args)`` inside ``recorded(comm, op, algorithm, output, input)``, without a
     generator's frames: for the calls whose host time is a few microseconds (a decode kernel)."""
-    if comm._trouble is not None:
-        _watch.settle(comm, op)
-    comm.seq += 1
-    entry = RECORDER.start_fast(comm, op, algorithm, output, input, None)
+    entry = _record_start(comm, op, algorithm, output, input)
     try:
         fn(*args)
-        kept, comm._kept = comm._kept, None
-        if kept is not None:
-            raise kept
+        _raise_kept(comm)
     except BaseException as exc:
         _record_failure(comm, op, entry, exc)
     RECORDER.end(entry, "enqueued")
+
+
+def _record_start(comm: Communicator, op: str, algorithm: str, output: torch.Tensor, input: torch.Tensor) -> list[Any]:
+    if comm._trouble is not None:
+        _watch.settle(comm, op)
+    comm.seq += 1
+    return RECORDER.start_fast(comm, op, algorithm, output, input, None)
+
+
+def _raise_kept(comm: Communicator) -> None:
+    kept, comm._kept = comm._kept, None
+    if kept is not None:
+        raise kept
 
 
 def _record_failure(comm: Communicator, op: str, entry: list[Any], exc: BaseException) -> NoReturn:

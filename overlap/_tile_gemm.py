@@ -138,6 +138,8 @@ def tile_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, *
     from triton.tools.tensor_descriptor import TensorDescriptor  # deferred: Triton is optional
 
     bn, warps, stages = config
+    if flat is None:
+        flat = meta is None and counters is None
     index = a.get_device()
     grid = sms or _sms(index)
     c = out if out is not None else a
@@ -149,6 +151,6 @@ def tile_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, *
                            c, stage, counters if counters is not None else c, meta if meta is not None else c,
                            err if err is not None else c, m, n, a.shape[1], n, first,
                            GROUP_M=group_rows // TILE_ROWS, SIGNAL=counters is not None, META=meta is not None,
-                           ADD=adds, BM=TILE_ROWS, BN=bn, BK=_BK, SMS=grid, FLAT=(meta is None and counters is None) if flat is None else flat, B_T=b_t,
+                           ADD=adds, BM=TILE_ROWS, BN=bn, BK=_BK, SMS=grid, FLAT=flat, B_T=b_t,
                            num_warps=warps, num_stages=stages)
     return out  # type: ignore[return-value]

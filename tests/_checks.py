@@ -38,8 +38,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["NO_MULTICAST", "Checks", "ScriptRun", "dtype_name", "merge", "report", "run_script", "shared_gpu_ranks",
-           "write_results"]
+__all__ = ["NO_MULTICAST", "Checks", "ScriptRun", "dtype_name", "merge", "report", "run_script",
+           "same_bits_on_every_rank", "shared_gpu_ranks", "write_results"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,6 +60,17 @@ def shared_gpu_ranks() -> tuple[Any, torch.device]:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     dist.init_process_group("cpu:gloo,cuda:nccl")
     return C.get_communicator(None), torch.device("cuda", torch.cuda.current_device())
+
+
+def same_bits_on_every_rank(ck: Checks, what: str, t: torch.Tensor) -> None:
+    """A check (in ``ck``'s current family) that ``t`` holds the same bits on every rank of the
+    default group (collective)."""
+    ck.count()
+    bits = t.detach().contiguous().view(torch.uint8).cpu()
+    every: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, bits)
+    if any(not torch.equal(bits, b) for b in every):  # type: ignore[arg-type]
+        ck.fail(f"{what}: differs between ranks")
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -189,28 +189,39 @@ def use_fake_streams(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(CE, "torch", _SyncingTorch())
 
 
-def run_ranks(world: int, slot_bytes: int, fn: Any) -> list[Any]:
-    hub = _Hub(world, slot_bytes)
+def run_threads(world: int, make: Any, fn: Any, streams: Any, abort: Any, join_s: float) -> list[Any]:
+    """``fn(make(rank), rank)`` on one thread per rank; its result per rank. ``streams(pm)``: the
+    rank's stream threads, stopped at the end; ``abort()`` releases the others when one fails."""
     results: list[Any] = [None] * world
     errors: list[BaseException] = []
 
     def body(rank: int) -> None:
-        pm = _LOCAL.pm = _FakePeerMemory(hub, rank)
+        pm = make(rank)
         try:
             results[rank] = fn(pm, rank)
         except BaseException as exc:  # noqa: BLE001 - re-raised below
             errors.append(exc)
-            hub.barrier.abort()
+            abort()
         finally:
-            for st in pm.copy_engines.streams:
+            for st in streams(pm):
                 st.work.put(None)
 
     threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(TIMEOUT_S * 3)
+        t.join(join_s)
     if errors:
         raise errors[0]
     assert not any(t.is_alive() for t in threads), "a rank hung"
     return results
+
+
+def run_ranks(world: int, slot_bytes: int, fn: Any) -> list[Any]:
+    hub = _Hub(world, slot_bytes)
+
+    def make(rank: int) -> _FakePeerMemory:
+        pm = _LOCAL.pm = _FakePeerMemory(hub, rank)
+        return pm
+
+    return run_threads(world, make, fn, lambda pm: pm.copy_engines.streams, hub.barrier.abort, TIMEOUT_S * 3)

@@ -14,7 +14,6 @@ wait is bounded (``TIMEOUT_S``): a schedule that can deadlock on the GPUs fails 
 from __future__ import annotations
 
 import ctypes
-import queue
 import threading
 from typing import Any
 
@@ -24,6 +23,8 @@ import torch
 from collectives.peer._layout import CE_RING, CE_STAGES, MAX_RANKS, ce_flag_offset
 from overlap import _tile_gemm as T
 from overlap import _tile_signal as S
+
+from . import _fake_peer
 
 TIMEOUT_S = 20.0
 _CV = threading.Condition()  # notified on every flag, counter or error write
@@ -41,45 +42,23 @@ def _store32(addr: int, value: int) -> None:
 
 
 def _wait32(addr: int, value: int, what: str, err: int | None = None) -> None:
-    def ready() -> bool:
-        return ((_load32(addr) - value + (1 << 31)) % (1 << 32)) - (1 << 31) >= 0 or (err is not None and _load32(err) != 0)
+    def ready() -> bool:  # the cyclic >= of cuStreamWaitValue32's GEQ, or the error word set
+        ahead = ((_load32(addr) - value + (1 << 31)) % (1 << 32)) - (1 << 31)
+        return ahead >= 0 or (err is not None and _load32(err) != 0)
 
     with _CV:
         if not _CV.wait_for(ready, timeout=TIMEOUT_S):
             raise TimeoutError(f"{what}: the word at {addr:#x} stayed {_load32(addr)} < {value}")
 
 
-class _Stream(threading.Thread):
-    """A stream: runs queued work in order; ``drain`` waits for all of it."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(name=name, daemon=True)
-        self.work: queue.Queue[Any] = queue.Queue()
-        self.errors: list[BaseException] = []
-        self.start()
-
-    def run(self) -> None:
-        while True:
-            fn = self.work.get()
-            try:
-                if fn is None:
-                    return
-                if not self.errors:
-                    fn()
-            except BaseException as exc:  # noqa: BLE001 - reported by drain
-                self.errors.append(exc)
-            finally:
-                self.work.task_done()
+class _Stream(_fake_peer._Stream):
+    """A stream (``_fake_peer``'s): work runs in order; ``drain`` is bounded here."""
 
     def put(self, fn: Any) -> None:
         self.work.put(fn)
 
-    def drain(self) -> None:
-        with self.work.all_tasks_done:
-            if not self.work.all_tasks_done.wait_for(lambda: not self.work.unfinished_tasks, TIMEOUT_S * 2):
-                raise TimeoutError(f"{self.name} still busy after {2 * TIMEOUT_S} s")
-        if self.errors:
-            raise self.errors[0]
+    def drain(self, timeout: float | None = 2 * TIMEOUT_S) -> None:
+        super().drain(timeout)
 
 
 class _Hub:
@@ -220,26 +199,9 @@ def use_fake_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 def run_ranks(world: int, slot_bytes: int, fn: Any) -> list[Any]:
     """``fn(pm, rank)`` on one thread per rank; its result per rank. A rank's failure aborts the others."""
     hub = _Hub(world, slot_bytes)
-    results: list[Any] = [None] * world
-    errors: list[BaseException] = []
 
-    def body(rank: int) -> None:
+    def make(rank: int) -> _FakePeerMemory:
         pm = _LOCAL.pm = _FakePeerMemory(hub, rank)
-        try:
-            results[rank] = fn(pm, rank)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-            hub.barrier.abort()
-        finally:
-            for st in pm.streams():
-                st.put(None)
+        return pm
 
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(TIMEOUT_S * 4)
-    if errors:
-        raise errors[0]
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    return results
+    return _fake_peer.run_threads(world, make, fn, lambda pm: pm.streams(), hub.barrier.abort, TIMEOUT_S * 4)

@@ -37,7 +37,8 @@ import collectives as C  # noqa: E402
 from overlap import last_choice  # noqa: E402
 from collectives.peer import close_peer_memory  # noqa: E402
 from overlap.norm import fused_all_reduce_rmsnorm  # noqa: E402
-from tests._checks import Checks, dtype_name, report, shared_gpu_ranks  # noqa: E402
+from tests._checks import (Checks, dtype_name, report, same_bits_on_every_rank,  # noqa: E402
+                           shared_gpu_ranks)
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 TOL = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-5}  # of the largest expected magnitude
@@ -77,15 +78,6 @@ def _close(ck: Checks, what: str, got: torch.Tensor, want: torch.Tensor, dtype: 
         ck.fail(f"{what}: error {err:.3g} > {TOL[dtype]:g}")
 
 
-def _same_on_every_rank(ck: Checks, what: str, t: torch.Tensor) -> None:
-    ck.count()
-    bits = t.detach().contiguous().view(torch.uint8).cpu()
-    every: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, bits)
-    if any(not torch.equal(bits, b) for b in every):  # type: ignore[arg-type]
-        ck.fail(f"{what}: differs between ranks")
-
-
 def _poison(dev: torch.device) -> None:
     """Fill freed memory of the caching allocator with NaN, where the next outputs will land."""
     junk = torch.full((64 << 20,), float("nan"), dtype=torch.float16, device=dev)
@@ -108,8 +100,8 @@ def check_fused(ck: Checks, world: int, dtype: torch.dtype, dev: torch.device) -
             want_y, want_r = _want(world, shape, seed, dtype, dev)
             _close(ck, f"{where} r", r, want_r, dtype)
             _close(ck, f"{where} y", y, want_y, dtype)
-            _same_on_every_rank(ck, f"{where} y", y)
-            _same_on_every_rank(ck, f"{where} r", r)
+            same_bits_on_every_rank(ck, f"{where} y", y)
+            same_bits_on_every_rank(ck, f"{where} r", r)
 
 
 def check_graph(ck: Checks, world: int, dtype: torch.dtype, dev: torch.device, replays: int = 200) -> None:
@@ -153,7 +145,7 @@ def check_replan(ck: Checks, world: int, dev: torch.device) -> None:
         want_y, want_r = _want(world, shape, seed, dtype, dev)
         _close(ck, f"{step} r", r, want_r, dtype)
         _close(ck, f"{step} y", y, want_y, dtype)
-        _same_on_every_rank(ck, f"{step} y", y)
+        same_bits_on_every_rank(ck, f"{step} y", y)
 
 
 def _soak_rows(k: int) -> int:

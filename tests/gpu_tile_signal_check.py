@@ -33,7 +33,8 @@ import collectives as C  # noqa: E402
 import overlap  # noqa: E402
 from collectives.peer import PeerMemory  # noqa: E402
 from overlap import _tile_signal  # noqa: E402
-from tests._checks import Checks, dtype_name, report, shared_gpu_ranks  # noqa: E402
+from tests._checks import (Checks, dtype_name, report, same_bits_on_every_rank,  # noqa: E402
+                           shared_gpu_ranks)
 
 DTYPES = (torch.bfloat16, torch.float16)
 TOL = 2e-2  # of the largest expected magnitude: the peers' partial sums arrive rounded to the dtype
@@ -68,14 +69,6 @@ def _close(ck: Checks, what: str, got: torch.Tensor, want: torch.Tensor) -> None
         ck.fail(f"{what}: {bad} of {got.numel()} elements beyond {bound:.3g}")
 
 
-def _same_on_every_rank(ck: Checks, what: str, t: torch.Tensor) -> None:
-    mine = torch.tensor([float(t.double().sum()), float(t.double().abs().sum())], dtype=torch.float64)
-    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    if any(not torch.equal(e, every[0]) for e in every):
-        ck.fail(f"{what}: the ranks' results differ")
-
-
 def _shapes(world: int) -> list[tuple[int, int, int, int]]:
     """(M, K, N, chunks): whole tiles of 128 rows per rank."""
     t = 128 * world
@@ -102,7 +95,7 @@ def check_op(ck: Checks, op: str, world: int, dtype: torch.dtype, dev: torch.dev
             where = f"{op} {m}x{k}x{n} chunks={chunks} {'weight.t()' if transposed else 'b'} {dtype_name(dtype)}"
             _close(ck, where, got, want)
             if op == "ar":
-                _same_on_every_rank(ck, where, got)
+                same_bits_on_every_rank(ck, where, got)
 
 
 def check_ring(ck: Checks, world: int, dev: torch.device) -> None:

@@ -118,7 +118,8 @@ def test_groups_placed_by_meta_add_their_sources_once_flagged() -> None:
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     staging = torch.full((2 * group_rows, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     places = [(0, 0), (1, size), (0, 2 * size), (1, 0)]  # (0: out, 1: staging; element offset)
-    srcs: list[torch.Tensor | None] = [torch.randn(group_rows, n, device="cuda").to(torch.bfloat16) for _ in range(groups)]
+    srcs: list[torch.Tensor | None] = [torch.randn(group_rows, n, device="cuda").to(torch.bfloat16)
+                                       for _ in range(groups)]
     srcs[1] = None  # a group without a source
     flags, err = torch.zeros(groups, dtype=torch.int32, device="cuda"), torch.zeros(4, dtype=torch.int32, device="cuda")
     counters = T.counters_for(m, group_rows, a.device)
