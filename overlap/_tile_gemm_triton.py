@@ -11,10 +11,13 @@ __all__ = ["tile_mm"]
 @triton.jit
 def _arrived(flag, need, err):  # type: ignore[no-untyped-def]
     """Spin until the 32-bit word at ``flag`` is >= ``need`` (compared cyclically) or ``err``
-    (the peer memory's device error word, which its watchdog sets) is nonzero."""
+    (the peer memory's device error word, which its watchdog sets) is nonzero. Both are read by
+    scalar atomics, whose one value every thread of the program sees: the threads leave together."""
     v = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
-    while ((v - need) < 0) & (tl.load(err, volatile=True) == 0):
+    e = tl.atomic_add(err, 0, sem="relaxed", scope="sys")
+    while ((v - need) < 0) & (e == 0):
         v = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+        e = tl.atomic_add(err, 0, sem="relaxed", scope="sys")
 
 
 @triton.jit

@@ -18,7 +18,9 @@ Deadlock freedom. Every wait depends only on work issued before it on another st
 the push stream waits on counters and on the peers' consumption of a ring slot; consumption is
 signalled from the pull stream (after own group j's counter), never from a stream that itself
 waits on a peer; the all-gather copies run on a stream of their own. A kernel tile waiting for
-chunk j holds a program whose earlier tiles are done, so every group before j completes. At 3
+chunk j holds a program whose earlier tiles are done, so every group before j completes, as
+long as every program of the persistent grid is resident: ranks whose kernels share one GPU at
+once (MPS) are not supported; time-sliced, as the GPU tests share one, they are. At 3
 ranks or more a call reuses no ring slot (it runs fewer, larger groups, or refuses): the push
 stream serves its peers one block after another, so a push waiting for one peer's consumption
 can wait, around the ranks, on itself (3 ranks sharing one H200 hung so, 2026-12-03, with two
@@ -32,6 +34,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import torch
 
@@ -42,7 +45,7 @@ from collectives.peer._layout import ce_flag_offset
 from . import _tile_gemm as T
 from ._copy_engine import _ALIGN, _region
 
-__all__ = ["unavailable", "fits", "has_layout", "layout", "gemm_reduce_scatter", "gemm_all_reduce"]
+__all__ = ["unavailable", "fits", "refusal", "has_layout", "layout", "gemm_reduce_scatter", "gemm_all_reduce"]
 
 _DTYPES = (torch.bfloat16, torch.float16)
 
@@ -76,19 +79,58 @@ class _Layout:
     counters: torch.Tensor
 
 
-_LAYOUTS: dict[int, tuple[PeerMemory, dict[tuple[Any, ...], _Layout]]] = {}  # id(pm) -> (pm, its layouts)
+_LAYOUTS: WeakKeyDictionary[Any, dict[tuple[Any, ...], _Layout]] = WeakKeyDictionary()  # per peer memory
 
 
-def _kept(pm: PeerMemory) -> dict[tuple[Any, ...], _Layout]:
-    held = _LAYOUTS.get(id(pm))
-    if held is None or held[0] is not pm:
-        held = _LAYOUTS[id(pm)] = (pm, {})
-    return held[1]
+def _key(op: str, rows: torch.Tensor, b: torch.Tensor, chunks: int) -> tuple[Any, ...]:
+    # K and b's orientation too: the kernel is compiled for them (Triton specialises on K's divisibility)
+    return (op, rows.shape[0], b.shape[0], b.shape[1], b.is_contiguous(), rows.dtype, chunks)
 
 
 def has_layout(pm: PeerMemory, op: str, rows: torch.Tensor, b: torch.Tensor, chunks: int) -> bool:
     """Whether ``op`` ("rs" or "ar") at this shape has its layout on ``pm``: a capture can run it."""
-    return (op, rows.shape[0], b.shape[1], rows.dtype, chunks) in _kept(pm)
+    held = _LAYOUTS.get(pm)
+    return held is not None and _key(op, rows, _operand(b), chunks) in held
+
+
+def _groups(world: int, slot_bytes: int, op: str, total: int, n: int, es: int, chunks: int) -> tuple[int, int, int, int]:
+    """(groups a block, rows a group, bytes of a group's region, ring slots); ``UnsupportedError``
+    for a shape the strategy cannot take (before anything is sent)."""
+    if not fits(total, world):
+        raise UnsupportedError("strategy", "tile_signal", f"needs rows in whole tiles of {T.TILE_ROWS} per rank; "
+                               f"{total} rows over {world} ranks are not", "use 'copy_engine' at this shape")
+    if n < 1:
+        raise UnsupportedError("strategy", "tile_signal", "has no columns to compute (N = 0)", "use 'sequential'")
+    tiles_b = total // world // T.TILE_ROWS
+    budget = slot_bytes if op == "rs" else slot_bytes // 2 // _ALIGN * _ALIGN
+    most = CE_RING if op == "rs" else CE_RING // 2
+    per = _divisor(tiles_b, -(-tiles_b // max(1, min(chunks, tiles_b))))  # groups line up with the blocks
+    while True:
+        per_block, group_rows = tiles_b // per, per * T.TILE_ROWS
+        region = _region(group_rows, n, es)
+        ring = min(most, budget // (world * region))
+        # At 3 ranks or more no ring slot is reused within a call ("Deadlock freedom"): fewer groups
+        if world == 2 or ring >= per_block or per == tiles_b:
+            break
+        per = _divisor(tiles_b, per + 1)
+    if ring < 1 or (world > 2 and ring < per_block):
+        raise UnsupportedError("chunks", chunks, f"groups of {group_rows} rows need {world * region} B of peer slots "
+                               f"each{'' if world == 2 else f', {per_block} of them at once at {world} ranks'}, more "
+                               f"than the {budget} B available",
+                               "raise COMMOPS_PEER_BYTES (or pass more chunks at 2 ranks)")
+    return per_block, group_rows, region, ring
+
+
+def refusal(pm: PeerMemory, op: str, rows: torch.Tensor, b: torch.Tensor, chunks: int) -> str:
+    """Why ``op`` cannot take this shape on ``pm`` (``layout`` would raise it), or ``""``."""
+    why = T.supported(rows if rows.is_contiguous() else rows.contiguous(), _operand(b))  # as _run passes them
+    if why:
+        return why
+    try:
+        _groups(pm.world, pm.slot_bytes, op, rows.shape[0], b.shape[1], rows.element_size(), chunks)
+    except UnsupportedError as exc:
+        return str(exc)
+    return ""
 
 
 def layout(pm: PeerMemory, op: str, rows: torch.Tensor, b: torch.Tensor, chunks: int) -> _Layout:
@@ -96,8 +138,8 @@ def layout(pm: PeerMemory, op: str, rows: torch.Tensor, b: torch.Tensor, chunks:
     never while capturing. Raises ``UnsupportedError`` for a shape the strategy cannot take."""
     w, r, es = pm.world, pm.rank, rows.element_size()
     total, n = rows.shape[0], b.shape[1]
-    held = _kept(pm)
-    key = (op, total, n, rows.dtype, chunks)
+    held = _LAYOUTS.setdefault(pm, {})
+    key = _key(op, rows, b, chunks)
     lay = held.get(key)
     if lay is not None:
         return lay
@@ -108,26 +150,8 @@ def layout(pm: PeerMemory, op: str, rows: torch.Tensor, b: torch.Tensor, chunks:
     why = T.supported(rows, b)
     if why:
         raise UnsupportedError("strategy", "tile_signal", f"cannot take these operands: {why}", "use 'copy_engine'")
-    if not fits(total, w):
-        raise UnsupportedError("strategy", "tile_signal", f"needs rows in whole tiles of {T.TILE_ROWS} per rank; "
-                               f"{total} rows over {w} ranks are not", "use 'copy_engine' at this shape")
+    per_block, group_rows, region, ring = _groups(w, pm.slot_bytes, op, total, n, es, chunks)
     m = total // w
-    tiles_b = m // T.TILE_ROWS
-    budget = pm.slot_bytes if op == "rs" else pm.slot_bytes // 2 // _ALIGN * _ALIGN
-    most = CE_RING if op == "rs" else CE_RING // 2
-    per = _divisor(tiles_b, -(-tiles_b // max(1, min(chunks, tiles_b))))  # groups line up with the blocks
-    while True:
-        per_block, group_rows = tiles_b // per, per * T.TILE_ROWS
-        region = _region(group_rows, n, es)
-        ring = min(most, budget // (w * region))
-        # At 3 ranks or more no ring slot is reused within a call ("Deadlock freedom"): fewer groups
-        if w == 2 or ring >= per_block or per == tiles_b:
-            break
-        per = _divisor(tiles_b, per + 1)
-    if ring < 1 or (w > 2 and ring < per_block):
-        raise UnsupportedError("chunks", chunks, f"groups of {group_rows} rows need {w * region} B of peer slots "
-                               f"each{'' if w == 2 else f', {per_block} of them at once at {w} ranks'}, more than the "
-                               f"{budget} B available", "raise COMMOPS_PEER_BYTES (or pass more chunks at 2 ranks)")
     peers = [(r + d) % w for d in range(1, w)]
     rows_meta = []
     for g in range(w * per_block):

@@ -189,6 +189,7 @@ class _Plan(NamedTuple):
     slot: int   # the stride between the ranks' shares of the peer buffers, in elements
     pm: Any     # the peer memory the kernel is bound to (None at one rank): the plan holds while it is open
     rows: int
+    settings: tuple[int, int]  # the memory's (max_blocks, ll_max_bytes) it was made under (tune_peer sets them)
 
 
 _PLANS: WeakKeyDictionary[C.Communicator, dict[tuple[Any, ...], _Plan]] = WeakKeyDictionary()
@@ -203,14 +204,15 @@ def _plan(comm: C.Communicator, x: torch.Tensor, choice: OverlapChoice) -> _Plan
     vec = hidden % (PACK_BYTES // es) == 0
     if comm.size == 1:
         k = _local_kernel(x.get_device(), f"add_rmsnorm_{_TAGS[x.dtype]}_{'vec' if vec else 'scalar'}")
-        return _Plan(choice, k, max(1, min(rows, _GRID)), 0, None, rows)
+        return _Plan(choice, k, max(1, min(rows, _GRID)), 0, None, rows, (0, 0))
     pm = peer_memory(comm)
     grid = max(1, min(rows, pm.max_blocks))
+    settings = (pm.max_blocks, pm.ll_max_bytes)
     if _words(x, pm):  # each rank's words ONE_SHOT_LL_MAX_BYTES // 4 apart (_layout.ll_set_bytes)
         k = pm.kernel("ar_rmsnorm_ll", x.dtype, True, 9, source=SOURCE)
-        return _Plan(choice, k, grid, ONE_SHOT_LL_MAX_BYTES // 4, pm, rows)
+        return _Plan(choice, k, grid, ONE_SHOT_LL_MAX_BYTES // 4, pm, rows, settings)
     return _Plan(choice, pm.kernel("ar_rmsnorm", x.dtype, vec, 9, source=SOURCE), grid, _slot_elements(pm, es), pm,
-                 rows)
+                 rows, settings)
 
 
 def _kept_plan(comm: C.Communicator, x: torch.Tensor, strategy: str) -> _Plan | None:
@@ -223,7 +225,7 @@ def _kept_plan(comm: C.Communicator, x: torch.Tensor, strategy: str) -> _Plan | 
         return None
     pm = plan.pm
     if pm is not None:
-        if pm is not comm._peer_memory or pm.closed:
+        if pm is not comm._peer_memory or pm.closed or plan.settings != (pm.max_blocks, pm.ll_max_bytes):
             return None
         if pm._err_np[0]:  # a kernel of this memory reported a timeout: raise it, as pm.kernel does
             pm.check()

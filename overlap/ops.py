@@ -198,6 +198,10 @@ def _strategy(op: str, comm: C.Communicator, strategy: str, chunks: int, a: torc
                 where = "CUDA" if a.device.type == "cuda" else a.device.type
                 found = OverlapChoice(op, "sequential", 1, f"no overlap measurement for {op} on {where} at this "
                                       "shape: the plain sequence (launch/bench_overlap.py --tune measures the others)")
+            why = STRATEGIES[found.strategy].refuses(comm, op, a, b, found.chunks)
+            if why:  # the table's entry was measured at another shape
+                found = OverlapChoice(op, "sequential", 1, f"{found.reason}; but {found.strategy} cannot take this "
+                                      f"shape: {why}")
             found = _capturable(op, comm, a, b, m, graph, found)
             _AUTO[key] = found
         return found

@@ -109,7 +109,7 @@ def check_ring(ck: Checks, world: int, dev: torch.device) -> None:
             got = run(pm, a, b, 8)
             torch.cuda.synchronize()
             ck.count()
-            lay = next(lay for key, lay in _tile_signal._LAYOUTS[id(pm)][1].items() if key[0] == op)
+            lay = next(lay for key, lay in _tile_signal._LAYOUTS[pm].items() if key[0] == op)
             if world == 2 and lay.ring >= lay.per_block:
                 ck.fail(f"{op}: ring {lay.ring} >= {lay.per_block} groups a block: no slot was reused")
             if world > 2 and lay.ring < lay.per_block:  # the design note's rule at 3 ranks or more

@@ -52,3 +52,35 @@ def test_a_capture_without_the_shapes_layout_runs_the_sequence() -> None:
     got = ops._capturable("gemm_all_reduce", comm, a, b, 256, True, found)  # type: ignore[arg-type]
     assert got.strategy == "sequential" and "call the operator once before capturing" in got.reason
     assert not REGISTRY["tile_signal"].ready_for(comm, "gemm_reduce_scatter", a, b, 4)  # type: ignore[arg-type]
+
+
+def test_auto_runs_the_sequence_where_a_tile_signal_entry_cannot_run() -> None:
+    """A table measured tile_signal at M=4096 on CUDA; here (CPU, M=4000) auto must not follow it."""
+    from types import SimpleNamespace
+
+    from overlap import ops
+
+    entry = {"op": "gemm_all_reduce", "dtype": "bfloat16", "M": 4096, "K": 8, "N": 8, "graph": False,
+             "strategy": "tile_signal", "chunks": 8}
+    comm = SimpleNamespace(size=2, _peer_memory=None)
+    ops.set_tuned({"meta": {"world": 2}, "entries": [entry]})
+    try:
+        a, b = torch.randn(4000, 8, dtype=torch.bfloat16), torch.randn(8, 8, dtype=torch.bfloat16)
+        got = ops._strategy("gemm_all_reduce", comm, "auto", 1, a, b, 4000)  # type: ignore[arg-type]
+        assert got.strategy == "sequential" and "tile_signal cannot take this shape" in got.reason, got
+        assert "cpu" in got.reason
+    finally:
+        ops.set_tuned(None)
+
+
+def test_the_shape_refusals_are_said_before_anything_is_built() -> None:
+    # 2 ranks, 64 MiB of slots: a group of 2048 x 8192 bf16 rows (16384 a rank in 8) needs 2 x 32 MiB,
+    # more than the all-reduce's half
+    with pytest.raises(Exception, match="COMMOPS_PEER_BYTES"):
+        _tile_signal._groups(2, 64 << 20, "ar", 32768, 8192, 2, 8)
+    with pytest.raises(Exception, match="whole tiles"):
+        _tile_signal._groups(2, 64 << 20, "ar", 4000, 8192, 2, 8)
+    with pytest.raises(Exception, match="N = 0"):
+        _tile_signal._groups(2, 64 << 20, "rs", 4096, 0, 2, 8)
+    # 2048 rows a rank in 8 groups of 256; a group 4 MiB, 8 MiB from both ranks: 4 slots in 32 MiB
+    assert _tile_signal._groups(2, 64 << 20, "ar", 4096, 8192, 2, 8) == (8, 256, 256 * 8192 * 2, 4)

@@ -37,6 +37,11 @@ class OverlapStrategy:
     def prepare(self, comm: C.Communicator) -> None:
         """Build what a later capture needs (collective: every rank calls it), or nothing."""
 
+    def refuses(self, comm: C.Communicator, op: str, a: torch.Tensor, b: torch.Tensor, chunks: int) -> str:
+        """Why this strategy cannot take ``op`` at this shape (beyond ``unavailable``), or ``""``:
+        ``auto`` then runs the sequence instead of a table's entry measured at another shape."""
+        return ""
+
     def ready_for(self, comm: C.Communicator, op: str, a: torch.Tensor, b: torch.Tensor, chunks: int) -> bool:
         """``ready``, for a strategy whose capture also needs something per shape (``a`` the rows
         the operator would pass, ``b`` its second operand)."""

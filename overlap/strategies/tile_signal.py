@@ -38,6 +38,15 @@ class TileSignal(OverlapStrategy):
     def prepare(self, comm: C.Communicator) -> None:
         _copy_engine.prepare(comm)
 
+    def refuses(self, comm: C.Communicator, op: str, a: torch.Tensor, b: torch.Tensor, chunks: int) -> str:
+        if op not in _OPS:
+            return ""
+        why = self.unavailable(comm, a.device, a.dtype)
+        if why:
+            return why
+        # peer memory built where it is not yet: auto's first call at a shape is collective
+        return _tile_signal.refusal(peer_memory(comm), _OPS[op], _rows(a), b, chunks)
+
     def ready_for(self, comm: C.Communicator, op: str, a: torch.Tensor, b: torch.Tensor, chunks: int) -> bool:
         if op not in _OPS:
             return _copy_engine.ready(comm)
@@ -45,8 +54,8 @@ class TileSignal(OverlapStrategy):
 
     def prepare_for(self, comm: C.Communicator, op: str, a: torch.Tensor, b: torch.Tensor, chunks: int) -> None:
         self.prepare(comm)
-        if op in _OPS and _tile_signal.fits(_rows(a).shape[0], comm.size):
-            _tile_signal.layout(peer_memory(comm), _OPS[op], _rows(a), b, chunks)
+        if op in _OPS and not self.refuses(comm, op, a, b, chunks):
+            _tile_signal.layout(peer_memory(comm), _OPS[op], _rows(a).contiguous(), _tile_signal._operand(b), chunks)
 
     def gemm_all_reduce(self, comm: C.Communicator, a: torch.Tensor, b: torch.Tensor, chunks: int) -> torch.Tensor:
         with _recorded(comm, "gemm_all_reduce", a, (a.shape[0], b.shape[1])):
