@@ -84,3 +84,22 @@ def test_the_shape_refusals_are_said_before_anything_is_built() -> None:
         _tile_signal._groups(2, 64 << 20, "rs", 4096, 0, 2, 8)
     # 2048 rows a rank in 8 groups of 256; a group 4 MiB, 8 MiB from both ranks: 4 slots in 32 MiB
     assert _tile_signal._groups(2, 64 << 20, "ar", 4096, 8192, 2, 8) == (8, 256, 256 * 8192 * 2, 4)
+
+
+def test_a_refused_shape_is_raised_before_the_call_is_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from collectives.errors import UnsupportedError
+    from overlap.strategies import tile_signal as strategy
+
+    class Memory:  # what the refusal reads of a PeerMemory
+        world, slot_bytes = 2, 64 << 20
+
+    pm = Memory()
+    monkeypatch.setattr(strategy, "peer_memory", lambda comm: pm)
+    monkeypatch.setattr(T, "supported", lambda a, b: "")  # as on a GPU
+    comm = SimpleNamespace(size=2, seq=7)
+    a, b = torch.randn(4000, 8, dtype=torch.bfloat16), torch.randn(8, 8, dtype=torch.bfloat16)
+    with pytest.raises(UnsupportedError, match="whole tiles"):
+        REGISTRY["tile_signal"].gemm_all_reduce(comm, a, b, 8)  # type: ignore[arg-type]
+    assert comm.seq == 7  # nothing recorded, nothing sent

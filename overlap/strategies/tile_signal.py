@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 import collectives as C
+from collectives.errors import UnsupportedError
 from collectives.peer import has_peer_memory, peer_memory
 
 from .. import _copy_engine, _tile_signal
@@ -57,12 +58,26 @@ class TileSignal(OverlapStrategy):
         if op in _OPS and not self.refuses(comm, op, a, b, chunks):
             _tile_signal.layout(peer_memory(comm), _OPS[op], _rows(a).contiguous(), _tile_signal._operand(b), chunks)
 
+    def _take(self, comm: C.Communicator, op: str, a: torch.Tensor, b: torch.Tensor, chunks: int) -> None:
+        """Refuse a shape before the call is recorded and anything is sent (the group stays usable)."""
+        pm = peer_memory(comm)
+        if _tile_signal.has_layout(pm, _OPS[op], a, b, chunks):
+            return
+        why = _tile_signal.refusal(pm, _OPS[op], a, b, chunks)
+        if not why and _tile_signal._capturing():
+            why = "its layout for this shape (a copy to the GPU, a compile) cannot be built while capturing"
+        if why:
+            raise UnsupportedError("strategy", "tile_signal", f"cannot run {op} at {tuple(a.shape)} x "
+                                   f"{tuple(b.shape)}: {why}", "use 'auto', or call it once eagerly before capturing")
+
     def gemm_all_reduce(self, comm: C.Communicator, a: torch.Tensor, b: torch.Tensor, chunks: int) -> torch.Tensor:
+        self._take(comm, "gemm_all_reduce", a, b, chunks)
         with _recorded(comm, "gemm_all_reduce", a, (a.shape[0], b.shape[1])):
             return _tile_signal.gemm_all_reduce(peer_memory(comm), a, b, chunks)
 
     def gemm_reduce_scatter(self, comm: C.Communicator, rows: torch.Tensor, b: torch.Tensor,
                             chunks: int) -> torch.Tensor:
+        self._take(comm, "gemm_reduce_scatter", rows, b, chunks)
         with _recorded(comm, "gemm_reduce_scatter", rows, (rows.shape[0] // comm.size, b.shape[1])):
             return _tile_signal.gemm_reduce_scatter(peer_memory(comm), rows, b, chunks)
 
