@@ -80,11 +80,8 @@ def _variants(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dst: torch.Tens
     start, done = torch.cuda.Event(), torch.cuda.Event()
     row_bytes = n * es
 
-    def ranges() -> list[tuple[int, int]]:
-        order = [(first + i) % groups for i in range(groups)]
-        return [(g * group_rows, min(m, (g + 1) * group_rows)) for g in order]
-
-    walk = ranges()
+    # (group, first row, end row) in the kernel's walk order
+    walk = [(g, g * group_rows, min(m, (g + 1) * group_rows)) for g in ((first + i) % groups for i in range(groups))]
 
     def signal_beside_copy() -> None:
         main = torch.cuda.current_stream()
@@ -93,7 +90,7 @@ def _variants(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dst: torch.Tens
         side.wait_event(start)  # the counters are zero before the side stream looks at them
         T.tile_mm(a, b, c, counters=counters, group_rows=group_rows, first=first)
         raw = side.cuda_stream
-        for (lo, hi), g in zip(walk, [(first + i) % groups for i in range(groups)]):
+        for g, lo, hi in walk:
             _launch.wait_value(raw, counters.data_ptr() + 4 * g, counts[g])
             _launch.copy_async(dst.data_ptr() + lo * row_bytes, c.data_ptr() + lo * row_bytes, (hi - lo) * row_bytes,
                                raw)
@@ -104,7 +101,7 @@ def _variants(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dst: torch.Tens
         main = torch.cuda.current_stream()
         start.record(main)
         side.wait_event(start)
-        for lo, hi in walk:
+        for _, lo, hi in walk:
             torch.mm(a[lo:hi], b, out=c[lo:hi])
             ev = torch.cuda.Event()
             ev.record(main)

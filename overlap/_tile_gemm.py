@@ -32,12 +32,12 @@ import torch
 
 from collectives.errors import InvalidArgumentError
 
-__all__ = ["TILE_ROWS", "supported", "tiles", "counters_for", "tile_mm"]
+__all__ = ["TILE_ROWS", "DTYPES", "supported", "tiles", "counters_for", "tile_mm"]
 
 TILE_ROWS = 128  # BM: a group is a whole number of these rows
 CONFIG = (256, 8, 3)  # (BN, warps, stages)
 _BK = 64
-_DTYPES = (torch.bfloat16, torch.float16)
+DTYPES = (torch.bfloat16, torch.float16)
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -45,8 +45,8 @@ def supported(a: torch.Tensor, b: torch.Tensor) -> str:
     """Why ``a @ b`` cannot run in this kernel, or ``""``."""
     if not (a.is_cuda and b.is_cuda):
         return f"the operands are on {a.device.type} and {b.device.type}"
-    if a.dtype not in _DTYPES or b.dtype != a.dtype:
-        return f"it multiplies {[str(d) for d in _DTYPES]} (both operands one dtype), not {a.dtype} @ {b.dtype}"
+    if a.dtype not in DTYPES or b.dtype != a.dtype:
+        return f"it multiplies {[str(d) for d in DTYPES]} (both operands one dtype), not {a.dtype} @ {b.dtype}"
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0] or a.shape[1] == 0:
         return f"it multiplies [M, K] by [K, N] with K >= 1, not {tuple(a.shape)} by {tuple(b.shape)}"
     for name, t in (("a", a), ("b", b if b.is_contiguous() else b.t())):

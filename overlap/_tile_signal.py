@@ -42,20 +42,18 @@ from collectives.errors import UnsupportedError
 from collectives.peer import CE_PULLED, CE_PUSHED, CE_RING, PeerMemory, _launch, peer_unavailable
 from collectives.peer._layout import ce_flag_offset
 
+from . import _copy_engine
 from . import _tile_gemm as T
 from ._copy_engine import _ALIGN, _region
 
 __all__ = ["unavailable", "fits", "refusal", "has_layout", "layout", "gemm_reduce_scatter", "gemm_all_reduce"]
 
-_DTYPES = (torch.bfloat16, torch.float16)
-
-
 def unavailable(comm: Any, device: torch.device, dtype: torch.dtype) -> str:
     """Why the strategy cannot run here, or ``""`` (shapes are checked by each call)."""
     if device.type != "cuda":
         return f"it is a CUDA kernel with copy engines; these tensors are on {device.type}"
-    if dtype not in _DTYPES:
-        return f"the tile-signalled GEMM multiplies {[str(d) for d in _DTYPES]}, not {dtype}"
+    if dtype not in T.DTYPES:
+        return f"the tile-signalled GEMM multiplies {[str(d) for d in T.DTYPES]}, not {dtype}"
     if importlib.util.find_spec("triton") is None:
         return "Triton is not installed"
     return peer_unavailable(comm)
@@ -198,31 +196,25 @@ def _divisor(n: int, at_least: int) -> int:
     return d
 
 
-class _Streams:
-    """The compute stream and three side streams: pushes, consumption signals, all-gather copies."""
+class _Streams(_copy_engine._Streams):
+    """``copy_engine``'s compute and copy streams (push: pushes; pull: consumption signals) and a
+    third, per device, for the all-gather's copies into place."""
 
-    _extra: dict[int, torch.cuda.Stream] = {}  # the all-gather copies' stream, per device
+    _gathers: dict[int, torch.cuda.Stream] = {}
 
     def __init__(self, pm: PeerMemory) -> None:
-        self.main = torch.cuda.current_stream(pm.device)
-        self.push, self.pull = pm.copy_engines.streams
-        third = self._extra.get(pm.device_index)
-        if third is None:
-            third = self._extra[pm.device_index] = torch.cuda.Stream(pm.device)
-        self.gather = third
-        self.ps, self.ls, self.gs = self.push.cuda_stream, self.pull.cuda_stream, third.cuda_stream
+        super().__init__(pm)
+        gather = self._gathers.get(pm.device_index)
+        if gather is None:
+            gather = self._gathers[pm.device_index] = torch.cuda.Stream(pm.device)
+        self.gather, self.gs = gather, gather.cuda_stream
 
     def fork(self) -> None:
-        mark = torch.cuda.Event()
-        mark.record(self.main)
         for side in (self.push, self.pull, self.gather):
-            side.wait_event(mark)
+            self.after_main(side)
 
-    def join(self) -> None:
-        for side in (self.push, self.pull, self.gather):
-            ev = torch.cuda.Event()
-            ev.record(side)
-            self.main.wait_event(ev)
+    def join(self) -> None:  # type: ignore[override]
+        super().join(self.push, self.pull, self.gather)
 
 
 def _counter(lay: _Layout, g: int) -> int:

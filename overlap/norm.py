@@ -108,7 +108,7 @@ def _unavailable(comm: C.Communicator, x: torch.Tensor) -> str:
     if x.shape[-1] * x.element_size() > MAX_ROW_BYTES:
         return (f"rows of {x.shape[-1] * x.element_size()} B: one block takes a whole row, beyond "
                 f"{MAX_ROW_BYTES} B a row needs more than a block")
-    if x.is_cuda and _capturing() and not _ready(comm, x):
+    if _capturing() and not _ready(comm, x):
         return ("its peer memory or module does not exist and cannot be built while capturing: call the "
                 "operator once before capturing")
     if comm.size == 1:
@@ -118,7 +118,7 @@ def _unavailable(comm: C.Communicator, x: torch.Tensor) -> str:
         return f"peer memory: {why}"
     _compiled(comm, x.get_device())
     pm = peer_memory(comm)
-    if not _words(x.reshape(-1, x.shape[-1]), pm) and x.numel() > _slot_elements(pm, x.element_size()):
+    if not _words(x, pm) and x.numel() > _slot_elements(pm, x.element_size()):
         return (f"{x.numel() * x.element_size()} B do not fit one rank's share of a set of slots "
                 f"({pm.set_bytes // pm.world} B; COMMOPS_PEER_BYTES sets it)")
     return ""
@@ -174,7 +174,7 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def _words(x: torch.Tensor, pm: Any) -> bool:
-    """Whether ``x`` ([rows, hidden]) travels as low-latency words: the whole message within their
+    """Whether ``x`` (``[..., hidden]``) travels as low-latency words: the whole message within their
     area, rows of whole 4-byte words. By shape alone: every rank launches the same kernel."""
     es = x.element_size()
     return x.numel() * es <= min(pm.ll_max_bytes, ONE_SHOT_LL_MAX_BYTES) and x.shape[-1] * es % 4 == 0
@@ -275,10 +275,10 @@ def _choose(comm: C.Communicator, x: torch.Tensor, strategy: str) -> OverlapChoi
     rows = x.numel() // x.shape[-1]
     if strategy == "sequential":
         return OverlapChoice(_OP, "sequential", 1, "requested by the caller")
-    if x.is_cuda and x.get_device() != torch.cuda.current_device():
+    if x.is_cuda and x.get_device() != _current_device():
         # refused, not a fallback: a rank that ran the sequence while its peers run the kernel would hang them
         raise InvalidArgumentError("x", x, f"is on {x.device} but the current CUDA device is "
-                                   f"cuda:{torch.cuda.current_device()}, where peer memory and the launches are",
+                                   f"cuda:{_current_device()}, where peer memory and the launches are",
                                    f"call torch.cuda.set_device({x.get_device()}) first")
     if strategy == "fused":
         why = _unavailable(comm, x)

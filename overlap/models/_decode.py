@@ -87,9 +87,7 @@ class _Plan:
             and (self.split is None or not self.split.active)
 
     def run(self, layer: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
-        y = self.carry.take(x)
-        if y is None:
-            y = layer.get_submodule(self.input_norm)(x)
+        y = layer.get_submodule(self.input_norm)(x)  # a _FusedNorm after the first layer: the carried norm
         self.o.deferred = True
         try:
             a = layer.get_submodule(self.attention)(hidden_states=y, **kwargs)
@@ -180,7 +178,7 @@ def fuse_decode_norms(model: Any, family: Any, split: Any) -> str:
                                       down if isinstance(down, RowParallelLinear) else None, norm_names, attention,
                                       family.mlp, nxt)
         _subclass(layer, _FusedLayer)
-    for i, layer in enumerate(layers[1:], 1):
+    for layer in layers[1:]:
         norm = layer.get_submodule(family.input_norm)
         norm._commops_carry = carry
         _subclass(norm, _FusedNorm)
