@@ -97,7 +97,7 @@ class MoERecord:
     train_pipelined_us: float = 0.0
     train_speedup_paired: float = 0.0
     train_hidden_small_pct: float = 0.0
-    # the FP8 dispatch (dispatch(fp8=True), where the transport takes it: "nccl"; hidden % 128 == 0):
+    # the FP8 dispatch (dispatch(fp8=True), where the transport takes it: "nccl", "peer"; hidden % 128 == 0):
     # its time, and the layer's error with it and without it, each the RMS of (out - ref) over
     # the RMS of ref, ref the float32 forward (0.0 where not run)
     fp8_dispatch_us: float = 0.0
@@ -151,7 +151,7 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
         sent_bytes = sum(handle.send_counts) * hidden * es
         crossing = (sum(handle.send_counts) - handle.send_counts[comm.rank]) * hidden * es
         t_dispatch = _time(lambda: disp.dispatch(x, idx, w), comm, device, iters, reps)
-        fp8 = disp.transport_impl.any_row_width and hidden % 128 == 0
+        fp8 = disp.transport_impl.packed_rows and hidden % 128 == 0
         t_fp8 = _time(lambda: disp.dispatch(x, idx, w, fp8=True), comm, device, iters, reps) if fp8 else 0.0
         t_experts = _time(lambda: mlp(recv, handle.tokens_per_expert), comm, device, iters, reps)
         t_combine = _time(lambda: disp.combine(y, handle, w), comm, device, iters, reps)

@@ -17,6 +17,13 @@ Families:
   token counts, nothing waited for between them; every output checked afterwards.
 - ``fp8/kernels``: the FP8 dispatch's Triton packing and unpacking byte for byte against their
   torch definition (``overlap/moe/fp8.py``).
+- ``fp8/peer``: the FP8 dispatch over the peer transport (``PeerTransport.dispatch_packed``),
+  bf16 and fp16, fresh routing per call, uneven token counts and a rank without tokens, over the
+  device layout: the rows arrive as the plain dispatch's
+  rows packed and unpacked by the definition, byte for byte (each row's packing is its own);
+  their error against the plain rows within ``fp8.py``'s stated bound; the gradient straight
+  through (equal to the plain dispatch's); the layer's output through the experts against the
+  float64 MoE within ``FP8_LAYER_TOL`` (RMS).
 - ``soak/graph``: the decode layer (``dispatch_low_latency``, ``GroupedSwiGLU.forward_padded``
   on the device counts, ``combine_low_latency``) twice in one CUDA graph (the transport's
   buffer halves alternate), replayed 500 times back to back with new routing copied in before
@@ -49,10 +56,13 @@ DTYPES = (torch.bfloat16, torch.float32)
 TOL = {torch.bfloat16: 4e-2, torch.float32: 2e-3}
 H, FF, FF_SHARED, K = 256, 128, 96, 2
 SOAK_CALLS, SOAK_MAX_TOKENS = 1000, 96
+# of the float64 layer's RMS: e4m3 rounds each input element by up to 2^-4 of it (about 3.6% RMS),
+# then the products round as in ``micro``
+FP8_LAYER_TOL = 5e-2
 
 
 def families() -> tuple[str, ...]:
-    return tuple(f"micro/{dtype_name(d)}" for d in DTYPES) + ("soak/eager", "soak/graph", "fp8/kernels")
+    return tuple(f"micro/{dtype_name(d)}" for d in DTYPES) + ("soak/eager", "soak/graph", "fp8/kernels", "fp8/peer")
 
 
 class Shared(torch.nn.Module):
@@ -309,6 +319,65 @@ def check_fp8_kernels(ck: Checks, r: int, dev: torch.device) -> None:
                 ck.fail(f"rank {r} fp8 unpack {T}x{H} {dtype_name(dtype)} {what}: {int((a != b).sum())} elements differ")
 
 
+def _fp8_bound(rows: torch.Tensor) -> torch.Tensor:
+    """``fp8.py``'s bound on each element's error, in float64: 2^-4 of the element, or 2^-10 of
+    its block's scale (largest / 448) below e4m3's normal range; plus the unpacked value's
+    rounding to ``rows``' dtype (half an ulp: 2^-8 in bf16, 2^-11 in fp16)."""
+    a = rows.double().abs()
+    blocks = a.view(a.shape[0], -1, fp8.BLOCK)
+    scale = (blocks.amax(-1, keepdim=True) / fp8.E4M3_MAX).expand_as(blocks).reshape(a.shape)
+    ulp = 2.0 ** -8 if rows.dtype == torch.bfloat16 else 2.0 ** -11
+    return (2.0 ** -4 + ulp) * a + 2.0 ** -10 * scale
+
+
+def check_fp8_peer(ck: Checks, r: int, w: int, dev: torch.device) -> None:
+    E = 4 * w
+    for dtype in (torch.bfloat16, torch.float16):
+        whole, mine = _experts(E, r, w, dtype, dev)
+        whole64 = {n: getattr(whole, n).detach().double() for n in ("w1", "w2", "w3")}
+        disp = MoEDispatcher(E, H, dtype=dtype, device=dev, transport="peer", max_tokens=320, top_k=K)
+        for call, tokens in enumerate((lambda q: 150 + 37 * q, lambda q: 0 if q == 0 else 200 + q,
+                                       lambda q: 301 - 50 * q)):
+            where = f"rank {r} fp8 peer {dtype_name(dtype)} call {call}"
+            x, idx, wt, _ = _inputs(r, 700 + call, tokens(r), E, dtype, dev, "random")
+            for spread in (True, False):  # blocks of very different scales; then rows the layer takes
+                if spread:
+                    xs = (x * torch.logspace(-3, 3, H, device=dev).to(dtype)).requires_grad_()
+                else:
+                    xs = x.clone().requires_grad_()
+                xp = xs.detach().clone().requires_grad_()
+                got, h8 = disp.dispatch(xs, idx, wt, fp8=True)
+                plain, h = disp.dispatch(xp, idx, wt)
+                ck.count()
+                if h8.tokens_per_expert != h.tokens_per_expert or got.shape != plain.shape:
+                    ck.fail(f"{where}: {h8.tokens_per_expert} rows per expert, the plain dispatch {h.tokens_per_expert}")
+                    continue
+                want = fp8.dequantize_rows(fp8.quantize_rows(plain.detach()), H, dtype)
+                ck.count()
+                if not torch.equal(got, want):
+                    ck.fail(f"{where}: {int((got != want).sum())} of {got.numel()} elements differ from the plain "
+                            "rows packed and unpacked")
+                ck.count()
+                over = int(((got.double() - plain.double()).abs() > _fp8_bound(plain.detach())).sum())
+                if over:
+                    ck.fail(f"{where}: {over} elements beyond fp8.py's bound")
+                g = torch.randn(got.shape, device=dev, generator=torch.Generator(device=dev).manual_seed(55 + call))
+                got.backward(g.to(dtype))
+                plain.backward(g.to(dtype))
+                ck.count()
+                if not torch.equal(xs.grad, xp.grad):
+                    ck.fail(f"{where}: the gradient is not the plain dispatch's (straight through)")
+            with torch.no_grad():
+                out = disp.forward(x, idx, wt, mine, fp8=True)
+            ref = _definition(x, idx, wt, whole64)
+            ck.count()
+            err = float((out.double() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30))
+            _say(f"{where}: layer RMS error {err:.3g} of the float64 layer's")
+            if not err <= FP8_LAYER_TOL:
+                ck.fail(f"{where}: the layer's RMS error {err:.3g} of the float64 layer's, over {FP8_LAYER_TOL}")
+        disp.close()
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--json", help="write the results by family here (tests/_checks.py)")
@@ -331,6 +400,9 @@ def main() -> int:
     if "fp8/kernels" in only:
         with ck.family("fp8/kernels"):
             check_fp8_kernels(ck, r, dev)
+    if "fp8/peer" in only:
+        with ck.family("fp8/peer"):
+            check_fp8_peer(ck, r, w, dev)
     if "soak/graph" in only:
         with ck.family("soak/graph"):
             soak_graph(ck, r, w, dev)

@@ -111,13 +111,13 @@ def _refusals(rank: int, world: int) -> list[str]:
     except InvalidArgumentError as e:
         msgs.append(str(e))
     whole = MoEDispatcher(2 * world, HIDDEN, dtype=torch.float32)
-    whole.transport_impl.any_row_width = False  # as a transport of fixed-width rows says
+    whole.transport_impl.packed_rows = False  # as a transport of fixed-width rows says
     xw = torch.randn(3, HIDDEN)
     try:
         whole.dispatch(xw, idx, fp8=True)
     except UnsupportedError as e:
         msgs.append(str(e))
-    whole.transport_impl.any_row_width = True
+    whole.transport_impl.packed_rows = True
     # both groups still usable: nothing was sent by the refused calls
     recv, h = disp.dispatch(x, idx)
     got, _ = whole.dispatch(xw, idx, fp8=True)
@@ -129,5 +129,5 @@ def test_fp8_dispatch_refuses_what_it_cannot_pack_before_sending(worlds) -> None
     for msgs in worlds(2).run(_refusals):
         assert len(msgs) == 3, msgs
         assert "x" in msgs[0] and "100" in msgs[0] and "multiple of 128" in msgs[0], msgs
-        assert "fp8" in msgs[1] and "any width" in msgs[1] and "nccl" in msgs[1], msgs
+        assert "fp8" in msgs[1] and "packed rows" in msgs[1] and "nccl" in msgs[1], msgs
         assert msgs[2] == f"ok True {HIDDEN}", msgs

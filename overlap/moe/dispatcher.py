@@ -261,7 +261,7 @@ class MoEDispatcher(_TransportAttributes):
         Differentiable in ``x``: its backward is a combine without weights (``_Dispatch``, the
         transport's ``dispatch_backward``). ``topk_weights`` is only checked here; ``combine``
         takes it. ``fp8``: the rows cross as e4m3 with a float32 scale per 128 elements, arrive
-        and go back (backward) in ``x``'s dtype (``fp8.py``; hidden % 128 == 0; transport "nccl")."""
+        and go back (backward) in ``x``'s dtype (``fp8.py``; hidden % 128 == 0; transport "nccl" or "peer")."""
         self._check(x, topk_idx, topk_weights)
         self.transport_impl.check_tokens(x)
         if fp8:

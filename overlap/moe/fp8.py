@@ -7,9 +7,9 @@ inputs tolerate e4m3 (DeepSeek-V3 trains with it), so a row of ``hidden`` bf16 e
 magnitude maps to e4m3's largest (448), then rounded to e4m3 (3 mantissa bits): an element's
 error is at most 2^-4 of it, or for elements below 2^-15 of their block's largest (e4m3's
 subnormals) 2^-10 of the block's scale (largest x 1/448); a block of small elements keeps its
-own scale. The packed row is raw bytes (``uint8``), so it crosses over any transport whose
-``dispatch_rows`` takes rows of any width (``Transport.any_row_width``); the receiver
-dequantizes into the dispatcher's dtype before the experts. On CUDA one Triton kernel packs and
+own scale. The packed row is raw bytes (``uint8``), so it crosses over any transport that moves such
+rows (``Transport.packed_rows``: NCCL's ``all_to_all_single`` of any rows; the peer transport's
+kernels, which copy a row's bytes whatever they hold); the receiver dequantizes into the dispatcher's dtype before the experts. On CUDA one Triton kernel packs and
 one unpacks (``_fp8_triton.py``); the torch operations here are the definition they match byte
 for byte. Eager only: under ``torch.compile`` there is no traced op for it yet. Combine and every backward pass stay in that dtype
 (the gradient of a dispatch is a combine of the gradient rows: straight through the rounding,
@@ -85,34 +85,40 @@ def dequantize_rows(packed: torch.Tensor, hidden: int, dtype: torch.dtype, *, fu
     return (q * scale).view(R, hidden).to(dtype)
 
 
-def _sent(transport: Transport, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-    """``x``'s rows packed, through ``transport.dispatch_rows``, unpacked into ``x``'s dtype."""
-    return dequantize_rows(transport.dispatch_rows(quantize_rows(x), handle), x.shape[1], x.dtype)
+def _sent(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor) -> tuple[torch.Tensor, DispatchHandle]:
+    """``x``'s rows packed, through ``transport.dispatch_packed``, unpacked into ``x``'s dtype."""
+    packed, handle = transport.dispatch_packed(quantize_rows(x), topk_idx)
+    return dequantize_rows(packed, x.shape[1], x.dtype), handle
 
 
 class _Fp8Dispatch(torch.autograd.Function):
-    """The packed rows over ``transport.dispatch_rows``, dequantized; backward: the transport's
-    ``dispatch_backward`` of the gradient rows in their own dtype (straight through)."""
+    """The packed rows over ``transport.dispatch_packed``, dequantized, the handle put in ``box``;
+    backward: the transport's ``dispatch_backward`` of the gradient rows in their own dtype
+    (straight through)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, handle: DispatchHandle, transport: Transport) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, topk_idx: torch.Tensor, transport: Transport,
+                box: list[DispatchHandle]) -> torch.Tensor:
+        recv, handle = _sent(transport, x, topk_idx)
+        box.append(handle)
         ctx.handle, ctx.transport, ctx.shape = handle, transport, x.shape
-        return _sent(transport, x, handle)
+        return recv
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> Any:
-        return ctx.transport.dispatch_backward(g.contiguous(), ctx.handle).view(ctx.shape), None, None
+        return ctx.transport.dispatch_backward(g.contiguous(), ctx.handle).view(ctx.shape), None, None, None
 
 
 def dispatch_fp8(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor
                  ) -> tuple[torch.Tensor, DispatchHandle]:
-    """``MoEDispatcher.dispatch(..., fp8=True)`` (checked there): route, then the packed rows."""
-    if not transport.any_row_width:
-        raise UnsupportedError("fp8", True, f"needs a transport that moves rows of any width; "
+    """``MoEDispatcher.dispatch(..., fp8=True)`` (checked there): the packed rows, routed."""
+    if not transport.packed_rows:
+        raise UnsupportedError("fp8", True, f"needs a transport that moves packed rows of raw bytes; "
                                f"{type(transport).__name__} moves rows of its hidden size only",
-                               "use transport='nccl', or fp8=False")
+                               "use transport='nccl' or 'peer', or fp8=False")
     check_fp8_rows(x)
-    handle = transport.route(topk_idx, [(0, x.shape[0])])[0]
     if torch.is_grad_enabled() and x.requires_grad:
-        return _Fp8Dispatch.apply(x, handle, transport), handle
-    return _sent(transport, x, handle), handle
+        box: list[DispatchHandle] = []
+        recv = _Fp8Dispatch.apply(x, topk_idx, transport, box)
+        return recv, box[0]
+    return _sent(transport, x, topk_idx)

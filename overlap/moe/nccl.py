@@ -181,7 +181,7 @@ class NcclTransport(Transport):
     """Rows over ``all_to_all_single`` (``options``: :class:`NcclOptions`). Holds no buffers."""
 
     options: NcclOptions
-    any_row_width: ClassVar[bool] = True  # all_to_all_single of any rows
+    packed_rows: ClassVar[bool] = True  # all_to_all_single of any rows
 
     def __init__(self, setup: TransportSetup, options: NcclOptions) -> None:
         super().__init__(setup, options)

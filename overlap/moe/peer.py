@@ -131,6 +131,7 @@ class PeerTransport(Transport):
 
     options: PeerOptions
     offers_low_latency: ClassVar[bool] = True
+    packed_rows: ClassVar[bool] = True  # the row kernels copy words, whatever they hold
 
     def __init__(self, setup: TransportSetup, options: PeerOptions, memory: object = None) -> None:
         """``memory``: a ``PeerMemory`` (or a stand-in) for :meth:`rows` to use instead of building one."""
@@ -143,7 +144,7 @@ class PeerTransport(Transport):
         # the buffers are sized by the rows' bytes: known from the dtype, or at the first dispatch
         self._row_bytes = 0 if setup.dtype is None else setup.hidden * torch.empty((), dtype=setup.dtype).element_size()
         self._no_plan: dict[torch.device, torch.Tensor] = {}
-        self._meta: dict[torch.dtype, torch.Tensor] = {}  # dispatch's output as the flight recorder notes it
+        self._meta: dict[tuple[torch.dtype, int], torch.Tensor] = {}  # dispatch's output, as recorded
         self._tuned = TunedChoices()
 
     def rows(self) -> PeerRows:
@@ -251,30 +252,43 @@ class PeerTransport(Transport):
 
         return plan_handles(host_ranges(local, counts, got), k, topk_idx.device, extra, state)
 
-    def dispatch_rows(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+    def dispatch_rows(self, x: torch.Tensor, handle: DispatchHandle, packed: bool = False) -> torch.Tensor:
+        """``packed``: rows of 4-byte words narrower than the tokens' (:meth:`dispatch_packed`)."""
         state = handle.state
         if not isinstance(state, PeerPlanState):  # a host plan of another kind: over all_to_all_single
             return route_rows(handle, x, self.group)
         total = sum(handle.recv_counts)
         with recorded(self.comm, "moe_dispatch", "peer", torch.empty((total, *x.shape[1:]), dtype=x.dtype,
                                                                        device="meta"), x):
-            return state.rows.dispatch(state.plan, x.contiguous(), total)
+            return state.rows.dispatch(state.plan, x.contiguous(), total, packed)
+
+    def dispatch_packed(self, packed: torch.Tensor, topk_idx: torch.Tensor) -> tuple[torch.Tensor, DispatchHandle]:
+        """The FP8 dispatch's rows: their bytes as float32 words (the row kernels copy a row's
+        words whatever they hold, and the buffers' regions hold the tokens' wider rows), over the
+        device layout or the host plan as :meth:`dispatch` chooses; the handle is the tokens'."""
+        if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] % 4:
+            raise InvalidArgumentError("packed", packed, "is not uint8 [tokens, width] with width a multiple of 4",
+                                       "pack the rows with fp8.quantize_rows (hidden % 128 == 0)")
+        recv, handle = self.dispatch(packed.contiguous().view(torch.float32), topk_idx, packed=True)
+        return recv.view(torch.uint8), handle
 
     # -- laid out on the GPUs (dropless) ----------------------------------------------------------
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor) -> tuple[torch.Tensor, DispatchHandle]:
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, packed: bool = False
+                 ) -> tuple[torch.Tensor, DispatchHandle]:
         """Over the device layout where :meth:`routes_on_device` (the handle carries the counts
         the host learned, and the layout for the combine and both backward passes), else planned
-        on the host."""
+        on the host. ``packed``: as :meth:`dispatch_rows`'s."""
         if not self.routes_on_device(topk_idx):
-            return super().dispatch(x, topk_idx)
+            handle = self.route(topk_idx, [(0, topk_idx.shape[0])])[0]
+            return self.dispatch_rows(x, handle, packed), handle
         w, e_loc = self.comm.size, self.setup.local_experts
         self._check_k(topk_idx)
         rows = self.rows()
-        meta = self._meta.get(x.dtype)  # what the flight recorder notes of the output (shape, dtype)
+        meta = self._meta.get((x.dtype, x.shape[1]))  # what the flight recorder notes of the output
         if meta is None:
-            meta = self._meta[x.dtype] = torch.empty((0, x.shape[1]), dtype=x.dtype, device="meta")
+            meta = self._meta[x.dtype, x.shape[1]] = torch.empty((0, x.shape[1]), dtype=x.dtype, device="meta")
         with recorded(self.comm, "moe_dispatch", "peer", meta, x):
-            recv, layout = rows.dispatch_dense(x.contiguous(), topk_idx)
+            recv, layout = rows.dispatch_dense(x.contiguous(), topk_idx, packed)
         none = self._no_plan.get(x.device)  # no host plan (see DispatchHandle): one empty tensor, shared
         if none is None:
             none = self._no_plan[x.device] = torch.empty(0, dtype=torch.int64, device=x.device)

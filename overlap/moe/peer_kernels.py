@@ -92,17 +92,26 @@ class RowKernels:
     def _grid(self, n: int) -> int:
         return max(1, min(MAX_GRID, -(-n // _WARPS_PER_BLOCK)))
 
-    def _vec(self, *ptrs: int) -> bool:
-        return self.row_bytes % PACK_BYTES == 0 and all(p % PACK_BYTES == 0 for p in ptrs)
+    def _vec(self, *ptrs: int, row_bytes: int | None = None) -> bool:
+        """Whether rows of ``row_bytes`` (default: the tokens') at these addresses take 16-byte packs."""
+        nbytes = self.row_bytes if row_bytes is None else row_bytes
+        return nbytes % PACK_BYTES == 0 and all(p % PACK_BYTES == 0 for p in ptrs)
 
     def _check_tokens(self, n: int) -> None:
         if n > self.max_tokens:
             raise InvalidArgumentError("x", n, f"has {n} tokens; the peer transport was built for max_tokens="
                                        f"{self.max_tokens}", f"pass max_tokens>={n} to MoEDispatcher")
 
-    def _check_rows(self, x: torch.Tensor) -> None:
+    def _check_rows(self, x: torch.Tensor, packed: bool = False) -> None:
+        """``packed``: rows of raw bytes in 4-byte words (the FP8 dispatch's), no wider than the tokens'."""
         self._check_tokens(x.shape[0])
-        if x.shape[1] * x.element_size() != self.row_bytes:
+        nbytes = x.shape[1] * x.element_size()
+        if packed:
+            if x.dtype != torch.float32 or nbytes > self.row_bytes:
+                raise InvalidArgumentError("packed", x, f"is not rows of 4-byte words of at most {self.row_bytes} B "
+                                           "(the tokens' rows the peer transport was built for)",
+                                           "pack rows no wider than the tokens (fp8.packed_width)")
+        elif nbytes != self.row_bytes:
             raise InvalidArgumentError("x", x, f"has rows of {x.shape[1] * x.element_size()} B; the peer transport was "
                                        f"built for {self.row_bytes} B", "pass dtype= to MoEDispatcher and keep it")
 
@@ -160,11 +169,12 @@ class RowKernels:
                                                         info.data_ptr(), ids_all.data_ptr(), tiles.data_ptr())
         return ids_all, ranks
 
-    def _lay_out(self, x: torch.Tensor, topk_idx: torch.Tensor) -> tuple[Region, torch.Tensor, torch.Tensor,
-                                                                          torch.Tensor]:
-        """A dispatch's first half: this rank's tokens and ids posted, the barrier, every rank's ids
-        ranked per local expert. Returns the region, ``info`` and the two tables."""
-        self._check_rows(x)
+    def _lay_out(self, x: torch.Tensor, topk_idx: torch.Tensor, packed: bool = False
+                 ) -> tuple[Region, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A dispatch's first half: this rank's tokens (``packed``: as ``_check_rows``) and ids
+        posted, the barrier, every rank's ids ranked per local expert. Returns the region,
+        ``info`` and the two tables."""
+        self._check_rows(x, packed)
         g = self._region(self._next_half(), self.max_tokens)
         info = self._new_info(1, x.device, zeroed=False)[0]
         self._post(g, x, topk_idx, info)
@@ -198,7 +208,8 @@ class RowKernels:
             total = int(layout.counts[:self.world * self.e_loc].sum())
         recv = x.new_empty((total, x.shape[1]))
         if total:
-            kern = self.pm.kernel("rows_gather_dense", x.dtype, self._vec(recv.data_ptr()), 8, bases, source=ROWS_SOURCE)
+            vec = self._vec(recv.data_ptr(), row_bytes=x.shape[1] * x.element_size())
+            kern = self.pm.kernel("rows_gather_dense", x.dtype, vec, 8, bases, source=ROWS_SOURCE)
             kern(self._grid(self.world * g.t_max * _ROW_SLICES), self.pm.stream(), g.x,
                  layout.ranks.data_ptr(), layout.info.data_ptr(), layout.ids_all.data_ptr(), recv.data_ptr(), g.t_max,
                  x.shape[1], self._geo(layout.cap))

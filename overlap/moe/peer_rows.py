@@ -53,16 +53,18 @@ class PeerRows(SourcePipeline):
     collective.
     """
 
-    def dispatch(self, p: PeerPlan, x: torch.Tensor, total: int) -> torch.Tensor:
-        """``recv_x [total, hidden]`` (``x`` contiguous ``[tokens, hidden]``)."""
-        self._check_rows(x)
+    def dispatch(self, p: PeerPlan, x: torch.Tensor, total: int, packed: bool = False) -> torch.Tensor:
+        """``recv_x [total, hidden]`` (``x`` contiguous ``[tokens, hidden]``; ``packed``: rows of
+        raw bytes in 4-byte words, no wider than the tokens', the FP8 dispatch's)."""
+        self._check_rows(x, packed)
         g = self._region(self._next_half(), self.max_tokens)
         recv = x.new_empty((total, x.shape[1]))
         if x.shape[0]:
             self.pm.slot_view(g.x, tuple(x.shape), x.dtype).copy_(x)
         self._fence()
         if p.n_items:
-            k = self.pm.kernel("rows_gather", x.dtype, self._vec(recv.data_ptr()), 7, source=ROWS_SOURCE)
+            vec = self._vec(recv.data_ptr(), row_bytes=x.shape[1] * x.element_size())
+            k = self.pm.kernel("rows_gather", x.dtype, vec, 7, source=ROWS_SOURCE)
             k(self._grid(p.n_items), self.pm.stream(), p.items.data_ptr(), p.ptr.data_ptr(),
               p.dst.data_ptr(), recv.data_ptr(), p.n_items, x.shape[1], g.x)
         return recv
@@ -89,14 +91,16 @@ class PeerRows(SourcePipeline):
         return out
 
     # -- the device-side layout (dropless): no host plan, one small copy to the host
-    def dispatch_dense(self, x: torch.Tensor, topk_idx: torch.Tensor) -> tuple[torch.Tensor, DeviceLayout]:
-        """``recv_x`` and the layout, from ``x [tokens, hidden]`` (contiguous) and ``topk_idx``.
+    def dispatch_dense(self, x: torch.Tensor, topk_idx: torch.Tensor, packed: bool = False
+                       ) -> tuple[torch.Tensor, DeviceLayout]:
+        """``recv_x`` and the layout, from ``x [tokens, hidden]`` (contiguous; ``packed``: as
+        ``dispatch``'s) and ``topk_idx``.
 
         Every rank's ids are checked on every rank (range, repeats) after the barrier, from the
         same copy: a bad routing raises the same ``InvalidArgumentError`` everywhere, naming the
         rank, and nothing has reached another rank's ``recv_x``.
         """
-        g, info, ids_all, ranks = self._lay_out(x, topk_idx)
+        g, info, ids_all, ranks = self._lay_out(x, topk_idx, packed)
         # the experts' row ends, from the per-expert totals, issued while the host would only wait:
         # after the wait it need not copy them to the device (GroupedSwiGLU(..., ends=))
         at = totals_at(self.world, self.e_loc)

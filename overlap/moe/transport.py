@@ -20,6 +20,7 @@ bounds; token counts may differ between ranks, and may be zero)::
     route(topk_idx, bounds) -> handles       plan each token range (the counts exchange)
     dispatch(x, topk_idx) -> recv_x, handle  route, then dispatch_rows (or both in one go)
     dispatch_rows(x, handle) -> recv_x       rows to the experts' ranks, grouped by local expert
+    dispatch_packed(bytes, topk_idx)         rows of raw bytes (the FP8 dispatch), where packed_rows
     combine(rows, weights, handle) -> out    each token's weighted sum of its returned rows
     dispatch_backward / combine_backward     the adjoints, which autograd runs
     dispatch_low_latency / combine_low_latency / check_routing   where offers_low_latency
@@ -195,12 +196,12 @@ class Transport(ABC):
         last_pipeline: (how, why) its last pipelined forward moved rows, if it chooses.
         offers_low_latency: whether it implements the low-latency pair (class attribute); the
             dispatcher refuses the pair with ``UnsupportedError`` where it does not.
-        any_row_width: whether ``dispatch_rows`` moves rows of any width and dtype (class
-            attribute), as the FP8 dispatch's packed bytes need (``fp8.py``).
+        packed_rows: whether :meth:`dispatch_packed` moves rows of raw bytes no wider than the
+            tokens' rows (class attribute), as the FP8 dispatch's packed rows need (``fp8.py``).
     """
 
     offers_low_latency: ClassVar[bool] = False
-    any_row_width: ClassVar[bool] = False
+    packed_rows: ClassVar[bool] = False
 
     def __init__(self, setup: TransportSetup, options: Any) -> None:
         self.setup = setup
@@ -244,6 +245,15 @@ class Transport(ABC):
         :meth:`routes_ahead`. Autograd is the dispatcher's (``dispatch_backward``)."""
         handle = self.route(topk_idx, [(0, topk_idx.shape[0])])[0]
         return self.dispatch_rows(x, handle), handle
+
+    def dispatch_packed(self, packed: torch.Tensor, topk_idx: torch.Tensor) -> tuple[torch.Tensor, DispatchHandle]:
+        """Received rows and the handle, as :meth:`dispatch`'s, for ``packed [tokens, width]``
+        (uint8, contiguous; ``width`` at most the tokens' row bytes): each token's row of raw bytes
+        routed as ``topk_idx`` routes the token. Collective; only where :attr:`packed_rows`.
+        Default: :meth:`route`, then :meth:`dispatch_rows` of the bytes (a transport whose
+        ``dispatch_rows`` moves rows of any width and dtype)."""
+        handle = self.route(topk_idx, [(0, topk_idx.shape[0])])[0]
+        return self.dispatch_rows(packed, handle), handle
 
     @abstractmethod
     def dispatch_rows(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
