@@ -131,3 +131,92 @@ def test_fp8_dispatch_refuses_what_it_cannot_pack_before_sending(worlds) -> None
         assert "x" in msgs[0] and "100" in msgs[0] and "multiple of 128" in msgs[0], msgs
         assert "fp8" in msgs[1] and "packed rows" in msgs[1] and "nccl" in msgs[1], msgs
         assert msgs[2] == f"ok True {HIDDEN}", msgs
+
+
+def _layer_case(rank: int, world: int, tokens: list[int], backend: str | None) -> list[float]:
+    """``MoELayer(fp8_dispatch=True)`` (float64, eager or compiled with ``backend``) against the
+    single-process layer whose experts take each token packed and unpacked (the rounding of the
+    test above) and whose gradient goes straight through it; the router sees the exact tokens.
+    Returns the largest error, and the largest difference from the same layer without FP8."""
+    import torch.nn.functional as F
+
+    from tests._compiled import compile_checked
+    from tests.test_overlap_moe import sharded_layer
+
+    torch.manual_seed(2468)
+    E, k, FF = 2 * world, 2, 16
+    layer, router, full = sharded_layer(rank, world, HIDDEN, E, k, FF, fp8_dispatch=True)
+    plain = sharded_layer(rank, world, HIDDEN, E, k, FF)[0]
+    plain.load_state_dict(layer.state_dict())
+
+    def data(q: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(501 + q)
+        return torch.randn(tokens[q], HIDDEN, generator=g, dtype=torch.float64), \
+            torch.randn(tokens[q], HIDDEN, generator=g, dtype=torch.float64)
+
+    x, G = data(rank)
+    xs = x.clone().requires_grad_()
+    forward = layer
+    if backend is not None:
+        forward, traced = compile_checked(layer, backend, xs)
+        assert "commops.moe_layer" in traced, traced
+        layer.zero_grad(set_to_none=True)
+    out = forward(xs)
+    (out * G).sum().backward()
+    with torch.no_grad():
+        unrounded = plain(x)  # collective: every rank, tokens or not
+    apart = float((out - unrounded).abs().max()) if tokens[rank] else 0.0
+
+    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+        return (F.silu(rows @ full.w1[e]) * (rows @ full.w3[e])) @ full.w2[e]
+
+    loss = torch.zeros((), dtype=torch.float64)
+    for q in range(world):
+        xq, Gq = data(q)
+        xq = xq.clone().requires_grad_()
+        probs = torch.softmax(router(xq), dim=-1)
+        w, idx = probs.topk(k, dim=-1)
+        rounded = xq + (dequantize_rows(quantize_rows(xq.detach()), HIDDEN, torch.float64) - xq).detach()
+        ref = reference_moe(rounded, idx, w / w.sum(-1, keepdim=True), expert)
+        part = (ref * Gq).sum()
+        if q == rank and tokens[rank]:
+            want_out = ref.detach()
+            want_gx, want_gr = torch.autograd.grad(part, [xq, router.weight], retain_graph=True)
+        loss = loss + part
+    loss.backward()
+    errs = [0.0]
+    if tokens[rank]:
+        errs += [float((out - want_out).abs().max()), float((xs.grad - want_gx).abs().max()),
+                 float((layer.router.weight.grad - want_gr).abs().max())]
+    lo = rank * (E // world)
+    for name in ("w1", "w2", "w3"):
+        errs.append(float((getattr(layer.experts, name).grad - getattr(full, name).grad[lo:lo + E // world]).abs().max()))
+    return [max(errs), apart]
+
+
+@pytest.mark.parametrize("world_size,tokens,backend", [(2, [7, 5], None), (2, [6, 9], "aot_eager"),
+                                                       (3, [0, 4, 6], None)])
+def test_an_fp8_moe_layer_eager_and_compiled_matches_the_rounded_single_process_layer(
+        worlds, world_size: int, tokens: list[int], backend: str | None) -> None:  # noqa: ANN001
+    for err, apart in worlds(world_size).run(_layer_case, tokens, backend, timeout=600):
+        assert err < 1e-10, err
+        assert apart > 1e-4 or apart == 0.0, apart  # the tokens were rounded (0.0: a rank without tokens)
+
+
+def _layer_refusals(rank: int, world: int) -> list[str]:
+    from overlap.moe import MoELayer
+
+    msgs = []
+    for kwargs in ({"micro_batches": 2}, {"chunks": 2}, {"hidden": 100}):
+        args: dict = {"hidden": HIDDEN, **kwargs}
+        try:
+            MoELayer(args.pop("hidden"), 8, 2 * world, 2, dtype=torch.float32, fp8_dispatch=True, **args)
+        except InvalidArgumentError as e:
+            msgs.append(str(e))
+    return msgs
+
+
+def test_an_fp8_moe_layer_refuses_what_it_cannot_run_at_construction(worlds) -> None:  # noqa: ANN001
+    for msgs in worlds(2).run(_layer_refusals):
+        assert len(msgs) == 3, msgs
+        assert "micro_batches=2" in msgs[0] and "chunks=2" in msgs[1] and "multiple of 128" in msgs[2], msgs

@@ -11,7 +11,8 @@ own scale. The packed row is raw bytes (``uint8``), so it crosses over any trans
 rows (``Transport.packed_rows``: NCCL's ``all_to_all_single`` of any rows; the peer transport's
 kernels, which copy a row's bytes whatever they hold); the receiver dequantizes into the dispatcher's dtype before the experts. On CUDA one Triton kernel packs and
 one unpacks (``_fp8_triton.py``); the torch operations here are the definition they match byte
-for byte. Eager only: under ``torch.compile`` there is no traced op for it yet. Combine and every backward pass stay in that dtype
+for byte. Under ``torch.compile`` it runs inside ``MoELayer``'s op (``fp8_dispatch=True``); a
+dispatcher's own ``dispatch(..., fp8=True)`` is not traced. Combine and every backward pass stay in that dtype
 (the gradient of a dispatch is a combine of the gradient rows: straight through the rounding,
 as FP8 training recipes treat it).
 """

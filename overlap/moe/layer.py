@@ -19,9 +19,9 @@ import torch.distributed as dist
 from torch import nn
 
 import collectives as C
-from collectives.errors import InvalidArgumentError
+from collectives.errors import InvalidArgumentError, UnsupportedError
 
-from . import _ops
+from . import _ops, fp8
 from .dispatcher import MoEDispatcher
 from .experts import GroupedSwiGLU
 from .micro_batches import check_micro_batches
@@ -60,6 +60,11 @@ class MoELayer(nn.Module):
             through (a model's shared expert; replicated, not expert-parallel), added to the
             routed experts' output; it runs while the first dispatch travels
             (``forward_micro_batches``, at ``micro_batches`` micro-batches, 1 included).
+        fp8_dispatch: the tokens cross as e4m3 with a float32 scale per 128 elements
+            (``MoEDispatcher.dispatch(..., fp8=True)``, ``fp8.py``; hidden a multiple of 128, a
+            transport that moves packed rows: "nccl" or "peer"); the forward is then the plain
+            dispatch -> experts -> combine (with ``micro_batches`` 1 and ``chunks`` "auto"), the
+            shared expert added after it. Under ``torch.compile`` it runs inside the layer's op.
 
     ``forward(x)`` takes this rank's tokens ``[..., hidden]`` (any count, zero included) and
     returns the same shape; every rank calls it together.
@@ -70,7 +75,7 @@ class MoELayer(nn.Module):
                  chunks: int | str = "auto", exchange_pieces: int | None = None,
                  transport: str | TransportOptions = "nccl", max_tokens: int | None = None, routing: str | None = None,
                  pipeline_transfers: str | None = None, micro_batches: int = 1,
-                 shared_expert: nn.Module | None = None) -> None:
+                 shared_expert: nn.Module | None = None, fp8_dispatch: bool = False) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise InvalidArgumentError("top_k", top_k, f"is not in 1..num_experts ({num_experts})", "pick fewer experts per token")
@@ -78,13 +83,25 @@ class MoELayer(nn.Module):
         if micro_batches > 1 and chunks != "auto":
             raise InvalidArgumentError("chunks", chunks, f"cannot be set with micro_batches={micro_batches} (the "
                                        "micro-batches are the overlap)", "leave chunks='auto', or micro_batches=1")
+        if fp8_dispatch and (micro_batches > 1 or chunks != "auto"):
+            raise InvalidArgumentError("fp8_dispatch", fp8_dispatch, f"runs the plain sequence; micro_batches="
+                                       f"{micro_batches} and chunks={chunks!r} ask for an overlap",
+                                       "leave micro_batches=1 and chunks='auto', or fp8_dispatch=False")
+        if fp8_dispatch and hidden % fp8.BLOCK:
+            raise InvalidArgumentError("hidden", hidden, f"is not a multiple of {fp8.BLOCK} (one FP8 scale per "
+                                       f"{fp8.BLOCK} elements)", "fp8_dispatch=False, or pad hidden")
         self.group, self.top_k, self.chunks, self.micro_batches = group, top_k, chunks, micro_batches
+        self.fp8_dispatch = fp8_dispatch
         self.dispatcher = MoEDispatcher(num_experts, hidden, group, dtype=dtype, device=device,
                                         capacity_factor=capacity_factor, exchange_pieces=exchange_pieces,
                                         transport=transport, max_tokens=max_tokens,
                                         # a transport's options object carries its own top_k, if it has one
                                         top_k=top_k if isinstance(transport, str) else None, routing=routing,
                                         pipeline_transfers=pipeline_transfers)
+        if fp8_dispatch and not self.dispatcher.transport_impl.packed_rows:
+            raise UnsupportedError("fp8_dispatch", True, f"needs a transport that moves packed rows; "
+                                   f"{type(self.dispatcher.transport_impl).__name__} does not",
+                                   "use transport='nccl' or 'peer', or fp8_dispatch=False")
         self.router = nn.Linear(hidden, num_experts, bias=False, dtype=dtype, device=device)
         if dist.get_world_size(group) > 1:
             C.broadcast(self.router.weight.data, group=group, group_src=0)
@@ -117,6 +134,9 @@ class MoELayer(nn.Module):
                shared: nn.Module | None = None) -> torch.Tensor:
         """Dispatch, experts and combine of routed tokens ``flat [tokens, hidden]`` (plus
         ``shared(flat)``, overlapping the first dispatch, where given)."""
+        if self.fp8_dispatch:
+            out = self.dispatcher.forward(flat, idx, w, self.experts, fp8=True)
+            return out if shared is None else out + shared(flat)
         if self.micro_batches > 1 or shared is not None:
             return self.dispatcher.forward_micro_batches(flat, idx, w, self.experts, self.micro_batches, shared)
         return self.dispatcher.forward_pipelined(flat, idx, w, self.experts, chunks=self.chunks)
