@@ -22,6 +22,7 @@ package imports neither them nor ``overlap/``, so the boundary is the public nam
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -420,7 +421,12 @@ class PeerMemory:
         return view
 
     def close(self) -> None:
-        """Release the buffers (collective: waits until no rank can still touch them)."""
+        """Release the buffers (collective: waits until no rank can still touch them).
+
+        On a group that a failure aborted nobody can be waited for: this rank unmaps the peers'
+        buffers and leaves its own allocated (a peer may still write into them; they go with the
+        process), and the close completes without raising; likewise, with a warning, where a peer
+        does not answer."""
         if self.closed:
             return
         import cupy  # deferred: as in _map_buffers
@@ -428,19 +434,32 @@ class PeerMemory:
         rt = cupy.cuda.runtime
         torch.cuda.synchronize(self.device)
         self.copy_engines.stop()  # its watchdog: before the flags it may write are freed
-        _all_gather_ints(self.comm, [0])  # nobody pushes into my slots any more
+        met = self._all_met()  # nobody pushes into my slots any more
         with cupy.cuda.Device(self.device.index):
             for p in self._opened:
                 rt.ipcCloseMemHandle(p)
-        _all_gather_ints(self.comm, [0])  # nobody maps my memory any more
-        with cupy.cuda.Device(self.device.index):
-            for p in self._own:
-                rt.free(p)
+        if met and self._all_met():  # nobody maps my memory any more
+            with cupy.cuda.Device(self.device.index):
+                for p in self._own:
+                    rt.free(p)
         self._opened, self._own = [], []
         self._slot_tensor = None
         self._views.clear()
         self._clear_states()  # the next call re-plans, and validate() refuses a closed PeerMemory
         self.closed = True
+
+    def _all_met(self) -> bool:
+        """Whether every rank reached this point (an all-gather of the group's CPU side): False on
+        a group that a failure aborted, or (with a warning naming it) where the all-gather failed."""
+        try:
+            _all_gather_ints(self.comm, [0])
+        except GroupAborted:
+            return False
+        except RuntimeError as exc:  # torch.distributed's errors: a peer gone, a timeout
+            warnings.warn(f"peer memory of group {self.comm._group_name}: not every rank reached its close "
+                          f"({exc}); this rank released what it could alone", RuntimeWarning, stacklevel=3)
+            return False
+        return True
 
     def __repr__(self) -> str:
         return (f"PeerMemory(rank={self.rank}/{self.world}, {self.device}, slots={self.slot_bytes} B, "
