@@ -5,7 +5,9 @@ and the compiled steps' losses and gradients equal eager's.
 A dense model over tensor parallelism (Llama, TP=2) and a MoE model over expert parallelism
 (Qwen3-MoE, EP=2: the block's exchange and experts are the op ``moe_layer``). Each rank builds the
 same model twice from one seed, one run eagerly and one compiled, and takes three AdamW steps on
-the same batches with each.
+the same batches with each. The decode path (each all-reduce fused with the residual add and the
+next RMSNorm, over TP=2 for both families) compiled whole: one graph with the fused op in it,
+eager's logits.
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ transformers = pytest.importorskip("transformers")
 _TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 
 from overlap import parallelize  # noqa: E402
+from tests._compiled import traced_ops  # noqa: E402
 
 
-def _build(family: str) -> torch.nn.Module:
+def _build(family: str, tp_only: bool = False) -> torch.nn.Module:
+    """The family's model, parallelized: Llama over TP=2; Qwen3-MoE over EP=2 (``tp_only``: over
+    TP=2, each rank holding every expert)."""
     torch.manual_seed(7)
     if family == "llama":
         cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -30,6 +35,8 @@ def _build(family: str) -> torch.nn.Module:
                                       num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2,
                                       mlp_only_layers=[1], num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                       attn_implementation="sdpa")
+    if tp_only:
+        return parallelize(transformers.Qwen3MoeForCausalLM(cfg), tp_group=dist.group.WORLD)
     return parallelize(transformers.Qwen3MoeForCausalLM(cfg), tp_group=dist.new_subgroups(1)[0],
                        ep_group=dist.group.WORLD)
 
@@ -78,5 +85,45 @@ def body_compiled(rank: int, world: int, family: str) -> list[str]:
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
 def test_compiled_parallel_model_has_one_graph_and_eager_losses(worlds, family: str) -> None:  # noqa: ANN001
     reports = worlds(2).run(body_compiled, family, timeout=600)
+    problems = [f"rank {r}: {p}" for r, rep in enumerate(reports) for p in rep]
+    assert not problems, "\n".join(problems)
+
+
+def body_decode_compiled(rank: int, world: int, family: str) -> list[str]:
+    """The decode path (``overlap/models/_decode.py``: forwards without autograd of at most 256
+    tokens, each all-reduce fused with the residual add and the next RMSNorm) compiled with
+    ``fullgraph=True``: one graph holding the fused op, and the logits of eager's decode path,
+    over two steps (the norm carried between layers is taken afresh each time)."""
+    problems: list[str] = []
+    torch._dynamo.reset()
+    model = _build(family, tp_only=True)
+    if not model.commops_parallel["decode_norms"].startswith("on"):
+        problems.append(f"decode norms: {model.commops_parallel['decode_norms']}")
+    gen = torch.Generator().manual_seed(11)
+    steps = [torch.randint(0, 96, (2, 3), generator=gen) for _ in range(2)]
+
+    def logits_of(m: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return m(input_ids=ids, use_cache=False).logits
+
+    with torch.no_grad():
+        explained = torch._dynamo.explain(logits_of)(model, steps[0])
+        if explained.graph_break_count or explained.graph_count != 1:
+            problems.append(f"{explained.graph_count} graphs, {explained.graph_break_count} breaks: "
+                            f"{[b.reason[:200] for b in explained.break_reasons]}")
+        elif "commops.all_reduce_rmsnorm" not in traced_ops(explained.graphs[0]):
+            problems.append(f"no fused all-reduce + RMSNorm in the graph: {sorted(traced_ops(explained.graphs[0]))}")
+        torch._dynamo.reset()
+        step = torch.compile(logits_of, fullgraph=True, backend="aot_eager")
+        for i, ids in enumerate(steps):
+            want, got = logits_of(model, ids), step(model, ids)
+            if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+                problems.append(f"step {i}: compiled logits differ by {(got - want).abs().max().item():.3g}")
+    torch._dynamo.reset()
+    return problems
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_compiled_decode_path_keeps_the_fused_norm_in_one_graph(worlds, family: str) -> None:  # noqa: ANN001
+    reports = worlds(2).run(body_decode_compiled, family, timeout=600)
     problems = [f"rank {r}: {p}" for r, rep in enumerate(reports) for p in rep]
     assert not problems, "\n".join(problems)
