@@ -12,6 +12,8 @@ eager's logits.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -82,11 +84,15 @@ def body_compiled(rank: int, world: int, family: str) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
-def test_compiled_parallel_model_has_one_graph_and_eager_losses(worlds, family: str) -> None:  # noqa: ANN001
-    reports = worlds(2).run(body_compiled, family, timeout=600)
+def _no_problems(worlds: Any, body: Any, family: str) -> None:
+    reports = worlds(2).run(body, family, timeout=600)
     problems = [f"rank {r}: {p}" for r, rep in enumerate(reports) for p in rep]
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_compiled_parallel_model_has_one_graph_and_eager_losses(worlds, family: str) -> None:  # noqa: ANN001
+    _no_problems(worlds, body_compiled, family)
 
 
 def body_decode_compiled(rank: int, world: int, family: str) -> list[str]:
@@ -124,6 +130,4 @@ def body_decode_compiled(rank: int, world: int, family: str) -> list[str]:
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
 def test_compiled_decode_path_keeps_the_fused_norm_in_one_graph(worlds, family: str) -> None:  # noqa: ANN001
-    reports = worlds(2).run(body_decode_compiled, family, timeout=600)
-    problems = [f"rank {r}: {p}" for r, rep in enumerate(reports) for p in rep]
-    assert not problems, "\n".join(problems)
+    _no_problems(worlds, body_decode_compiled, family)

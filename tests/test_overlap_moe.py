@@ -10,6 +10,7 @@ each expert in token order are kept), and the chunked forward.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,32 @@ def sharded_layer(rank: int, world: int, hidden: int, E: int, k: int, FF: int,
         for name in ("w1", "w2", "w3"):
             getattr(layer.experts, name).copy_(getattr(full, name)[lo:lo + E // world])
     return layer, router, full
+
+
+def token_data(tokens: list[int], hidden: int, seed: int, device: str = "cpu"
+               ) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+    """``data(q)``: rank q's float64 tokens ``[tokens[q], hidden]`` and output gradient, the same
+    on every rank (seeded by ``seed + q``)."""
+    def data(q: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed + q)
+        return torch.randn(tokens[q], hidden, generator=g, dtype=torch.float64).to(device), \
+            torch.randn(tokens[q], hidden, generator=g, dtype=torch.float64).to(device)
+    return data
+
+
+def run_layer(layer: Any, x: torch.Tensor, G: torch.Tensor, backend: str | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``layer`` (compiled with ``backend``, its graph holding ``moe_layer``) on a leaf copy of
+    ``x``, and the backward of ``(out * G).sum()``: returns (out, the leaf)."""
+    xs = x.clone().requires_grad_()
+    forward = layer
+    if backend is not None:
+        forward, traced = compile_checked(layer, backend, xs)
+        assert "commops.moe_layer" in traced, traced
+        layer.zero_grad(set_to_none=True)
+    out = forward(xs)
+    (out * G).sum().backward()
+    return out, xs
 
 
 def _expert_params(e: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -258,19 +285,9 @@ def _layer_case(rank: int, world: int, tokens: list[int], capacity: float | None
     layer, router, full = layer.to(device), router.to(device), full.to(device)
     lo = rank * (E // world)
 
-    def data(q: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(77 + q)
-        return torch.randn(tokens[q], H, generator=g, dtype=torch.float64).to(device), \
-            torch.randn(tokens[q], H, generator=g, dtype=torch.float64).to(device)
-
+    data = token_data(tokens, H, 77, device)
     x, G = data(rank)
-    xs = x.clone().requires_grad_()
-    forward = layer
-    if backend is not None:
-        forward, traced = compile_checked(layer, backend, xs)
-        assert "commops.moe_layer" in traced, traced
-        layer.zero_grad(set_to_none=True)
-    (forward(xs) * G).sum().backward()
+    _, xs = run_layer(layer, x, G, backend)
 
     def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
         return (F.silu(rows @ full.w1[e]) * (rows @ full.w3[e])) @ full.w2[e]

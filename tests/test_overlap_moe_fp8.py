@@ -140,8 +140,7 @@ def _layer_case(rank: int, world: int, tokens: list[int], backend: str | None) -
     Returns the largest error, and the largest difference from the same layer without FP8."""
     import torch.nn.functional as F
 
-    from tests._compiled import compile_checked
-    from tests.test_overlap_moe import sharded_layer
+    from tests.test_overlap_moe import run_layer, sharded_layer, token_data
 
     torch.manual_seed(2468)
     E, k, FF = 2 * world, 2, 16
@@ -149,20 +148,9 @@ def _layer_case(rank: int, world: int, tokens: list[int], backend: str | None) -
     plain = sharded_layer(rank, world, HIDDEN, E, k, FF)[0]
     plain.load_state_dict(layer.state_dict())
 
-    def data(q: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(501 + q)
-        return torch.randn(tokens[q], HIDDEN, generator=g, dtype=torch.float64), \
-            torch.randn(tokens[q], HIDDEN, generator=g, dtype=torch.float64)
-
+    data = token_data(tokens, HIDDEN, 501)
     x, G = data(rank)
-    xs = x.clone().requires_grad_()
-    forward = layer
-    if backend is not None:
-        forward, traced = compile_checked(layer, backend, xs)
-        assert "commops.moe_layer" in traced, traced
-        layer.zero_grad(set_to_none=True)
-    out = forward(xs)
-    (out * G).sum().backward()
+    out, xs = run_layer(layer, x, G, backend)
     with torch.no_grad():
         unrounded = plain(x)  # collective: every rank, tokens or not
     apart = float((out - unrounded).abs().max()) if tokens[rank] else 0.0

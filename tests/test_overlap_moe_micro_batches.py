@@ -20,7 +20,7 @@ from collectives.errors import InvalidArgumentError
 from overlap.moe import MoEDispatcher, MoELayer, reference_moe
 from overlap.moe.micro_batches import micro_batch_bounds
 
-from .test_overlap_moe import H, _expert, _kept_mask, _routing, sharded_layer
+from .test_overlap_moe import H, _expert, _kept_mask, _routing, run_layer, sharded_layer, token_data
 
 
 class _Shared(torch.nn.Module):
@@ -109,15 +109,9 @@ def _layer_case(rank: int, world: int, tokens: list[int], n: int, shared: bool) 
     ref_mod = _Shared(H, 7) if shared else None
     lo = rank * (E // world)
 
-    def data(q: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(91 + q)
-        return torch.randn(tokens[q], H, generator=g, dtype=torch.float64), \
-            torch.randn(tokens[q], H, generator=g, dtype=torch.float64)
-
+    data = token_data(tokens, H, 91)
     x, G = data(rank)
-    xs = x.clone().requires_grad_()
-    out = layer(xs)
-    (out * G).sum().backward()
+    out, xs = run_layer(layer, x, G)
 
     def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
         return (F.silu(rows @ full.w1[e]) * (rows @ full.w3[e])) @ full.w2[e]

@@ -12,7 +12,6 @@ reference). With a capacity factor: the host plan, the kept pairs only.
 from __future__ import annotations
 
 import contextlib
-import math
 from types import SimpleNamespace
 from typing import Any
 
@@ -28,7 +27,7 @@ from overlap.moe.peer import PeerDenseState, PeerOptions, PeerPlanState, PeerTra
 from overlap.moe.transport import TransportSetup
 
 from ._fake_rows import run_ranks
-from .test_overlap_moe_peer_sim import _gathering
+from .test_overlap_moe_peer_sim import _gathering, kept_pairs
 
 HIDDEN = 256  # two blocks of 128: a packed row is 256 + 8 bytes
 
@@ -118,13 +117,7 @@ def test_fp8_rows_over_the_host_plan_keep_the_kept_pairs(monkeypatch: pytest.Mon
     monkeypatch.setattr(PT, "C", _gathering(world))
 
     def kept(idx: torch.Tensor) -> set[tuple[int, int]]:
-        cap, taken, out = math.ceil(cf * idx.numel() / E), [0] * E, set()
-        for t in range(idx.shape[0]):
-            for e in idx[t].tolist():
-                if taken[e] < cap:
-                    taken[e] += 1
-                    out.add((t, e))
-        return out
+        return kept_pairs(idx, E, cf)
 
     def rank_fn(mem: Any, r: int) -> None:
         transport = _transport(world, r, E, max_tokens, k, dtype, mem, cf)

@@ -385,6 +385,21 @@ def _gathering(world: int) -> Any:
     return SimpleNamespace(all_gather_single=all_gather_single)
 
 
+def kept_pairs(idx: torch.Tensor, E: int, cf: float | None) -> set[tuple[int, int]]:
+    """The (token, expert) pairs a capacity factor ``cf`` keeps: each expert's first pairs in
+    token order, up to ``ceil(cf * pairs / E)`` (all of them without one)."""
+    import math
+
+    cap = math.inf if cf is None else math.ceil(cf * idx.numel() / E)
+    taken, out = [0] * E, set()
+    for t in range(idx.shape[0]):
+        for e in idx[t].tolist():
+            if taken[e] < cap:
+                taken[e] += 1
+                out.add((t, e))
+    return out
+
+
 @pytest.mark.parametrize("via", ["rows", "transport"])
 @pytest.mark.parametrize("cf", [None, 0.5])
 def test_host_planned_dispatch_and_combine(monkeypatch: pytest.MonkeyPatch, cf: float | None, via: str) -> None:
@@ -392,8 +407,6 @@ def test_host_planned_dispatch_and_combine(monkeypatch: pytest.MonkeyPatch, cf: 
     by ``rows_gather``, ``rows_partial`` and ``rows_sum``; the expected rows keep each expert's
     first pairs in token order up to the capacity. ``via="transport"``: the same through
     ``PeerTransport.route`` (every rank's ids all-gathered), ``dispatch_rows`` and ``combine``."""
-    import math
-
     import numpy as np
 
     from overlap.moe import sorted_pairs
@@ -403,14 +416,7 @@ def test_host_planned_dispatch_and_combine(monkeypatch: pytest.MonkeyPatch, cf: 
     monkeypatch.setattr(PT, "C", _gathering(world))
 
     def kept(idx: torch.Tensor) -> set[tuple[int, int]]:
-        cap = math.inf if cf is None else math.ceil(cf * idx.numel() / E)
-        taken, out = [0] * E, set()
-        for t in range(idx.shape[0]):
-            for e in idx[t].tolist():
-                if taken[e] < cap:
-                    taken[e] += 1
-                    out.add((t, e))
-        return out
+        return kept_pairs(idx, E, cf)
 
     def rank_fn(mem: Any, r: int) -> None:
         transport = _transport(world, r, E, max_tokens, k, torch.float32, mem, cf, group=r)
