@@ -3,7 +3,7 @@
 
 On CUDA over NCCL (one rank per GPU; world 1 on one GPU): the verbs in place and functional
 (gradients included), the overlap operators, a two-layer tensor-parallel MLP and ``MoELayer``
-forward and backward, compiled with ``fullgraph=True`` (Inductor) and compared with float64 references
+(with and without its FP8 dispatch) forward and backward, compiled with ``fullgraph=True`` (Inductor) and compared with float64 references
 built from every rank's data; the same programs compiled with ``mode="reduce-overhead"``,
 replayed from CUDA graphs with fresh inputs (and no graph skipped); eager and compiled code
 captured with ``torch.cuda.graph`` and replayed; and the native algorithm's fast path for
@@ -36,6 +36,7 @@ from overlap.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from tests._checks import Checks, report  # noqa: E402
 from tests._compiled import compile_checked  # noqa: E402
 from tests.test_overlap_moe import _layer_case  # noqa: E402
+from tests.test_overlap_moe_fp8 import layer_case as fp8_layer_case  # noqa: E402
 
 COMPILED = ("compiled/verbs", "compiled/functional", "compiled/overlap", "compiled/tp_mlp", "compiled/moe_layer")
 CUDA_ONLY = ("reduce_overhead/verbs", "reduce_overhead/tp_mlp", "cuda_graph/eager", "cuda_graph/compiled",
@@ -233,6 +234,12 @@ def main() -> int:
             err = _layer_case(r, w, tokens, None, "auto", "inductor", dev.type)  # float64, outputs and gradients
             if not err < 1e-10:
                 ck.fail(f"rank {r} compiled MoELayer, tokens {tokens}: max error {err:.3g} against the single-process layer")
+            # with the FP8 dispatch: against the layer whose experts take each token rounded
+            ck.count()
+            err, apart = fp8_layer_case(r, w, tokens, "inductor", dev.type)
+            if not err < 1e-10 or (tokens[r] and not apart > 1e-4):
+                ck.fail(f"rank {r} compiled MoELayer(fp8_dispatch=True), tokens {tokens}: max error {err:.3g} against "
+                        f"the rounded single-process layer, {apart:.3g} from the unrounded one")
 
     with ck.family("compiled/moe_layer"):
         guarded("compiled moe layer", moe_checks)

@@ -133,11 +133,12 @@ def test_fp8_dispatch_refuses_what_it_cannot_pack_before_sending(worlds) -> None
         assert msgs[2] == f"ok True {HIDDEN}", msgs
 
 
-def _layer_case(rank: int, world: int, tokens: list[int], backend: str | None) -> list[float]:
+def layer_case(rank: int, world: int, tokens: list[int], backend: str | None, device: str = "cpu") -> list[float]:
     """``MoELayer(fp8_dispatch=True)`` (float64, eager or compiled with ``backend``) against the
     single-process layer whose experts take each token packed and unpacked (the rounding of the
     test above) and whose gradient goes straight through it; the router sees the exact tokens.
-    Returns the largest error, and the largest difference from the same layer without FP8."""
+    Returns the largest error, and the largest difference from the same layer without FP8.
+    ``device``: where it runs ("cuda" over NCCL too: ``tests/gpu_compile_check.py``)."""
     import torch.nn.functional as F
 
     from tests.test_overlap_moe import run_layer, sharded_layer, token_data
@@ -147,18 +148,19 @@ def _layer_case(rank: int, world: int, tokens: list[int], backend: str | None) -
     layer, router, full = sharded_layer(rank, world, HIDDEN, E, k, FF, fp8_dispatch=True)
     plain = sharded_layer(rank, world, HIDDEN, E, k, FF)[0]
     plain.load_state_dict(layer.state_dict())
+    layer, router, full, plain = layer.to(device), router.to(device), full.to(device), plain.to(device)
 
-    data = token_data(tokens, HIDDEN, 501)
+    data = token_data(tokens, HIDDEN, 501, device)
     x, G = data(rank)
     out, xs = run_layer(layer, x, G, backend)
     with torch.no_grad():
         unrounded = plain(x)  # collective: every rank, tokens or not
-    apart = float((out - unrounded).abs().max()) if tokens[rank] else 0.0
+    apart = float((out.detach() - unrounded).abs().max()) if tokens[rank] else 0.0
 
     def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
         return (F.silu(rows @ full.w1[e]) * (rows @ full.w3[e])) @ full.w2[e]
 
-    loss = torch.zeros((), dtype=torch.float64)
+    loss = torch.zeros((), dtype=torch.float64, device=device)
     for q in range(world):
         xq, Gq = data(q)
         xq = xq.clone().requires_grad_()
@@ -186,7 +188,7 @@ def _layer_case(rank: int, world: int, tokens: list[int], backend: str | None) -
                                                        (3, [0, 4, 6], None)])
 def test_an_fp8_moe_layer_eager_and_compiled_matches_the_rounded_single_process_layer(
         worlds, world_size: int, tokens: list[int], backend: str | None) -> None:  # noqa: ANN001
-    for err, apart in worlds(world_size).run(_layer_case, tokens, backend, timeout=600):
+    for err, apart in worlds(world_size).run(layer_case, tokens, backend, timeout=600):
         assert err < 1e-10, err
         assert apart > 1e-4 or apart == 0.0, apart  # the tokens were rounded (0.0: a rank without tokens)
 
