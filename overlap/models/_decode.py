@@ -23,6 +23,13 @@ keep their class (a subclass of it, made here, with this forward) and their para
 most ``DECODE_ROWS`` tokens without a sequence split; every other forward runs the model's own
 code. The fused operator picks its kernel (``strategy="auto"``) and records why; the rounding
 differs from the model's own order of operations within the dtype's (the operator's note).
+
+One forward at a time per model, as for any tensor-parallel forward: every rank must issue the
+group's collectives in one order, which two threads running the model at once would not keep.
+The path's own state follows the same rule (the row layers' ``deferred`` flag is set for the
+attention or MLP call and cleared after it); the carried norm is taken only for the very tensor
+it is the norm of, so a forward that meets a stale one norms its input as usual. Under
+``torch.compile`` the whole path is traced into one graph (``tests/test_compile_models.py``).
 """
 
 from __future__ import annotations
