@@ -19,7 +19,7 @@ Families:
   torch definition (``overlap/moe/fp8.py``).
 - ``fp8/peer``: the FP8 dispatch over the peer transport (``PeerTransport.dispatch_packed``),
   bf16 and fp16, fresh routing per call, uneven token counts and a rank without tokens, over the
-  device layout: the rows arrive as the plain dispatch's
+  device layout, at hidden 256 (scalar row copies) and 1024 (16-byte packs): the rows arrive as the plain dispatch's
   rows packed and unpacked by the definition, byte for byte (each row's packing is its own);
   their error against the plain rows within ``fp8.py``'s stated bound; the gradient straight
   through (equal to the plain dispatch's); the layer's output through the experts against the
@@ -330,43 +330,55 @@ def _fp8_bound(rows: torch.Tensor) -> torch.Tensor:
     return (2.0 ** -4 + ulp) * a + 2.0 ** -10 * scale
 
 
+def _fp8_rows(ck: Checks, where: str, disp: MoEDispatcher, x: torch.Tensor, idx: torch.Tensor, wt: torch.Tensor,
+              seed: int) -> None:
+    """One FP8 dispatch of ``x`` beside the plain one: the rows, their bound, the gradient. Every
+    rank runs both dispatches and both backwards (collective) whatever its checks found."""
+    xs, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
+    got, h8 = disp.dispatch(xs, idx, wt, fp8=True)
+    plain, h = disp.dispatch(xp, idx, wt)
+    dev = x.device
+    g = torch.randn(plain.shape, device=dev, generator=torch.Generator(device=dev).manual_seed(seed)).to(x.dtype)
+    ck.count()
+    if h8.tokens_per_expert != h.tokens_per_expert or got.shape != plain.shape:
+        ck.fail(f"{where}: {h8.tokens_per_expert} rows per expert, the plain dispatch {h.tokens_per_expert}")
+        got.backward(torch.zeros_like(got))
+        plain.backward(g)
+        return
+    want = fp8.dequantize_rows(fp8.quantize_rows(plain.detach()), x.shape[1], x.dtype)
+    ck.count()
+    if not torch.equal(got, want):
+        ck.fail(f"{where}: {int((got != want).sum())} of {got.numel()} elements differ from the plain rows packed "
+                "and unpacked")
+    ck.count()
+    over = int(((got.double() - plain.double()).abs() > _fp8_bound(plain.detach())).sum())
+    if over:
+        ck.fail(f"{where}: {over} elements beyond fp8.py's bound")
+    got.backward(g)
+    plain.backward(g)
+    ck.count()
+    if not torch.equal(xs.grad, xp.grad):
+        ck.fail(f"{where}: the gradient is not the plain dispatch's (straight through)")
+
+
 def check_fp8_peer(ck: Checks, r: int, w: int, dev: torch.device) -> None:
     E = 4 * w
     for dtype in (torch.bfloat16, torch.float16):
         whole, mine = _experts(E, r, w, dtype, dev)
         whole64 = {n: getattr(whole, n).detach().double() for n in ("w1", "w2", "w3")}
         disp = MoEDispatcher(E, H, dtype=dtype, device=dev, transport="peer", max_tokens=320, top_k=K)
+        # hidden 1024: packed rows of 1056 B, whole 16-byte packs (the vectorised kernels; H's 264 B take the scalar ones)
+        wide = MoEDispatcher(E, 1024, dtype=dtype, device=dev, transport="peer", max_tokens=320, top_k=K)
         for call, tokens in enumerate((lambda q: 150 + 37 * q, lambda q: 0 if q == 0 else 200 + q,
                                        lambda q: 301 - 50 * q)):
             where = f"rank {r} fp8 peer {dtype_name(dtype)} call {call}"
             x, idx, wt, _ = _inputs(r, 700 + call, tokens(r), E, dtype, dev, "random")
-            for spread in (True, False):  # blocks of very different scales; then rows the layer takes
-                if spread:
-                    xs = (x * torch.logspace(-3, 3, H, device=dev).to(dtype)).requires_grad_()
-                else:
-                    xs = x.clone().requires_grad_()
-                xp = xs.detach().clone().requires_grad_()
-                got, h8 = disp.dispatch(xs, idx, wt, fp8=True)
-                plain, h = disp.dispatch(xp, idx, wt)
-                ck.count()
-                if h8.tokens_per_expert != h.tokens_per_expert or got.shape != plain.shape:
-                    ck.fail(f"{where}: {h8.tokens_per_expert} rows per expert, the plain dispatch {h.tokens_per_expert}")
-                    continue
-                want = fp8.dequantize_rows(fp8.quantize_rows(plain.detach()), H, dtype)
-                ck.count()
-                if not torch.equal(got, want):
-                    ck.fail(f"{where}: {int((got != want).sum())} of {got.numel()} elements differ from the plain "
-                            "rows packed and unpacked")
-                ck.count()
-                over = int(((got.double() - plain.double()).abs() > _fp8_bound(plain.detach())).sum())
-                if over:
-                    ck.fail(f"{where}: {over} elements beyond fp8.py's bound")
-                g = torch.randn(got.shape, device=dev, generator=torch.Generator(device=dev).manual_seed(55 + call))
-                got.backward(g.to(dtype))
-                plain.backward(g.to(dtype))
-                ck.count()
-                if not torch.equal(xs.grad, xp.grad):
-                    ck.fail(f"{where}: the gradient is not the plain dispatch's (straight through)")
+            spread = torch.logspace(-3, 3, H, device=dev).to(dtype)  # blocks of very different scales
+            _fp8_rows(ck, f"{where} spread", disp, x * spread, idx, wt, 55 + call)
+            _fp8_rows(ck, where, disp, x, idx, wt, 65 + call)
+            g = torch.Generator(device=dev).manual_seed(80 + 7 * call + r)
+            x_wide = (torch.randn(x.shape[0], 1024, generator=g, device=dev) * 4).to(dtype)
+            _fp8_rows(ck, f"{where} hidden 1024", wide, x_wide, idx, wt, 75 + call)
             with torch.no_grad():
                 out = disp.forward(x, idx, wt, mine, fp8=True)  # collective: every rank, tokens or not
             if not x.shape[0]:
@@ -378,6 +390,7 @@ def check_fp8_peer(ck: Checks, r: int, w: int, dev: torch.device) -> None:
             if not err <= FP8_LAYER_TOL:
                 ck.fail(f"{where}: the layer's RMS error {err:.3g} of the float64 layer's, over {FP8_LAYER_TOL}")
         disp.close()
+        wide.close()
 
 
 def main() -> int:

@@ -146,6 +146,10 @@ def test_rows_wider_than_the_tokens_or_not_whole_words_are_refused_before_anythi
             with pytest.raises(InvalidArgumentError) as e:
                 transport.dispatch_packed(bad, idx)
             msgs.append(str(e.value))
+        # over the host plan (a capacity factor) too, before the ids' all-gather (none is set up here)
+        planned = _transport(world, r, E, 4, k, torch.bfloat16, mem, cf=0.5)
+        with pytest.raises(InvalidArgumentError, match="wider than the tokens"):
+            planned.dispatch_packed(torch.zeros(2, 2 * HIDDEN + 4, dtype=torch.uint8), idx)
         # nothing was sent: the next dispatch on every rank still meets its peers
         x = torch.randn(2, HIDDEN).to(torch.bfloat16)
         got, _ = transport.dispatch_packed(fp8.quantize_rows(x), idx)
@@ -153,6 +157,6 @@ def test_rows_wider_than_the_tokens_or_not_whole_words_are_refused_before_anythi
         return msgs
 
     for msgs in run_ranks(world, PP.buffer_bytes(world, 4, k, HIDDEN * 2), rank_fn):
-        assert "at most 512 B" in msgs[0] and "packed" in msgs[0], msgs
+        assert "wider than the tokens' 512 B" in msgs[0] and "packed" in msgs[0], msgs
         assert "multiple of 4" in msgs[1] and "uint8" in msgs[2], msgs
         assert msgs[3] == f"ok {fp8.packed_width(HIDDEN)}", msgs

@@ -84,8 +84,9 @@ class MoELayer(nn.Module):
             raise InvalidArgumentError("chunks", chunks, f"cannot be set with micro_batches={micro_batches} (the "
                                        "micro-batches are the overlap)", "leave chunks='auto', or micro_batches=1")
         if fp8_dispatch and (micro_batches > 1 or chunks != "auto"):
-            raise InvalidArgumentError("fp8_dispatch", fp8_dispatch, f"runs the plain sequence; micro_batches="
-                                       f"{micro_batches} and chunks={chunks!r} ask for an overlap",
+            asked = f"micro_batches={micro_batches}" if micro_batches > 1 else f"chunks={chunks!r}"
+            raise InvalidArgumentError("fp8_dispatch", fp8_dispatch, f"runs the plain sequence; {asked} asks for "
+                                       "an overlap",
                                        "leave micro_batches=1 and chunks='auto', or fp8_dispatch=False")
         if fp8_dispatch and hidden % fp8.BLOCK:
             raise InvalidArgumentError("hidden", hidden, f"is not a multiple of {fp8.BLOCK} (one FP8 scale per "

@@ -253,7 +253,7 @@ class PeerTransport(Transport):
         return plan_handles(host_ranges(local, counts, got), k, topk_idx.device, extra, state)
 
     def dispatch_rows(self, x: torch.Tensor, handle: DispatchHandle, packed: bool = False) -> torch.Tensor:
-        """``packed``: rows of 4-byte words narrower than the tokens' (:meth:`dispatch_packed`)."""
+        """``packed``: rows of 4-byte words no wider than the tokens' (:meth:`dispatch_packed`)."""
         state = handle.state
         if not isinstance(state, PeerPlanState):  # a host plan of another kind: over all_to_all_single
             return route_rows(handle, x, self.group)
@@ -264,11 +264,17 @@ class PeerTransport(Transport):
 
     def dispatch_packed(self, packed: torch.Tensor, topk_idx: torch.Tensor) -> tuple[torch.Tensor, DispatchHandle]:
         """The FP8 dispatch's rows: their bytes as float32 words (the row kernels copy a row's
-        words whatever they hold, and the buffers' regions hold the tokens' wider rows), over the
-        device layout or the host plan as :meth:`dispatch` chooses; the handle is the tokens'."""
+        words whatever they hold, and the buffers' regions hold the tokens' rows, no narrower),
+        over the device layout or the host plan as :meth:`dispatch` chooses; the handle is the
+        tokens'. Refused before anything is exchanged: rows not uint8 of whole 4-byte words, or
+        wider than the tokens'."""
         if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] % 4:
             raise InvalidArgumentError("packed", packed, "is not uint8 [tokens, width] with width a multiple of 4",
                                        "pack the rows with fp8.quantize_rows (hidden % 128 == 0)")
+        if self._row_bytes and packed.shape[1] > self._row_bytes:
+            raise InvalidArgumentError("packed", packed, f"has rows of {packed.shape[1]} B, wider than the tokens' "
+                                       f"{self._row_bytes} B (at most that; the buffers are sized by them)",
+                                       "pack rows no wider than the tokens (fp8.packed_width)")
         recv, handle = self.dispatch(packed.contiguous().view(torch.float32), topk_idx, packed=True)
         return recv.view(torch.uint8), handle
 

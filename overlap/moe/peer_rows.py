@@ -55,7 +55,8 @@ class PeerRows(SourcePipeline):
 
     def dispatch(self, p: PeerPlan, x: torch.Tensor, total: int, packed: bool = False) -> torch.Tensor:
         """``recv_x [total, hidden]`` (``x`` contiguous ``[tokens, hidden]``; ``packed``: rows of
-        raw bytes in 4-byte words, no wider than the tokens', the FP8 dispatch's)."""
+        raw bytes as float32 words, no wider than the tokens', the FP8 dispatch's, and then
+        ``recv_x`` has ``x``'s width)."""
         self._check_rows(x, packed)
         g = self._region(self._next_half(), self.max_tokens)
         recv = x.new_empty((total, x.shape[1]))

@@ -248,8 +248,9 @@ class Transport(ABC):
 
     def dispatch_packed(self, packed: torch.Tensor, topk_idx: torch.Tensor) -> tuple[torch.Tensor, DispatchHandle]:
         """Received rows and the handle, as :meth:`dispatch`'s, for ``packed [tokens, width]``
-        (uint8, contiguous; ``width`` at most the tokens' row bytes): each token's row of raw bytes
-        routed as ``topk_idx`` routes the token. Collective; only where :attr:`packed_rows`.
+        (uint8, contiguous; ``width`` at most the tokens' row bytes, and a transport may ask for
+        whole 4-byte words, as the FP8 rows are): each token's row of raw bytes routed as
+        ``topk_idx`` routes the token. Collective; only where :attr:`packed_rows`.
         Default: :meth:`route`, then :meth:`dispatch_rows` of the bytes (a transport whose
         ``dispatch_rows`` moves rows of any width and dtype)."""
         handle = self.route(topk_idx, [(0, topk_idx.shape[0])])[0]
