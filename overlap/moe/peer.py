@@ -258,8 +258,9 @@ class PeerTransport(Transport):
         if not isinstance(state, PeerPlanState):  # a host plan of another kind: over all_to_all_single
             return route_rows(handle, x, self.group)
         total = sum(handle.recv_counts)
-        with recorded(self.comm, "moe_dispatch", "peer", torch.empty((total, *x.shape[1:]), dtype=x.dtype,
-                                                                       device="meta"), x):
+        shown = x.view(torch.uint8) if packed else x  # the flight recorder notes packed rows as their bytes
+        with recorded(self.comm, "moe_dispatch", "peer", torch.empty((total, shown.shape[1]), dtype=shown.dtype,
+                                                                       device="meta"), shown):
             return state.rows.dispatch(state.plan, x.contiguous(), total, packed)
 
     def dispatch_packed(self, packed: torch.Tensor, topk_idx: torch.Tensor) -> tuple[torch.Tensor, DispatchHandle]:
@@ -290,10 +291,12 @@ class PeerTransport(Transport):
         w, e_loc = self.comm.size, self.setup.local_experts
         self._check_k(topk_idx)
         rows = self.rows()
-        meta = self._meta.get((x.dtype, x.shape[1]))  # what the flight recorder notes of the output
+        shown = x.view(torch.uint8) if packed else x  # the flight recorder notes packed rows as their bytes
+        meta = self._meta.get((shown.dtype, shown.shape[1]))  # what it notes of the output
         if meta is None:
-            meta = self._meta[x.dtype, x.shape[1]] = torch.empty((0, x.shape[1]), dtype=x.dtype, device="meta")
-        with recorded(self.comm, "moe_dispatch", "peer", meta, x):
+            meta = self._meta[shown.dtype, shown.shape[1]] = torch.empty((0, shown.shape[1]), dtype=shown.dtype,
+                                                                         device="meta")
+        with recorded(self.comm, "moe_dispatch", "peer", meta, shown):
             recv, layout = rows.dispatch_dense(x.contiguous(), topk_idx, packed)
         none = self._no_plan.get(x.device)  # no host plan (see DispatchHandle): one empty tensor, shared
         if none is None:
