@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -24,8 +25,9 @@ def worlds() -> Iterator[Callable[[int], World]]:
     yield get_world
     for w in _WORLDS.values():
         w.request_close()
+    until = time.monotonic() + 5.0  # one deadline for every pool: they exit together
     for w in _WORLDS.values():
-        w.close()
+        w.close(until)
     _WORLDS.clear()
 
 

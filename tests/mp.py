@@ -172,10 +172,14 @@ class World:
             except (BrokenPipeError, OSError):
                 pass
 
-    def close(self) -> None:
+    def close(self, until: float | None = None) -> None:
+        """Tell the ranks to exit and wait for them until ``until`` (``time.monotonic()``; default
+        5 s from now), one deadline for all of them, then kill those still running."""
         self.request_close()
+        deadline = time.monotonic() + 5.0 if until is None else until
         for p in self._procs:
-            p.join(timeout=5)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self._procs:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
