@@ -264,19 +264,9 @@ class PeerTransport(Transport):
             return state.rows.dispatch(state.plan, x.contiguous(), total, packed)
 
     def dispatch_packed(self, packed: torch.Tensor, topk_idx: torch.Tensor) -> tuple[torch.Tensor, DispatchHandle]:
-        """The FP8 dispatch's rows: their bytes as float32 words (the row kernels copy a row's
-        words whatever they hold, and the buffers' regions hold the tokens' rows, no narrower),
-        over the device layout or the host plan as :meth:`dispatch` chooses; the handle is the
-        tokens'. Refused before anything is exchanged: rows not uint8 of whole 4-byte words, or
-        wider than the tokens'."""
-        if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] % 4:
-            raise InvalidArgumentError("packed", packed, "is not uint8 [tokens, width] with width a multiple of 4",
-                                       "pack the rows with fp8.quantize_rows (hidden % 128 == 0)")
-        if self._row_bytes and packed.shape[1] > self._row_bytes:
-            raise InvalidArgumentError("packed", packed, f"has rows of {packed.shape[1]} B, wider than the tokens' "
-                                       f"{self._row_bytes} B (at most that; the buffers are sized by them)",
-                                       "pack rows no wider than the tokens (fp8.packed_width)")
-        recv, handle = self.dispatch(packed.contiguous().view(torch.float32), topk_idx, packed=True)
+        """The FP8 dispatch's rows as float32 words (``_as_words``), over the device layout or the
+        host plan as :meth:`dispatch` chooses; the handle is the tokens'."""
+        recv, handle = self.dispatch(_as_words(packed, self._row_bytes), topk_idx, packed=True)
         return recv.view(torch.uint8), handle
 
     # -- laid out on the GPUs (dropless) ----------------------------------------------------------
@@ -433,6 +423,20 @@ class PeerTransport(Transport):
             if missing:
                 return 1, f"one chunk: the tuned table's pipeline by source needs {missing}"
         return found
+
+
+def _as_words(packed: torch.Tensor, row_bytes: int) -> torch.Tensor:
+    """``packed`` (uint8 rows) as float32 words: the row kernels copy a row's words whatever they
+    hold, and the buffers' regions hold the tokens' rows of ``row_bytes`` (0: not known yet), no
+    narrower. Refused before anything is exchanged: rows not of whole 4-byte words, or wider."""
+    if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] % 4:
+        raise InvalidArgumentError("packed", packed, "is not uint8 [tokens, width] with width a multiple of 4",
+                                   "pack the rows with fp8.quantize_rows (hidden % 128 == 0)")
+    if row_bytes and packed.shape[1] > row_bytes:
+        raise InvalidArgumentError("packed", packed, f"has rows of {packed.shape[1]} B, wider than the tokens' "
+                                   f"{row_bytes} B (at most that; the buffers are sized by them)",
+                                   "pack rows no wider than the tokens (fp8.packed_width)")
+    return packed.contiguous().view(torch.float32)
 
 
 def _padded(handle: LowLatencyHandle) -> PeerPaddedState:
