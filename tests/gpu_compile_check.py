@@ -3,7 +3,8 @@
 
 On CUDA over NCCL (one rank per GPU; world 1 on one GPU): the verbs in place and functional
 (gradients included), the overlap operators, a two-layer tensor-parallel MLP and ``MoELayer``
-(with and without its FP8 dispatch) forward and backward, compiled with ``fullgraph=True`` (Inductor) and compared with float64 references
+(with and without its FP8 dispatch) forward and backward, compiled with ``fullgraph=True``
+(Inductor) and compared with float64 references
 built from every rank's data; the same programs compiled with ``mode="reduce-overhead"``,
 replayed from CUDA graphs with fresh inputs (and no graph skipped); eager and compiled code
 captured with ``torch.cuda.graph`` and replayed; and the native algorithm's fast path for

@@ -19,8 +19,8 @@ Families:
   torch definition (``overlap/moe/fp8.py``).
 - ``fp8/peer``: the FP8 dispatch over the peer transport (``PeerTransport.dispatch_packed``),
   bf16 and fp16, fresh routing per call, uneven token counts and a rank without tokens, over the
-  device layout, at hidden 256 (scalar row copies) and 1024 (16-byte packs): the rows arrive as the plain dispatch's
-  rows packed and unpacked by the definition, byte for byte (each row's packing is its own);
+  device layout, at hidden 256 (scalar row copies) and 1024 (16-byte packs): the rows arrive
+  as the plain dispatch's rows packed and unpacked by the definition, byte for byte (each row's packing is its own);
   their error against the plain rows within ``fp8.py``'s stated bound; the gradient straight
   through (equal to the plain dispatch's); the layer's output through the experts against the
   float64 MoE within ``FP8_LAYER_TOL`` (RMS).
@@ -367,7 +367,8 @@ def check_fp8_peer(ck: Checks, r: int, w: int, dev: torch.device) -> None:
         whole, mine = _experts(E, r, w, dtype, dev)
         whole64 = {n: getattr(whole, n).detach().double() for n in ("w1", "w2", "w3")}
         disp = MoEDispatcher(E, H, dtype=dtype, device=dev, transport="peer", max_tokens=320, top_k=K)
-        # hidden 1024: packed rows of 1056 B, whole 16-byte packs (the vectorised kernels; H's 264 B take the scalar ones)
+        # hidden 1024: packed rows of 1056 B, whole 16-byte packs (the vectorised kernels; the
+        # 264-B rows of hidden H take the scalar ones)
         wide = MoEDispatcher(E, 1024, dtype=dtype, device=dev, transport="peer", max_tokens=320, top_k=K)
         for call, tokens in enumerate((lambda q: 150 + 37 * q, lambda q: 0 if q == 0 else 200 + q,
                                        lambda q: 301 - 50 * q)):

@@ -7,13 +7,14 @@ inputs tolerate e4m3 (DeepSeek-V3 trains with it), so a row of ``hidden`` bf16 e
 magnitude maps to e4m3's largest (448), then rounded to e4m3 (3 mantissa bits): an element's
 error is at most 2^-4 of it, or for elements below 2^-15 of their block's largest (e4m3's
 subnormals) 2^-10 of the block's scale (largest x 1/448); a block of small elements keeps its
-own scale. The packed row is raw bytes (``uint8``), so it crosses over any transport that moves such
-rows (``Transport.packed_rows``: NCCL's ``all_to_all_single`` of any rows; the peer transport's
-kernels, which copy a row's bytes whatever they hold); the receiver dequantizes into the dispatcher's dtype before the experts. On CUDA one Triton kernel packs and
-one unpacks (``_fp8_triton.py``); the torch operations here are the definition they match byte
-for byte. Under ``torch.compile`` it runs inside ``MoELayer``'s op (``fp8_dispatch=True``); a
-dispatcher's own ``dispatch(..., fp8=True)`` is not traced. Combine and every backward pass stay in that dtype
-(the gradient of a dispatch is a combine of the gradient rows: straight through the rounding,
+own scale. The packed row is raw bytes (``uint8``), so it crosses over any transport that
+moves such rows (``Transport.packed_rows``: NCCL's ``all_to_all_single`` of any rows; the peer
+transport's kernels, which copy a row's bytes whatever they hold); the receiver dequantizes
+into the dispatcher's dtype before the experts. On CUDA one Triton kernel packs and one unpacks
+(``_fp8_triton.py``); the torch operations here are the definition they match byte for byte.
+Under ``torch.compile`` it runs inside ``MoELayer``'s op (``fp8_dispatch=True``); a
+dispatcher's own ``dispatch(..., fp8=True)`` is not traced. Combine and every backward pass
+stay in that dtype (the gradient of a dispatch is a combine of the gradient rows: straight through the rounding,
 as FP8 training recipes treat it).
 """
 
