@@ -195,6 +195,7 @@ def test_an_fp8_moe_layer_eager_and_compiled_matches_the_rounded_single_process_
 
 def _layer_refusals(rank: int, world: int) -> list[str]:
     from overlap.moe import MoELayer
+    from tests.test_overlap_moe_transport import NAME, _registered
 
     msgs = []
     for kwargs in ({"micro_batches": 2}, {"chunks": 2}, {"hidden": 100}):
@@ -203,10 +204,18 @@ def _layer_refusals(rank: int, world: int) -> list[str]:
             MoELayer(args.pop("hidden"), 8, 2 * world, 2, dtype=torch.float32, fp8_dispatch=True, **args)
         except InvalidArgumentError as e:
             msgs.append(str(e))
+    with _registered():  # a transport of fixed-width rows only
+        try:
+            MoELayer(HIDDEN, 8, 2 * world, 2, dtype=torch.float32, fp8_dispatch=True, transport=NAME)
+        except UnsupportedError as e:
+            msgs.append(str(e))
+    # the group is still usable: a layer builds (its construction broadcasts the router)
+    MoELayer(HIDDEN, 8, 2 * world, 2, dtype=torch.float32, fp8_dispatch=True)
     return msgs
 
 
 def test_an_fp8_moe_layer_refuses_what_it_cannot_run_at_construction(worlds) -> None:  # noqa: ANN001
     for msgs in worlds(2).run(_layer_refusals):
-        assert len(msgs) == 3, msgs
+        assert len(msgs) == 4, msgs
         assert "micro_batches=2" in msgs[0] and "chunks=2" in msgs[1] and "multiple of 128" in msgs[2], msgs
+        assert "packed rows" in msgs[3] and "_PlainAllToAll" in msgs[3], msgs
