@@ -12,7 +12,8 @@ Traffic between ranks of one node stays on that namespace's loopback, unshaped.
 On every node one real ``torchrun --nnodes N --node-rank k --nproc-per-node M`` starts, with a
 c10d rendezvous at node 0's address; torch.distributed and Gloo see nothing but hosts on a
 network. Each node's output is streamed with a ``[node k]`` prefix; the exit code is the worst of
-the nodes'. When a node fails, the others get 15 s to finish before they are stopped. Namespaces, links and per-namespace ``/etc/netns`` files are always removed, on
+the nodes'. When a node fails, the others get 15 s (``--fail-grace``) to finish before they
+are stopped. Namespaces, links and per-namespace ``/etc/netns`` files are always removed, on
 success, failure, Ctrl-C, SIGTERM or ``--timeout``; ``--cleanup`` removes what a killed run
 (SIGKILL) left behind.
 
@@ -40,7 +41,7 @@ from pathlib import Path
 PREFIX = "cmx"  # namespace names: cmx<run>-sw (the bridge), cmx<run>-n<k> (node k)
 SUBNET = "10.77.0"
 RDZV_PORT = 29400
-FAIL_GRACE_S = 15.0
+FAIL_GRACE_S = 15.0  # --fail-grace's default
 NETNS_ETC = Path("/etc/netns")
 # Per-namespace TCP settings of a cluster network: no slow start after idle (collectives leave a
 # connection idle between steps and must not ramp up again each time), and no autocorking (the
@@ -193,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inter-node-latency-ms", type=float, default=None,
                    help="added one-way delay; needs netem, which this kernel may lack (then: error)")
     p.add_argument("--timeout", type=float, default=1800.0, help="kill every node after this many seconds")
+    p.add_argument("--fail-grace", type=float, default=FAIL_GRACE_S,
+                   help="after a node fails, stop the others this many seconds later (they may be waiting on it)")
     p.add_argument("--cleanup", action="store_true", help="remove namespaces a killed run left behind, then exit")
     p.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS... (what torchrun runs on every rank)")
     args = p.parse_args(argv)
@@ -250,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             threads.append(t)
         deadline = time.monotonic() + args.timeout
         # A node that fails leaves the others waiting on a rendezvous that cannot complete: after
-        # the first failure the rest get FAIL_GRACE_S to finish, then they are stopped.
+        # the first failure the rest get --fail-grace seconds to finish, then they are stopped.
         stop_at = deadline
         codes: dict[int, int] = {}
         while len(codes) < len(procs):
@@ -261,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                 if proc.returncode != 0:
                     print(f"emulate_cluster: node {k} exited with {proc.returncode}", file=sys.stderr, flush=True)
                     worst = max(worst, proc.returncode if proc.returncode > 0 else 128 - proc.returncode)
-                    stop_at = min(stop_at, time.monotonic() + FAIL_GRACE_S)
+                    stop_at = min(stop_at, time.monotonic() + args.fail_grace)
             now = time.monotonic()
             if len(codes) < len(procs) and now >= stop_at:
                 running = [j for j in range(len(procs)) if j not in codes]
@@ -270,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                           file=sys.stderr, flush=True)
                     worst = 124
                 else:
-                    print(f"emulate_cluster: stopping node(s) {running} {FAIL_GRACE_S:g} s after a node failed",
+                    print(f"emulate_cluster: stopping node(s) {running} {args.fail_grace:g} s after a node failed",
                           file=sys.stderr, flush=True)
                 break
             time.sleep(0.2)

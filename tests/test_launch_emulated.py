@@ -76,7 +76,8 @@ def test_timeout_kills_every_node_and_cleans_up(tmp_path: Path) -> None:
 def test_a_failing_rank_sets_the_exit_code(tmp_path: Path) -> None:
     script = tmp_path / "fail.py"
     script.write_text("import os, sys\nsys.exit(3 if os.environ['GROUP_RANK'] == '1' else 0)\n")
-    res = _run(["--nodes", "2", "--procs-per-node", "1", "--timeout", "120", "--", str(script)], timeout=200)
+    res = _run(["--nodes", "2", "--procs-per-node", "1", "--timeout", "120", "--fail-grace", "2", "--", str(script)],
+               timeout=200)
     assert res.returncode != 0 and "exited with" in res.stderr, res.stdout + res.stderr
 
 
