@@ -24,6 +24,7 @@ file is either complete or absent; a reader of per-rank files must know how many
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -71,6 +72,21 @@ def same_bits_on_every_rank(ck: Checks, what: str, t: torch.Tensor) -> None:
     dist.all_gather_object(every, bits)
     if any(not torch.equal(bits, b) for b in every):  # type: ignore[arg-type]
         ck.fail(f"{what}: differs between ranks")
+
+
+def check_arguments(families: Sequence[str], argv: Sequence[str] | None = None, *, verbose: bool = False
+                    ) -> argparse.Namespace:
+    """A GPU check script's command line: ``--json`` (where ``report`` writes), ``--only`` (as
+    ``args.only``, the set of families to run: every one of ``families`` by default) and, with
+    ``verbose``, ``-v``."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--json", help="write the results by family here (tests/_checks.py)")
+    if verbose:
+        p.add_argument("-v", "--verbose", action="store_true", help="print each call's progress (to find a hang)")
+    p.add_argument("--only", help="comma-separated families to run (default: all)")
+    args = p.parse_args(argv)
+    args.only = set(args.only.split(",")) if args.only else set(families)
+    return args
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -36,7 +36,6 @@ exits non-zero on any; ``--json`` writes the families (``tests/_checks.py``).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -48,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import collectives as C  # noqa: E402
 from overlap.moe import GroupedSwiGLU, MoEDispatcher, fp8, reference_moe  # noqa: E402
-from tests._checks import Checks, dtype_name, report, shared_gpu_ranks  # noqa: E402
+from tests._checks import Checks, check_arguments, dtype_name, report, shared_gpu_ranks  # noqa: E402
 
 DTYPES = (torch.bfloat16, torch.float32)
 # of the reference tensor's largest element: bf16 rounds the activation, the output and each
@@ -395,14 +394,10 @@ def check_fp8_peer(ck: Checks, r: int, w: int, dev: torch.device) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--json", help="write the results by family here (tests/_checks.py)")
-    p.add_argument("-v", "--verbose", action="store_true", help="print each call's progress (to find a hang)")
-    p.add_argument("--only", help="comma-separated families to run (default: all)")
-    args = p.parse_args()
+    args = check_arguments(families(), verbose=True)
     if args.verbose:
         VERBOSE.append(True)
-    only = set(args.only.split(",")) if args.only else set(families())
+    only = args.only
     comm, dev = shared_gpu_ranks()
     w, r = comm.size, comm.rank
     ck = Checks(families(), r)

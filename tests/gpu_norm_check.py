@@ -24,7 +24,6 @@ Families:
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -37,7 +36,7 @@ import collectives as C  # noqa: E402
 from overlap import last_choice  # noqa: E402
 from collectives.peer import close_peer_memory  # noqa: E402
 from overlap.norm import fused_all_reduce_rmsnorm  # noqa: E402
-from tests._checks import (Checks, dtype_name, report, same_bits_on_every_rank,  # noqa: E402
+from tests._checks import (Checks, check_arguments, dtype_name, report, same_bits_on_every_rank,  # noqa: E402
                            shared_gpu_ranks)
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -195,11 +194,8 @@ def _tally(ck: Checks, what: str, world: int, outs: list[tuple[torch.Tensor, tor
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--json", help="write the results by family here (tests/_checks.py)")
-    p.add_argument("--only", help="comma-separated families to run (default: all)")
-    args = p.parse_args()
-    only = set(args.only.split(",")) if args.only else set(families())
+    args = check_arguments(families())
+    only = args.only
     comm, dev = shared_gpu_ranks()
     ck = Checks(families(), comm.rank)
     for dtype in DTYPES:

@@ -20,7 +20,6 @@ Families:
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -33,7 +32,7 @@ import collectives as C  # noqa: E402
 import overlap  # noqa: E402
 from collectives.peer import PeerMemory  # noqa: E402
 from overlap import _tile_signal  # noqa: E402
-from tests._checks import (Checks, dtype_name, report, same_bits_on_every_rank,  # noqa: E402
+from tests._checks import (Checks, check_arguments, dtype_name, report, same_bits_on_every_rank,  # noqa: E402
                            shared_gpu_ranks)
 
 DTYPES = (torch.bfloat16, torch.float16)
@@ -162,11 +161,8 @@ def check_soak(ck: Checks, world: int, dev: torch.device) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--json", help="write the results by family here (tests/_checks.py)")
-    p.add_argument("--only", help="comma-separated families to run (default: all)")
-    args = p.parse_args()
-    only = set(args.only.split(",")) if args.only else set(families())
+    args = check_arguments(families())
+    only = args.only
     comm, dev = shared_gpu_ranks()
     ck = Checks(families(), comm.rank)
     for op in ("rs", "ar"):

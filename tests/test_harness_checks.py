@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._checks import ROOT, Checks, ScriptRun, merge, run_script, write_results
+from tests._checks import ROOT, Checks, ScriptRun, check_arguments, merge, run_script, write_results
 
 
 def test_checks_are_counted_and_failed_by_family() -> None:
@@ -172,3 +172,13 @@ def test_results_are_written_whole(tmp_path: Path) -> None:
     write_results(tmp_path / "r.json", _GOOD)
     assert json.loads((tmp_path / "r.json").read_text()) == _GOOD
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_a_check_scripts_arguments_name_its_families() -> None:
+    fams = ("a/bf16", "a/fp16", "soak")
+    assert check_arguments(fams, []).only == set(fams)  # every family by default
+    args = check_arguments(fams, ["--only", "soak,a/fp16", "--json", "x.json"])
+    assert args.only == {"soak", "a/fp16"} and args.json == "x.json"
+    assert check_arguments(fams, ["-v"], verbose=True).verbose
+    with pytest.raises(SystemExit):  # -v only where the script offers it
+        check_arguments(fams, ["-v"])
