@@ -7,7 +7,8 @@
 # refusals and the pipeline by source against a float64 MoE) moe_overlap_check (micro-batches, soaks
 # eager and from graphs, the FP8 kernels) norm_check (the fused all-reduce + RMSNorm kernels)
 # tile_signal_check (the tile-signalled GEMM + reduce-scatter / all-reduce) compile_check (the torch.ops.commops ops compiled, reduce-overhead and CUDA graphs; one GPU
-# suffices) faults overlap_tune overlap_tune_graph overlap overlap_graph tp_mlp norm (the fused
+# suffices) compile_peer (the operators over peer memory compiled and captured, and the compiled
+# MLP step timed beside the eager one) faults overlap_tune overlap_tune_graph overlap overlap_graph tp_mlp norm (the fused
 # all-reduce + RMSNorm beside the three steps, decode sizes, eager and graphs) tile_gemm (the
 # tile-signalled GEMM against cuBLAS on one GPU, with copies beside it) moe peer_bench
 # peer_big tune_peer (host cost per call, with a profile); and, only when named: sanitize (the peer-memory checks and
@@ -28,7 +29,7 @@
 set -u
 OUT=${1:?usage: launch/gpu_suite.sh OUTDIR [STEP ...]}
 shift
-STEPS=${*:-peer_check overlap_check moe_check moe_overlap_check norm_check tile_signal_check compile_check faults overlap_tune overlap_tune_graph overlap overlap_graph tp_mlp norm tile_gemm moe peer_bench peer_big tune_peer}
+STEPS=${*:-peer_check overlap_check moe_check moe_overlap_check norm_check tile_signal_check compile_check compile_peer faults overlap_tune overlap_tune_graph overlap overlap_graph tp_mlp norm tile_gemm moe peer_bench peer_big tune_peer}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -67,6 +68,8 @@ for step in $STEPS; do
         --json "$OUT/tile_gemm.json" --plot "$OUT/tile_gemm.png" ;;
     norm) run norm 240 $R launch/bench_norm.py --json "$OUT/norm.json" --plot "$OUT/norm.png" ;;
     compile_check) run compile_check 300 $R tests/gpu_compile_check.py --json "$OUT/compile_check.json" ;;
+    compile_peer) run compile_peer 300 $R tests/gpu_compile_peer_check.py --json "$OUT/compile_peer.json" \
+        --time "$OUT/compile_peer_time.json" ;;
     faults) run faults 300 python3 launch/faults/run_all.py --gpu --timeout 10 --json "$OUT/faults_gpu.json" ;;
     overlap_tune)
       rm -f "$TUNED"

@@ -112,16 +112,12 @@ def _mlp(world: int, rank: int, device: torch.device, sequence_parallel: bool, s
     return sharded, full, (fc1, fc2), (ref1, ref2)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--json", help="write the results by family here (tests/_checks.py)")
-    args = p.parse_args()
-    comm = C.init()
-    w, r = comm.size, comm.rank
-    cuda = bool(comm.backend_for("cuda"))
-    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    ck = Checks(families(dev.type), r)
+Close = Callable[..., None]
 
+
+def closer(ck: Checks, r: int) -> Close:
+    """``close(what, got, want, tol=TOL)``: a check in ``ck`` that ``got`` has ``want``'s shape and
+    lies within ``tol`` of it, relative to ``want``'s largest magnitude where that exceeds 1."""
     def close(what: str, got: torch.Tensor, want: torch.Tensor, tol: float = TOL) -> None:
         ck.count()
         if got.shape != want.shape:
@@ -131,6 +127,50 @@ def main() -> int:
         scale = want.double().abs().max().item() if want.numel() else 1.0
         if not err <= tol * max(1.0, scale):
             ck.fail(f"rank {r} {what}: max error {err:.3g} (scale {scale:.3g})")
+    return close
+
+
+def mlp_checks(close: Close, w: int, r: int, dev: torch.device, mode: str | None, strategy: str = "chunked") -> None:
+    """The two-layer tensor-parallel MLP (``strategy``), with and without sequence parallelism,
+    against the float64 unsharded one: compiled (``fullgraph``, Inductor) forward and backward
+    with ``mode=None``, else compiled in ``mode`` and its forward replayed with fresh inputs."""
+    for sp in (False, True):
+        sharded, full, (fc1, fc2), (ref1, ref2) = _mlp(w, r, dev, sp, strategy)
+        rows = slice(r * 4, (r + 1) * 4) if sp else slice(None)
+        example = _data(0, 0, (4 * w, 2, 16), dev).float()[rows]
+        fn = compile_checked(sharded, "inductor", example)[0] if mode is None \
+            else torch.compile(sharded, fullgraph=True, mode=mode)
+        for seed in (31, 32, 33, 34):
+            x = _data(0, seed, (4 * w, 2, 16), dev).requires_grad_()  # the same full input on every rank
+            want = full(x)
+            if mode is not None:  # forward only: replays of the inference graph
+                with torch.no_grad():
+                    close(f"tp mlp {mode} sp={sp} seed {seed}", fn(x[rows].float()), want[rows])
+                continue
+            xr = x.detach()[rows].float().clone().requires_grad_()
+            g = _data(0, seed + 100, tuple(want.shape), dev)
+            (want * g).sum().backward()
+            (fn(xr) * g[rows].float()).sum().backward()
+            f = fc1.out_per_rank
+            close(f"tp mlp sp={sp} output", fn(xr).detach(), want[rows].detach())
+            close(f"tp mlp sp={sp} input grad", xr.grad, x.grad[rows])
+            close(f"tp mlp sp={sp} fc1 weight grad", fc1.weight.grad, ref1.weight.grad[r * f:(r + 1) * f])
+            close(f"tp mlp sp={sp} fc2 weight grad", fc2.weight.grad, ref2.weight.grad[:, r * f:(r + 1) * f])
+            for m in (fc1, fc2, ref1, ref2):
+                m.zero_grad(set_to_none=True)
+            del x
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--json", help="write the results by family here (tests/_checks.py)")
+    args = p.parse_args()
+    comm = C.init()
+    w, r = comm.size, comm.rank
+    cuda = bool(comm.backend_for("cuda"))
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    ck = Checks(families(dev.type), r)
+    close = closer(ck, r)
 
     def guarded(what: str, fn: Callable[[], None]) -> None:
         try:
@@ -198,35 +238,8 @@ def main() -> int:
     with ck.family("compiled/overlap"):
         guarded("compiled overlap", overlap_checks)
 
-    def mlp_checks(mode: str | None) -> None:
-        for sp in (False, True):
-            sharded, full, (fc1, fc2), (ref1, ref2) = _mlp(w, r, dev, sp, "chunked")
-            rows = slice(r * 4, (r + 1) * 4) if sp else slice(None)
-            example = _data(0, 0, (4 * w, 2, 16), dev).float()[rows]
-            fn = compile_checked(sharded, "inductor", example)[0] if mode is None \
-                else torch.compile(sharded, fullgraph=True, mode=mode)
-            for seed in (31, 32, 33, 34):
-                x = _data(0, seed, (4 * w, 2, 16), dev).requires_grad_()  # the same full input on every rank
-                want = full(x)
-                if mode is not None:  # forward only: replays of the inference graph
-                    with torch.no_grad():
-                        close(f"tp mlp {mode} sp={sp} seed {seed}", fn(x[rows].float()), want[rows])
-                    continue
-                xr = x.detach()[rows].float().clone().requires_grad_()
-                g = _data(0, seed + 100, tuple(want.shape), dev)
-                (want * g).sum().backward()
-                (fn(xr) * g[rows].float()).sum().backward()
-                f = fc1.out_per_rank
-                close(f"tp mlp sp={sp} output", fn(xr).detach(), want[rows].detach())
-                close(f"tp mlp sp={sp} input grad", xr.grad, x.grad[rows])
-                close(f"tp mlp sp={sp} fc1 weight grad", fc1.weight.grad, ref1.weight.grad[r * f:(r + 1) * f])
-                close(f"tp mlp sp={sp} fc2 weight grad", fc2.weight.grad, ref2.weight.grad[:, r * f:(r + 1) * f])
-                for m in (fc1, fc2, ref1, ref2):
-                    m.zero_grad(set_to_none=True)
-                del x
-
     with ck.family("compiled/tp_mlp"):
-        guarded("compiled tp mlp", lambda: mlp_checks(None))
+        guarded("compiled tp mlp", lambda: mlp_checks(close, w, r, dev, None))
 
     def moe_checks() -> None:
         # a rank without tokens: where another rank has some (alone, no gradient reaches the experts)
@@ -248,7 +261,10 @@ def main() -> int:
     if cuda:
         from torch._dynamo.utils import counters
 
-        for name, checks in (("verbs", verbs_checks), ("tp_mlp", mlp_checks)):
+        def tp_mlp(mode: str | None) -> None:
+            mlp_checks(close, w, r, dev, mode)
+
+        for name, checks in (("verbs", verbs_checks), ("tp_mlp", tp_mlp)):
             with ck.family(f"reduce_overhead/{name}"):
                 counters.clear()
                 guarded(f"reduce-overhead {name}", lambda: checks("reduce-overhead"))  # noqa: B023 - called at once

@@ -1,11 +1,16 @@
 """Peer-memory collectives on the GPUs of one node, checked (run by tests/test_gpu_peer.py).
 
-    torchrun --nproc-per-node 2 tests/gpu_peer_check.py [--json FILE] [--quick]
+    torchrun --nproc-per-node N tests/gpu_peer_check.py [--json FILE] [--quick]
+
+With a GPU for each rank the group is NCCL's. With more ranks than GPUs the ranks share them
+(``tests._checks.shared_gpu_ranks``: peer memory maps a buffer of the same GPU as it maps a
+peer GPU's), the group's own traffic goes over Gloo, and the comparison with NCCL becomes a
+comparison with Gloo's all-reduce of the same inputs (NCCL refuses two ranks on one GPU).
 
 Every check uses fresh random data (``bench.reference.rank_data`` with a new seed), a float64
 expected value computed from every rank's regenerated input, outputs poisoned with NaN before the
 call, and the rounding bound of ``bench.reference.tolerance``. Also: every rank's result is the
-same bits; the result matches NCCL's within the bound; odd sizes, unaligned views (the scalar
+same bits; the result matches NCCL's (or Gloo's) within the bound; odd sizes, unaligned views (the scalar
 path) and messages larger than the slots (pieces); CUDA-graph capture and replay; 1000
 back-to-back calls of alternating sizes without a host synchronisation (a race shows as a
 wrong element); calls from a thread with no CUDA context of its own; a peer that never arrives
@@ -18,6 +23,7 @@ writes with their counts and failures, one pytest case each in ``tests/test_gpu_
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 import time
@@ -34,7 +40,7 @@ from bench.reference import rank_data  # noqa: E402
 from collectives import _env, _native, dispatch as _dispatch  # noqa: E402
 from collectives.algos import _peer as P, peer  # noqa: E402
 from collectives.peer import CE_PUSHED, PeerMemory, peer_memory  # noqa: E402
-from tests._checks import Checks, dtype_name, write_results  # noqa: E402
+from tests._checks import Checks, dtype_name, shared_gpu_ranks, write_results  # noqa: E402
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ONE_SHOT = peer("one_shot")
@@ -63,8 +69,9 @@ def families(quick: bool = False) -> tuple[str, ...]:
 class ValueChecks:
     """The values every path computes, against float64 references and NCCL, and the failures found."""
 
-    def __init__(self, comm: C.Communicator, checks: Checks) -> None:
+    def __init__(self, comm: C.Communicator, checks: Checks, *, shared: bool = False) -> None:
         self.comm = comm
+        self.shared = shared  # ranks share GPUs: the group's own traffic is Gloo's, on host tensors
         self.w, self.r = comm.size, comm.rank
         self.dev = torch.device("cuda", torch.cuda.current_device())
         self.checks = checks
@@ -93,6 +100,8 @@ class ValueChecks:
     def same_on_all_ranks(self, what: str, t: torch.Tensor) -> None:
         self.checks.count()
         bits = t.contiguous().view(torch.uint8)
+        if self.shared:
+            bits = bits.cpu()
         every = [torch.empty_like(bits) for _ in range(self.w)]
         dist.all_gather(every, bits)
         if not all(torch.equal(every[0], e) for e in every):
@@ -116,10 +125,22 @@ class ValueChecks:
         tol = self.bound(inputs, dtype, avg)
         self.expect(what, x, want, tol)
         self.same_on_all_ranks(what, x)
-        if compare_nccl:
+        if compare_nccl and not self.shared:
             y = inputs[self.r].clone()
             dist.all_reduce(y, dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM)
             self.expect(what + " vs NCCL", x, y.double(), 2 * tol)
+        elif compare_nccl:  # Gloo has no AVG: its float32 sum, then the mean rounded as NCCL's is
+            y = inputs[self.r].float().cpu()
+            dist.all_reduce(y)
+            y = (y / self.w if avg else y).to(dtype).to(self.dev)
+            self.expect(what + " vs Gloo", x, y.double(), 2 * tol)
+
+    def barrier(self) -> None:
+        """Every rank here (over Gloo where ranks share GPUs, whose NCCL group is never made)."""
+        if self.shared:
+            dist.all_reduce(torch.zeros(1))
+        else:
+            dist.barrier()
 
     def reduce_scatter(self, m: int, dtype: torch.dtype, *, pm: PeerMemory | None = None, avg: bool = False,
                        algorithm: str = "one_shot") -> None:
@@ -317,14 +338,14 @@ class Checker(ValueChecks):
         inputs = self.fresh(n_small, torch.bfloat16)
         x = inputs[self.r].clone()
         torch.cuda.synchronize()
-        dist.barrier()
+        self.barrier()
         if self.r == self.w - 1:
             torch.cuda._sleep(50_000_000)  # a late peer: tens of milliseconds
         ONE_SHOT.all_reduce(pm, x)
         torch.cuda.synchronize()
         self.expect("one_shot low-latency words after stale raw data, a late peer", x,
                     sum(t.double() for t in inputs), self.bound(inputs, torch.bfloat16))
-        dist.barrier()
+        self.barrier()
         pm.close()
 
     # -- faults and bad arguments ------------------------------------------------------------------
@@ -353,7 +374,7 @@ class Checker(ValueChecks):
                 self.checks.fail("rank 0: a call after a timeout ran")
             except C.CollectiveTimeout:
                 pass
-        dist.barrier()
+        self.barrier()
         pm.close()
         # The copy-engine path: its copy streams wait with stream memory operations, which the
         # kernels' bounded waits must release when a peer never comes.
@@ -367,7 +388,7 @@ class Checker(ValueChecks):
             waited = time.perf_counter() - t0
             self.expect_timeout(pm, "a peer skipped a copy-engine call", waited,
                                 lambda exc: bool(exc.missing) and waited <= 20)
-        dist.barrier()
+        self.barrier()
         pm.close()
         # An operator's copy-engine section: its stream waits (no kernel) are bounded by the
         # section's watchdog alone. Every rank opens; rank 0's copy stream waits for a flag
@@ -386,7 +407,7 @@ class Checker(ValueChecks):
             waited = time.perf_counter() - t0
             self.expect_timeout(pm, "a section's stream wait was never signalled", waited,
                                 lambda exc: bool(exc.missing) and 0.4 < waited < 10 and "copy-engine section" in str(exc))
-        dist.barrier()
+        self.barrier()
         pm.close()
         # Outside a section nothing watches a stream wait, so copy_engines.wait's default there is
         # its bounded kernel: a flag never signalled must time out, not hang the stream.
@@ -398,7 +419,7 @@ class Checker(ValueChecks):
             waited = time.perf_counter() - t0
             self.expect_timeout(pm, "a wait outside any section was never signalled", waited,
                                 lambda exc: bool(exc.missing) and 0.4 < waited < 10)
-        dist.barrier()
+        self.barrier()
         pm.close()
         # Plain barriers (the MoE transport's) and closed sections leave nothing open: idle for
         # longer than the timeout, the watchdog must not release anything.
@@ -420,7 +441,7 @@ class Checker(ValueChecks):
                 self.checks.fail(f"rank {self.r}: an all-reduce after idle barriers gave {z[:4].tolist()}")
         except C.CollectiveTimeout as exc:
             self.checks.fail(f"rank {self.r}: idle after barriers and a closed section, yet: {exc}")
-        dist.barrier()
+        self.barrier()
         pm.close()
 
     def expect_timeout(self, pm: PeerMemory, after: str, waited: float, good: Any) -> None:
@@ -486,9 +507,10 @@ def main() -> int:
     p.add_argument("--json", help="write the results by family here (tests/_checks.py)")
     p.add_argument("--quick", action="store_true", help="fewer sizes (for compute-sanitizer)")
     args = p.parse_args()
-    comm = C.init()
+    shared = torch.cuda.device_count() < int(os.environ.get("WORLD_SIZE", "1"))
+    comm = shared_gpu_ranks()[0] if shared else C.init()
     checks = Checks(families(args.quick), comm.rank)
-    ck = Checker(comm, checks)
+    ck = Checker(comm, checks, shared=shared)
     t0 = time.perf_counter()
     sizes = [1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 33, 127, 1000, 4095, 4097, 65535, 65537, (1 << 20) + 3, 5_000_001]
     if args.quick:
@@ -549,7 +571,8 @@ def main() -> int:
     if comm.rank == 0:
         for f in flat[:50]:
             print("FAIL", f)
-        print(f"peer-memory checks: {sum(rec['checks'] for rec in every.values())} run on {comm.size} ranks, "
+        print(f"peer-memory checks: {sum(rec['checks'] for rec in every.values())} run on {comm.size} ranks"
+              f"{' sharing GPUs' if shared else ''}, "
               f"{len(flat)} failed, {time.perf_counter() - t0:.1f} s", flush=True)
         if args.json:
             write_results(args.json, every)

@@ -1,6 +1,7 @@
-"""On the GPUs of one node: the peer-memory collectives (``collectives/peer``), checked by
-``tests/gpu_peer_check.py`` under torchrun, once for the module; one case per family of its
-checks (``gpu_peer_check.families()``). Marker ``gpu``; needs two GPUs or more."""
+"""On GPUs: the peer-memory collectives (``collectives/peer``), checked by
+``tests/gpu_peer_check.py`` under torchrun, once at 2 and once at 3 ranks, sharing GPUs where
+the machine has fewer (one GPU is enough; the comparison with NCCL is then one with Gloo). One
+case per world size and family of its checks (``gpu_peer_check.families()``). Marker ``gpu``."""
 
 from __future__ import annotations
 
@@ -14,12 +15,12 @@ TIMEOUT_S = 900
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(TIMEOUT_S + 60)]  # the script's own limit reports first
 
 
-@pytest.fixture(scope="module")
-def peer_run(tmp_path_factory: pytest.TempPathFactory) -> ScriptRun:
-    n = torch.cuda.device_count()
-    if n < 2:
-        pytest.skip(f"peer memory needs 2 or more GPUs on one node; this machine has {n}")
-    return run_script("tests/gpu_peer_check.py", n, tmp_path_factory.mktemp("peer") / "checks.json",
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}ranks")
+def peer_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ScriptRun:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    nproc = request.param
+    return run_script("tests/gpu_peer_check.py", nproc, tmp_path_factory.mktemp(f"peer_{nproc}") / "checks.json",
                       env=NO_MULTICAST, timeout=TIMEOUT_S)
 
 

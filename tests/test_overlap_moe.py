@@ -27,13 +27,14 @@ from tests.mp import messages
 H = 6
 
 
-def sharded_layer(rank: int, world: int, hidden: int, E: int, k: int, FF: int,
+def sharded_layer(rank: int, world: int, hidden: int, E: int, k: int, FF: int, dtype: torch.dtype = torch.float64,
                   **options: Any) -> tuple[Any, torch.nn.Linear, GroupedSwiGLU]:
-    """A float64 ``MoELayer`` holding rank ``rank``'s experts of one whole expert set, the router
-    and the whole set (for the single-process reference); seed torch first, alike on every rank."""
+    """A ``MoELayer`` of ``dtype`` holding rank ``rank``'s experts of one whole expert set, and the
+    float64 router and whole set (for the single-process reference); seed torch first, alike on
+    every rank."""
     router = torch.nn.Linear(hidden, E, bias=False).double()
     full = GroupedSwiGLU(E, hidden, FF, dtype=torch.float64)
-    layer = MoELayer(hidden, FF, E, k, dtype=torch.float64, **options)
+    layer = MoELayer(hidden, FF, E, k, dtype=dtype, **options)
     lo = rank * (E // world)
     with torch.no_grad():
         layer.router.weight.copy_(router.weight)
@@ -274,20 +275,24 @@ def test_a_transports_options_object_replaces_its_keyword_arguments(worlds) -> N
 
 
 def _layer_case(rank: int, world: int, tokens: list[int], capacity: float | None, routing: str = "auto",
-                backend: str | None = None, device: str = "cpu") -> float:
-    """``MoELayer`` (float64, eager or compiled with ``backend``) against the single-process layer:
-    outputs and every gradient. ``device``: where it runs ("cuda" over NCCL too)."""
+                backend: str | None = None, device: str = "cpu", dtype: torch.dtype = torch.float64,
+                **options: Any) -> float:
+    """``MoELayer`` (eager or compiled with ``backend``) against the float64 single-process layer:
+    the largest error of its gradients, which carry its output's. ``device``: where it runs
+    ("cuda" over NCCL, or another transport of ``options``); ``dtype``: the layer's, its inputs
+    the float64 data rounded to it; ``options``: more of ``MoELayer``'s (released after)."""
     import torch.nn.functional as F
 
     torch.manual_seed(4321)  # the same reference on every rank
     E, k, FF = 2 * world, 2, 10
-    layer, router, full = sharded_layer(rank, world, H, E, k, FF, capacity_factor=capacity, routing=routing)
+    layer, router, full = sharded_layer(rank, world, H, E, k, FF, dtype, capacity_factor=capacity, routing=routing,
+                                        **options)
     layer, router, full = layer.to(device), router.to(device), full.to(device)
     lo = rank * (E // world)
 
     data = token_data(tokens, H, 77, device)
     x, G = data(rank)
-    _, xs = run_layer(layer, x, G, backend)
+    _, xs = run_layer(layer, x.to(dtype), G.to(dtype), backend)
 
     def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
         return (F.silu(rows @ full.w1[e]) * (rows @ full.w3[e])) @ full.w2[e]
@@ -318,6 +323,7 @@ def _layer_case(rank: int, world: int, tokens: list[int], capacity: float | None
         errs.append((layer.router.weight.grad - rgrad[0]).abs().max().item())
     for name in ("w1", "w2", "w3"):
         errs.append((getattr(layer.experts, name).grad - getattr(full, name).grad[lo:lo + E // world]).abs().max().item())
+    layer.close()
     return max(errs)
 
 
