@@ -99,7 +99,8 @@ def moe_checks(ck: Checks, r: int, w: int, dev: torch.device) -> None:
 def _time_mlp(w: int, r: int, dev: torch.device, rounds: int, steps: int) -> dict[str, Any]:
     """The bf16 sequence-parallel MLP's forward and backward, eager, compiled and reduce-overhead,
     ``steps`` steps per variant per round, the variants in turn within each round."""
-    tokens, hidden, ffn = 2048, 2048, 4 * 2048
+    tokens, hidden = 2048, 2048
+    ffn = 4 * hidden // w * w  # whole shards at any world size
     torch.manual_seed(7)
     fc1 = ColumnParallelLinear.from_linear(torch.nn.Linear(hidden, ffn, bias=False, dtype=torch.bfloat16, device=dev),
                                            sequence_parallel=True, strategy=STRATEGY)
