@@ -17,8 +17,9 @@ built from every rank's data, and compiled against eager):
 - ``reduce_overhead/peer_tp_mlp``: the MLP compiled with ``mode="reduce-overhead"`` (CUDA graphs),
   its forward replayed with fresh inputs, and no graph skipped.
 
-``--time F``: the MLP's forward and backward in bf16 (sequence parallel, copy-engine strategy),
-eager, compiled and ``reduce-overhead``, timed paired by round, written to F. Where ranks share a
+``--time F``: forward and backward in bf16 of the MLP (sequence parallel, copy-engine strategy:
+eager, compiled and ``reduce-overhead``) and of ``MoELayer(transport="peer")`` (eager and
+compiled), timed paired by round, written to F. Where ranks share a
 GPU the times hold the ranks' contention for it, not a link's: the ratios say what compiling
 costs or saves on the host and in launches, nothing about the overlap.
 """
@@ -39,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import collectives as C  # noqa: E402
 from overlap import ops  # noqa: E402
-from overlap.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from overlap.layers import ColumnParallelLinear, MoELayer, RowParallelLinear  # noqa: E402
 from tests._checks import Checks, report, shared_gpu_ranks  # noqa: E402
 from tests._compiled import compile_checked  # noqa: E402
 from tests.gpu_compile_check import Close, _data, closer, mlp_checks  # noqa: E402
@@ -48,7 +49,6 @@ from tests.test_overlap_moe import _layer_case  # noqa: E402
 FAMILIES = ("peer/overlap", "peer/tp_mlp", "peer/moe_layer", "reduce_overhead/peer_tp_mlp")
 STRATEGY = "copy_engine"
 MOE_TOL = 1e-4  # float32 layer, sums of a few dozen terms of size ~1, against float64
-EAGER_TOL = 1e-5  # compiled against eager (Inductor fuses the router's softmax differently)
 
 
 def families() -> tuple[str, ...]:
@@ -96,27 +96,13 @@ def moe_checks(ck: Checks, r: int, w: int, dev: torch.device) -> None:
                         f"{err:.3g} against the float64 single-process layer")
 
 
-def _time_mlp(w: int, r: int, dev: torch.device, rounds: int, steps: int) -> dict[str, Any]:
-    """The bf16 sequence-parallel MLP's forward and backward, eager, compiled and reduce-overhead,
-    ``steps`` steps per variant per round, the variants in turn within each round."""
-    tokens, hidden = 2048, 2048
-    ffn = 4 * hidden // w * w  # whole shards at any world size
-    torch.manual_seed(7)
-    fc1 = ColumnParallelLinear.from_linear(torch.nn.Linear(hidden, ffn, bias=False, dtype=torch.bfloat16, device=dev),
-                                           sequence_parallel=True, strategy=STRATEGY)
-    fc2 = RowParallelLinear.from_linear(torch.nn.Linear(ffn, hidden, bias=False, dtype=torch.bfloat16, device=dev),
-                                        sequence_parallel=True, strategy=STRATEGY)
-
-    def step(x: torch.Tensor) -> torch.Tensor:
-        return fc2(torch.nn.functional.gelu(fc1(x)))
-
-    x = torch.randn(tokens // w, hidden, dtype=torch.bfloat16, device=dev, requires_grad=True)
-    variants = {"eager": step, "compiled": torch.compile(step, fullgraph=True),
-                "reduce_overhead": torch.compile(step, fullgraph=True, mode="reduce-overhead")}
-
+def _timed(variants: dict[str, Any], x: torch.Tensor, rounds: int, steps: int) -> dict[str, Any]:
+    """Forward and backward of each of ``variants`` (name -> function of ``x``; "eager" first),
+    ``steps`` steps per variant per round, the variants in turn within each round: the median step
+    time of each and its median ratio to eager's in the same round."""
     def run(fn: Any) -> None:
         for _ in range(steps):
-            fn(x).sum().backward()
+            fn(x).float().sum().backward()
 
     for fn in variants.values():  # compiles and captures before timing
         for _ in range(3):
@@ -131,18 +117,50 @@ def _time_mlp(w: int, r: int, dev: torch.device, rounds: int, steps: int) -> dic
             run(fn)
             torch.cuda.synchronize()
             times[name].append((time.perf_counter() - t0) / steps)
-    paired = {f"{name}/eager": statistics.median(t / e for t, e in zip(times[name], times["eager"]))
-              for name in variants if name != "eager"}
-    return {"shape": {"tokens": tokens, "hidden": hidden, "ffn": ffn, "dtype": "bf16", "sequence_parallel": True,
-                      "strategy": STRATEGY}, "rounds": rounds, "steps_per_round": steps,
+    return {"rounds": rounds, "steps_per_round": steps,
             "median_step_ms": {name: 1e3 * statistics.median(t) for name, t in times.items()},
-            "median_paired_ratio": paired}
+            "median_paired_ratio": {f"{name}/eager": statistics.median(t / e for t, e in zip(times[name], times["eager"]))
+                                    for name, t in times.items() if name != "eager"}}
+
+
+def _time_mlp(w: int, dev: torch.device, rounds: int, steps: int) -> dict[str, Any]:
+    """The bf16 sequence-parallel MLP over the copy engines: eager, compiled and reduce-overhead."""
+    tokens, hidden = 2048, 2048
+    ffn = 4 * hidden // w * w  # whole shards at any world size
+    torch.manual_seed(7)
+    fc1 = ColumnParallelLinear.from_linear(torch.nn.Linear(hidden, ffn, bias=False, dtype=torch.bfloat16, device=dev),
+                                           sequence_parallel=True, strategy=STRATEGY)
+    fc2 = RowParallelLinear.from_linear(torch.nn.Linear(ffn, hidden, bias=False, dtype=torch.bfloat16, device=dev),
+                                        sequence_parallel=True, strategy=STRATEGY)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return fc2(torch.nn.functional.gelu(fc1(x)))
+
+    x = torch.randn(tokens // w, hidden, dtype=torch.bfloat16, device=dev, requires_grad=True)
+    variants = {"eager": step, "compiled": torch.compile(step, fullgraph=True),
+                "reduce_overhead": torch.compile(step, fullgraph=True, mode="reduce-overhead")}
+    return {"shape": {"tokens": tokens, "hidden": hidden, "ffn": ffn, "dtype": "bf16", "sequence_parallel": True,
+                      "strategy": STRATEGY}, **_timed(variants, x, rounds, steps)}
+
+
+def _time_moe(w: int, dev: torch.device, rounds: int, steps: int) -> dict[str, Any]:
+    """``MoELayer(transport="peer")`` in bf16, top-2 of 8 experts per rank: eager and compiled."""
+    tokens, hidden, ffn, experts, k = 2048, 1024, 512, 8 * w, 2
+    torch.manual_seed(11)
+    # built on the host, then moved: its router's broadcast goes over the group's Gloo
+    layer = MoELayer(hidden, ffn, experts, k, dtype=torch.bfloat16, transport="peer", max_tokens=tokens).to(dev)
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device=dev, requires_grad=True)
+    variants = {"eager": layer, "compiled": torch.compile(layer, fullgraph=True)}
+    out = {"shape": {"tokens": tokens, "hidden": hidden, "ffn": ffn, "experts": experts, "top_k": k, "dtype": "bf16",
+                     "transport": "peer"}, **_timed(variants, x, rounds, steps)}
+    layer.close()
+    return out
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--json", help="write the results by family here (tests/_checks.py)")
-    p.add_argument("--time", help="time the compiled MLP step beside the eager one; write the figures here")
+    p.add_argument("--time", help="time the compiled steps beside the eager ones; write the figures here")
     args = p.parse_args()
     comm, dev = shared_gpu_ranks()
     w, r = comm.size, comm.rank
@@ -173,7 +191,7 @@ def main() -> int:
             ck.fail(f"rank {r} reduce-overhead tp mlp: cudagraph skipped: {dict(counters['inductor'])}")
     failed = report(ck, args.json, f"compile over peer memory{' (ranks sharing GPUs)' if shared else ''}", w)
     if args.time and not failed:
-        figures = _time_mlp(w, r, dev, rounds=10, steps=5)
+        figures = {"tp_mlp": _time_mlp(w, dev, rounds=10, steps=5), "moe_layer": _time_moe(w, dev, rounds=10, steps=5)}
         if r == 0:
             figures.update(world=w, gpus=torch.cuda.device_count(), ranks_share_gpus=shared,
                            torch=torch.__version__, device=torch.cuda.get_device_name(dev))
