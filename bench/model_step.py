@@ -1,4 +1,4 @@
-"""A Hugging Face model's training step and decode step, parallelized three ways, side by side.
+"""A Hugging Face model's training, prefill and decode steps, parallelized three ways, side by side.
 
 The same checkpoint (random weights of a named size, saved once by rank 0) is loaded on the same
 ranks three ways:
@@ -21,23 +21,28 @@ Each variant is first checked on a small case in float32 against the unsharded m
 ``max_rel_err`` is the largest difference over the largest magnitude. Then, in the bench dtype:
 
 - ``train``: forward + backward of ``[batch, seq]`` ids with their loss (no optimizer step);
+- ``prefill``: a ``[batch, seq]`` prompt written into a static KV cache (``StaticCache``), for each
+  prompt length asked for, eagerly;
 - ``decode``: one new token per sequence of the batch against a static KV cache holding ``seq``
-  tokens (``StaticCache``; the same position each call, so every call does the same work);
+  tokens (the same position each call, so every call does the same work), for each batch asked for;
 
-each eagerly and, on CUDA, replayed from a CUDA graph, every variant in the same rounds
-(``bench.harness.time_interleaved``); ``vs_transformers`` is the median over rounds of
-transformers' time over the variant's in that round (above 1: faster than transformers). A
-variant that cannot run a step (a CUDA graph capture that fails, say) gets a record with its
-``error`` and no time: nothing is left out without saying why.
+train and decode eagerly and, on CUDA, replayed from a CUDA graph, every variant in the same
+rounds (``bench.harness.time_interleaved``); ``vs_transformers`` is the median over rounds of
+transformers' time over the variant's in that round (above 1: faster than transformers), and
+``vs_sequential`` the same against ``ours/sequential``. A variant that cannot run a step (a CUDA
+graph capture that fails, say) gets a record with its ``error`` and no time: nothing is left out
+without saying why. After the timing, ``bench/model_agree.py`` compares the variants in the bench
+dtype: greedy tokens from one prompt, and the losses of a short training run.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -49,6 +54,7 @@ from overlap import parallelize
 from overlap.moe import PeerOptions
 
 from .harness import _captured, _slowest, paired_ratio, time_interleaved
+from .model_agree import AgreeRecord, compare, greedy_tokens, loss_curve
 
 __all__ = ["StepRecord", "PRESETS", "FAMILY_PRESETS", "small_model", "save_checkpoint", "measure_model", "format_steps", "plot_steps"]
 
@@ -59,11 +65,17 @@ _CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3": ("Qwen3Config
 _MOE = ("qwen3_moe", "mixtral")
 FAMILY_PRESETS = tuple(_CLASSES)  # the families small_model builds
 # Sizes by preset: "tiny" divides TP and EP up to 4 (CPU tests); "gpu" is about 0.9B parameters
-# dense (Llama) and 1.0B MoE (Qwen3-MoE: 32 experts of 768, 4 per token).
+# dense (Llama) and 1.0B MoE (Qwen3-MoE: 32 experts of 768, 4 per token); "llama3-8b-4l" and
+# "qwen3-30b-a3b-4l" have the layer shapes and vocabularies of Llama-3-8B and Qwen3-30B-A3B
+# (128 experts of 768, 8 per token), with 4 layers instead of 32 and 48.
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(vocab=512, hidden=256, ffn=512, layers=2, heads=8, kv=4, head_dim=32, experts=8, top_k=2, moe_ffn=128),
     "gpu": dict(vocab=32000, hidden=2048, ffn=5632, layers=8, heads=16, kv=8, head_dim=128, experts=32, top_k=4,
                 moe_ffn=768),
+    "llama3-8b-4l": dict(vocab=128256, hidden=4096, ffn=14336, layers=4, heads=32, kv=8, head_dim=128, experts=8,
+                         top_k=2, moe_ffn=14336),
+    "qwen3-30b-a3b-4l": dict(vocab=151936, hidden=2048, ffn=6144, layers=4, heads=32, kv=4, head_dim=128, experts=128,
+                             top_k=8, moe_ffn=768),
 }
 
 
@@ -111,7 +123,7 @@ def save_checkpoint(model: Any, comm: C.Communicator, folder: str | None = None)
 class StepRecord:
     family: str
     variant: str             # ours/auto, ours/sequential, transformers
-    step: str                # train (forward + backward) or decode (one token, static KV cache)
+    step: str                # train (forward + backward), prefill or decode (one token, static KV cache)
     graph: bool              # replayed from a CUDA graph
     world: int
     layout: str              # e.g. "tp=2" or "tp=1,ep=2"
@@ -119,10 +131,11 @@ class StepRecord:
     dtype: str
     device: str
     batch: int
-    seq: int                 # the training sequence, or the tokens in the KV cache
+    seq: int                 # the training sequence, the prompt, or the tokens in the KV cache
     time_us: float | None
     tokens_per_s: float | None
     vs_transformers: float | None   # transformers' time / this one's, paired by round
+    vs_sequential: float | None     # ours/sequential's time / this one's, paired by round
     wrong: int | None        # logits off the unsharded fp32 model's (small fp32 case)
     max_rel_err: float | None
     error: str | None
@@ -246,19 +259,40 @@ def _train_step(model: Any, ids: torch.Tensor) -> Callable[[], None]:
     return step
 
 
-def _decode_step(model: Any, ids: torch.Tensor) -> Callable[[], None]:
-    """One token per row against a static cache prefilled with ``ids`` (the same slot every call)."""
+def _static_cache(model: Any, length: int) -> tuple[Any, list[torch.Tensor]]:
+    """A ``StaticCache`` of ``length`` tokens, and its layers' write positions where it keeps them:
+    transformers 5.2x's static layers hold their own on the device (``cumulative_length``), earlier
+    ones write at ``cache_position``. A step that repeats a write resets them first."""
     from transformers import StaticCache  # deferred: the models extra
 
+    cache = StaticCache(config=model.config, max_cache_len=length)
+    counters = [t for t in (getattr(layer, "cumulative_length", None) for layer in getattr(cache, "layers", ()))
+                if isinstance(t, torch.Tensor)]
+    return cache, counters
+
+
+def _prefill_step(model: Any, ids: torch.Tensor) -> Callable[[], None]:
+    """The prompt ``ids`` written into a static cache of its length (the same slots every call)."""
     n = ids.shape[1]
-    cache = StaticCache(config=model.config, max_cache_len=n + 1)
+    cache, counters = _static_cache(model, n)
+    pos = torch.arange(n, device=ids.device)
+
+    def step() -> None:
+        model.eval()
+        for t in counters:
+            t.fill_(0)
+        with torch.no_grad():
+            model(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=pos)
+    return step
+
+
+def _decode_step(model: Any, ids: torch.Tensor) -> Callable[[], None]:
+    """One token per row against a static cache prefilled with ``ids`` (the same slot every call)."""
+    n = ids.shape[1]
+    cache, counters = _static_cache(model, n + 1)
     with torch.no_grad():
         model(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(n, device=ids.device))
     tok, pos = ids[:, -1:].clone(), torch.tensor([n], device=ids.device)
-    # transformers 5.2x's static layers keep their own write position on the device
-    # (cumulative_length); earlier ones write at cache_position. Either way, back to n each call.
-    counters = [t for t in (getattr(layer, "cumulative_length", None) for layer in getattr(cache, "layers", ()))
-                if isinstance(t, torch.Tensor)]
 
     def step() -> None:
         model.eval()
@@ -299,10 +333,16 @@ def _time(fns: dict[str, Callable[[], None]], comm: C.Communicator, device: torc
 
 
 def measure_model(family: str, comm: C.Communicator, device: torch.device, dtype: torch.dtype, *, preset: str,
-                  batch: int, seq: int, decode_batch: int, decode_seq: int, graphs: bool, iters: int = 5,
-                  reps: int = 5, variants: tuple[str, ...] = VARIANTS, check_preset: str | None = None,
-                  progress: Callable[[str], None] = lambda s: None) -> list[StepRecord]:
-    """The records of one family: each variant's check, then its train and decode steps' times."""
+                  batch: int, seq: int, decode_batches: Sequence[int], decode_seq: int, graphs: bool,
+                  prefill_seqs: Sequence[int] = (), prefill_batch: int = 1, iters: int = 5, reps: int = 5,
+                  variants: tuple[str, ...] = VARIANTS, check_preset: str | None = None, agree_tokens: int = 0,
+                  train_steps: int = 0, lr: float = 1e-3, loss_rtol: float | None = None, profile: str | None = None,
+                  progress: Callable[[str], None] = lambda s: None) -> tuple[list[StepRecord], list[AgreeRecord]]:
+    """The records of one family: each variant's check, its steps' times, then (``agree_tokens``,
+    ``train_steps`` > 0) its greedy tokens and training losses against the anchor's
+    (``bench/model_agree.py``; ``loss_rtol`` by default 2% in half precision, else 1e-4).
+    ``profile``: a folder for one profiled eager call of each variant's step, a trace and a table
+    per rank."""
     check = _check(family, variants, check_preset or preset, comm, device)
     progress(f"{family}: checked " + ", ".join(f"{v}: {c if isinstance(c, str) else c[0]} wrong"
                                                 for v, c in check.items()))
@@ -312,14 +352,16 @@ def measure_model(family: str, comm: C.Communicator, device: torch.device, dtype
     gen = torch.Generator().manual_seed(2)
     vocab = PRESETS[preset]["vocab"]
     ids = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
-    prompt = torch.randint(0, vocab, (decode_batch, decode_seq), generator=gen).to(device)
+    plan = [("train", ids)] + [("prefill", torch.randint(0, vocab, (prefill_batch, n), generator=gen).to(device))
+                               for n in prefill_seqs]
+    plan += [("decode", torch.randint(0, vocab, (b, decode_seq), generator=gen).to(device)) for b in decode_batches]
     models: dict[str, Any] = {}
     errors: dict[str, str] = {v: c for v, c in check.items() if isinstance(c, str)}
     for v in variants:
         if v in errors:
             continue
         try:
-            models[v] = _load(v, family, path, comm, dtype, device, max(ids.numel(), prompt.numel()))
+            models[v] = _load(v, family, path, comm, dtype, device, max(t.numel() for _, t in plan))
         except Exception as e:  # reported in its records, like a check that did not run
             errors[v] = f"{type(e).__name__}: {e}"[:300]
         if not _agreed(comm, v not in errors, device):
@@ -327,28 +369,85 @@ def measure_model(family: str, comm: C.Communicator, device: torch.device, dtype
             models.pop(v, None)
     _, tp, ep = _hf_layout(comm.size, family in _MOE)
     layout = f"tp={tp}" + (f",ep={ep}" if family in _MOE else "")
+    steps = {"train": _train_step, "prefill": _prefill_step, "decode": _decode_step}
     records = []
-    for step in ("train", "decode"):
-        for graph in ((False, True) if graphs and device.type == "cuda" else (False,)):
-            fns = {v: (_train_step(m, ids) if step == "train" else _decode_step(m, prompt)) for v, m in models.items()}
+    for step, data in plan:
+        for graph in ((False, True) if graphs and device.type == "cuda" and step != "prefill" else (False,)):
+            fns = {v: steps[step](m, data) for v, m in models.items()}
             times, rounds, failed = _time(fns, comm, device, graph, iters, reps)
-            tokens = ids.numel() if step == "train" else prompt.shape[0]
-            shape = tuple(ids.shape if step == "train" else prompt.shape)
+            if profile and not graph:
+                _profile(fns, failed, profile, f"{family}-{step}-b{data.shape[0]}-s{data.shape[1]}", comm, device)
+            tokens = data.numel() if step != "decode" else data.shape[0]
             for v in variants:
                 c = check[v]
                 t = times.get(v)
-                ratio = paired_ratio(rounds, "transformers", v) if t and "transformers" in rounds else None
+                ratios = [paired_ratio(rounds, b, v) if t and b in rounds else None
+                          for b in ("transformers", "ours/sequential")]
                 par = getattr(models.get(v), "commops_parallel", None) or {}
                 wrong, err = (None, None) if isinstance(c, str) else c
                 records.append(StepRecord(
                     family, v, step, graph, comm.size, layout, par.get("moe_transport"),
-                    str(dtype).removeprefix("torch."), str(device), shape[0], shape[1], t,
-                    tokens / (t * 1e-6) if t else None, ratio, wrong, err, errors.get(v) or failed.get(v)))
+                    str(dtype).removeprefix("torch."), str(device), data.shape[0], data.shape[1], t,
+                    tokens / (t * 1e-6) if t else None, *ratios, wrong, err, errors.get(v) or failed.get(v)))
             progress(format_steps(records[-len(variants):]))
+    agree = _agreement(family, models, errors, comm, device, dtype, vocab, decode_seq, ids, agree_tokens,
+                       train_steps, lr, loss_rtol)
     models.clear()
     gc.collect()
     _forget(path, comm)
-    return records
+    return records, agree
+
+
+def _agreement(family: str, models: dict[str, Any], errors: dict[str, str], comm: C.Communicator,
+               device: torch.device, dtype: torch.dtype, vocab: int, decode_seq: int, ids: torch.Tensor, n_tokens: int,
+               train_steps: int, lr: float, loss_rtol: float | None) -> list[AgreeRecord]:
+    """Each variant's greedy tokens (4 sequences of a prompt of up to 128 tokens), then its losses
+    over ``train_steps`` steps on ``ids``, against the anchor's (transformers, else ours/sequential)."""
+    if not n_tokens and not train_steps:
+        return []
+    prompt = torch.randint(0, vocab, (4, min(128, decode_seq)), generator=torch.Generator().manual_seed(3)).to(device)
+    results: dict[str, dict[str, Any]] = {v: {"error": e} for v, e in errors.items()}
+    for what in ("tokens", "losses"):
+        if not (n_tokens if what == "tokens" else train_steps):
+            continue
+        for v, m in models.items():
+            got = results.setdefault(v, {})
+            try:
+                if what == "tokens":
+                    got["tokens"], got["margins"] = greedy_tokens(m, prompt, n_tokens)
+                else:
+                    got["losses"] = loss_curve(m, ids, train_steps, lr)
+            except Exception as e:  # a variant that cannot run it is reported with why
+                got["error"] = f"{what}: {type(e).__name__}: {e}"[:300]
+            if not _agreed(comm, what not in str(got.get("error", "")), device):
+                got.pop(what, None)
+                got.setdefault("error", f"{what}: failed on another rank")
+    anchor = "transformers" if "transformers" in results else "ours/sequential"
+    half = dtype in (torch.bfloat16, torch.float16)
+    return compare(family, dtype, results, anchor, loss_rtol if loss_rtol is not None else (2e-2 if half else 1e-4))
+
+
+def _profile(fns: dict[str, Callable[[], None]], failed: dict[str, str], folder: str, name: str,
+             comm: C.Communicator, device: torch.device) -> None:
+    """One call of each function that ran, under ``torch.profiler``: ``folder/name-variant-rankR``
+    ``.json`` (a Chrome trace) and ``.txt`` (the 30 largest ops by device, else host, time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(folder, exist_ok=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for v, fn in fns.items():
+        if v in failed:
+            continue
+        dist.barrier(group=comm.group)
+        with profile(activities=acts) as prof:
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        stem = os.path.join(folder, f"{name}-{v.replace('/', '_')}-rank{comm.rank}")
+        prof.export_chrome_trace(stem + ".json")
+        key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        with open(stem + ".txt", "w") as f:
+            f.write(prof.key_averages().table(sort_by=key, row_limit=30) + "\n")
 
 
 def _forget(path: str, comm: C.Communicator) -> None:
@@ -367,33 +466,42 @@ def format_steps(records: list[StepRecord]) -> str:
             lines.append(f"{head}  not run: {r.error}")
             continue
         vs = f"{r.vs_transformers:5.2f}x vs transformers" if r.vs_transformers else ""
+        vs += f" {r.vs_sequential:5.2f}x vs sequential" if r.vs_sequential and r.variant == "ours/auto" else ""
         lines.append(f"{head} {r.time_us:11.1f} us {r.tokens_per_s:12,.0f} tok/s  {vs}  #wrong {r.wrong} "
                      f"(max rel {r.max_rel_err:.1e})")
     return "\n".join(lines)
 
 
 def plot_steps(records: list[StepRecord], path: str, title: str = "") -> None:
-    """PNG: tokens/s per variant, one panel per family and step, eager and graph side by side."""
+    """PNG: tokens/s per variant, a row of panels per family, one per step and shape, eager and
+    graph side by side."""
     import matplotlib  # deferred: the plot extra
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = list(dict.fromkeys((r.family, r.step) for r in records))
+    families = list(dict.fromkeys(r.family for r in records))
+    rows = [list(dict.fromkeys((r.family, r.step, r.batch, r.seq) for r in records if r.family == f)) for f in families]
+    cols = max(len(row) for row in rows)
     variants = list(dict.fromkeys(r.variant for r in records))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
-    for ax, (family, step) in zip(axes[0], panels, strict=True):
-        modes = list(dict.fromkeys(r.graph for r in records if (r.family, r.step) == (family, step)))
+    fig, axes = plt.subplots(len(rows), cols, figsize=(3.6 * cols, 3.4 * len(rows)), squeeze=False)
+    for ax in axes.flat[:]:
+        ax.set_visible(False)
+    for ax, key in ((axes[i][j], key) for i, row in enumerate(rows) for j, key in enumerate(row)):
+        ax.set_visible(True)
+        family, step, batch, seq = key
+        mine = [r for r in records if (r.family, r.step, r.batch, r.seq) == key]
+        modes = list(dict.fromkeys(r.graph for r in mine))
         width = 0.8 / len(variants)
         for i, v in enumerate(variants):
             for j, g in enumerate(modes):
-                hit = [r for r in records if (r.family, r.step, r.variant, r.graph) == (family, step, v, g)]
+                hit = [r for r in mine if (r.variant, r.graph) == (v, g)]
                 if hit and hit[0].tokens_per_s:
                     ax.bar(j + i * width, hit[0].tokens_per_s, width, color=f"C{i}", label=v if j == 0 else None)
                 elif hit:
                     ax.text(j + i * width, 0, "x", ha="center", va="bottom", color=f"C{i}")
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(modes))], ["graph" if g else "eager" for g in modes])
-        ax.set_title(f"{family} {step}", fontsize=10)
+        ax.set_title(f"{family} {step} {batch}x{seq}", fontsize=9)
         ax.set_ylabel("tokens/s")
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)

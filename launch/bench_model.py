@@ -1,15 +1,19 @@
-"""Time a Hugging Face model's training and decode steps, parallelized by commops and by transformers.
+"""Time a Hugging Face model's training, prefill and decode steps, parallelized by commops and by transformers.
 
     torchrun --nproc-per-node 2 launch/bench_model.py                      # llama and qwen3_moe
     torchrun --nproc-per-node 2 launch/bench_model.py --families llama --batch 8 --seq 1024
+    torchrun --nproc-per-node 2 launch/bench_model.py --families llama --preset llama=llama3-8b-4l
     torchrun --nproc-per-node 2 launch/bench_model.py --preset tiny --backend gloo   # on CPUs
 
 The same checkpoint three ways on the same ranks and data (``bench/model_step.py`` says how):
 ``ours/auto``, ``ours/sequential`` (and the plain NCCL transport for MoE rows) and transformers'
 own tensor or expert parallelism; each variant's logits checked against the unsharded float32
-model first (``#wrong``), then its forward + backward step and its decode step timed side by side,
-eagerly and (on CUDA) replayed from CUDA graphs. Rank 0 prints a table and writes
-``results.json``, ``results.csv`` and ``plot.png`` into ``--out`` (default
+model first (``#wrong``), then its forward + backward step, its prefill at each prompt length and
+its decode step at each batch timed side by side, eagerly and (train and decode, on CUDA)
+replayed from CUDA graphs; then, in the bench dtype, each variant's greedy tokens and the losses
+of a short AdamW run against transformers' (``bench/model_agree.py``). ``--profile DIR`` keeps a
+profile of one eager call of each. Rank 0 prints a table and writes ``results.json`` (records
+and agreement), ``results.csv`` and ``plot.png`` into ``--out`` (default
 ``commops-results/model-<date>-<time>/``; ``--out none`` for none).
 """
 
@@ -30,18 +34,45 @@ import torch  # noqa: E402
 import collectives as C  # noqa: E402
 from bench.cli import DTYPES  # noqa: E402
 from bench.model_step import FAMILY_PRESETS, PRESETS, VARIANTS, measure_model, plot_steps  # noqa: E402
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def _presets(text: str | None, families: list[str], default: str) -> dict[str, str]:
+    """``--preset``: one preset for every family, or ``family=preset`` pairs (the rest ``default``)."""
+    if text is None or "=" not in text:
+        return dict.fromkeys(families, text or default)
+    chosen = dict.fromkeys(families, default)
+    for pair in text.split(","):
+        family, _, name = pair.partition("=")
+        chosen[family.strip()] = name.strip()
+    return chosen
 from bench.report import run_meta  # noqa: E402
 
 
 def main() -> int:
     p = argparse.ArgumentParser(prog="launch/bench_model.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--families", default="llama,qwen3_moe", help="comma-separated: llama, qwen3, qwen3_moe, mixtral")
-    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
-                   help="model sizes (default gpu on GPUs, else tiny)")
+    p.add_argument("--preset", default=None,
+                   help=f"model sizes, one of {', '.join(PRESETS)}, or family=preset pairs, comma-separated "
+                        "(default gpu on GPUs, else tiny)")
     p.add_argument("--batch", type=int, default=None, help="training batch (default 4 on GPUs, 2 on CPUs)")
     p.add_argument("--seq", type=int, default=None, help="training sequence (default 1024 on GPUs, 32 on CPUs)")
-    p.add_argument("--decode-batch", type=int, default=None, help="decode batch (default 16 on GPUs, 2 on CPUs)")
+    p.add_argument("--decode-batch", default=None, help="decode batches, comma-separated (default 1,16,64 on GPUs, 2 on CPUs)")
     p.add_argument("--decode-seq", type=int, default=None, help="tokens in the KV cache (default 1024 / 32)")
+    p.add_argument("--prefill", default=None,
+                   help="prefill prompt lengths, comma-separated; '' for none (default 2048,8192,16384 on GPUs, 48 on CPUs)")
+    p.add_argument("--prefill-batch", type=int, default=1, help="prompts per prefill (default 1)")
+    p.add_argument("--agree-tokens", type=int, default=None,
+                   help="greedy tokens each variant decodes for the agreement check, 0 for none (default 16 / 4)")
+    p.add_argument("--train-steps", type=int, default=None,
+                   help="AdamW steps of the loss agreement check, 0 for none (default 20 on GPUs, 3 on CPUs)")
+    p.add_argument("--lr", type=float, default=1e-3, help="the loss check's learning rate (default 1e-3)")
+    p.add_argument("--loss-rtol", type=float, default=None,
+                   help="losses agree within this relative difference (default 2e-2 in bf16/fp16, else 1e-4)")
+    p.add_argument("--profile", default=None, help="folder for a profile of one eager call of each variant's steps")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ", ".join(VARIANTS))
     p.add_argument("--no-graphs", action="store_true", help="eager only (on CPUs it always is)")
     p.add_argument("-d", "--dtype", default=None, choices=sorted(DTYPES), help="default bf16 on GPUs, float on CPUs")
@@ -71,21 +102,40 @@ def main() -> int:
     if lead and out is not None:
         out.mkdir(parents=True, exist_ok=True)  # before the run: a folder that cannot be made fails now
     dtype = DTYPES[args.dtype or ("bf16" if cuda else "float")]
-    preset = args.preset or ("gpu" if cuda else "tiny")
-    gpu = preset == "gpu"
-    records = []
+    presets = _presets(args.preset, families, "gpu" if cuda else "tiny")
+    for f, name in presets.items():
+        if f not in families or name not in PRESETS:
+            p.error(f"--preset: {f}={name} is not a family of --families with one of {', '.join(PRESETS)}")
+    records, agreement = [], []
     for family in families:
-        records += measure_model(
-            family, comm, device, dtype, preset=preset, batch=args.batch or (4 if gpu else 2),
-            seq=args.seq or (1024 if gpu else 32), decode_batch=args.decode_batch or (16 if gpu else 2),
+        gpu = presets[family] != "tiny"
+        steps, agree = measure_model(
+            family, comm, device, dtype, preset=presets[family], batch=args.batch or (4 if gpu else 2),
+            seq=args.seq or (1024 if gpu else 32), decode_batches=_ints(args.decode_batch or ("1,16,64" if gpu else "2")),
             decode_seq=args.decode_seq or (1024 if gpu else 32), graphs=cuda and not args.no_graphs,
-            iters=args.iters, reps=args.reps, variants=variants, check_preset="tiny",
+            prefill_seqs=_ints(args.prefill if args.prefill is not None else ("2048,8192,16384" if gpu else "48")),
+            prefill_batch=args.prefill_batch, iters=args.iters, reps=args.reps, variants=variants, check_preset="tiny",
+            agree_tokens=args.agree_tokens if args.agree_tokens is not None else (16 if gpu else 4),
+            train_steps=args.train_steps if args.train_steps is not None else (20 if gpu else 3), lr=args.lr,
+            loss_rtol=args.loss_rtol, profile=args.profile,
             progress=lambda s: print(s, flush=True) if lead else None)
+        records += steps
+        agreement += agree
+        if lead:
+            for a in agree:
+                print(f"{family:<10} {a.variant:<16} vs {a.anchor}: tokens "
+                      f"{'equal' if a.tokens_equal else 'differ' if a.tokens_equal is False else 'not compared'}"
+                      + (f" from step {a.first_diff} (anchor's top-2 margin {a.margin_at_diff:.3g})"
+                         if a.first_diff is not None else "")
+                      + (f"; losses within {a.max_loss_rel_diff:.2e} (rtol {a.loss_rtol:g}: "
+                         f"{'agree' if a.losses_agree else 'DIFFER'})" if a.max_loss_rel_diff is not None else "")
+                      + (f"; {a.error}" if a.error else ""), flush=True)
     if lead:
         meta = run_meta("launch/bench_model.py", comm, cuda)
         import transformers  # deferred: the models extra
 
-        meta.update(transformers=transformers.__version__, preset=preset, sizes=PRESETS[preset],
+        meta.update(transformers=transformers.__version__, presets=presets,
+                    sizes={f: PRESETS[name] for f, name in presets.items()},
                     omp_num_threads=os.environ.get("OMP_NUM_THREADS"))
         checked = {(r.family, r.variant): r.wrong for r in records}  # one check per variant, in 2-4 records
         bad = sum(w or 0 for w in checked.values())
@@ -94,7 +144,8 @@ def main() -> int:
               + (f"; not checked (did not run): {', '.join(unchecked)}" if unchecked else ""), flush=True)
         if out is not None and records:
             rows = [r.as_dict() for r in records]
-            (out / "results.json").write_text(json.dumps({"meta": meta, "records": rows}, indent=1) + "\n")
+            (out / "results.json").write_text(json.dumps({"meta": meta, "records": rows,
+                                                          "agreement": [a.as_dict() for a in agreement]}, indent=1) + "\n")
             with open(out / "results.csv", "w", newline="") as f:
                 w = csv.DictWriter(f, fieldnames=list(rows[0]))
                 w.writeheader()

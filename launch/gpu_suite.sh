@@ -17,7 +17,9 @@
 # moe_auto (chunks="auto" following the table moe and moe_pipeline wrote),
 # topology (python -m topology), a2a_bench (NCCL's
 # and our all-to-all algorithms, 8 B - 1 GB, eager and graphs), hf_model (launch/bench_model.py: a
-# Llama and a Qwen3-MoE, ours against transformers' own parallelism), peer_epilogue (GEMMs writing
+# Llama-3-8B-like and a Qwen3-30B-A3B-like model of 4 layers, ours against transformers' own
+# parallelism, training, prefill 2K-16K and decode 1-64, tokens and losses compared; hf_dense and
+# hf_moe: one family each), peer_epilogue (GEMMs writing
 # into a peer's memory against GEMMs beside a copy engine) and model (a calibration of this
 # machine, then the cost model's predictions against peer_bench's and a2a_bench's measurements,
 # which run first). On 4 or 8 GPUs: NPROC=n launch/gpu_suite.sh OUT peer_check overlap_check
@@ -126,7 +128,11 @@ for step in $STEPS; do
       done ;;
     peer_big) COMMOPS_PEER_BYTES=$BIG run peer_big 240 $R launch/bench_collectives.py --op all_reduce -d bf16 \
         -b 64M -e 1G -f 2 -a native,two_shot,copy_engine -G both -n 10 -r 5 -w 3 --json "$OUT/peer_big.json" --out none ;;
-    hf_model) run hf_model 420 $R launch/bench_model.py -n 5 -r 5 --out "$OUT/hf_model" ;;
+    hf_model)  # both families: under 600 s each, so one call each where a call's time is bounded
+      run hf_dense 540 $R launch/bench_model.py --families llama --preset llama3-8b-4l -n 5 -r 5 --out "$OUT/hf_dense"
+      run hf_moe 540 $R launch/bench_model.py --families qwen3_moe --preset qwen3-30b-a3b-4l -n 5 -r 5 --out "$OUT/hf_moe" ;;
+    hf_dense) run hf_dense 540 $R launch/bench_model.py --families llama --preset llama3-8b-4l -n 5 -r 5 --out "$OUT/hf_dense" ;;
+    hf_moe) run hf_moe 540 $R launch/bench_model.py --families qwen3_moe --preset qwen3-30b-a3b-4l -n 5 -r 5 --out "$OUT/hf_moe" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

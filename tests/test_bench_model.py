@@ -1,5 +1,6 @@
 """``launch/bench_model.py`` end to end: the three variants of a dense and a MoE model checked against
-the unsharded fp32 model and timed. CPU: 2 Gloo ranks (transformers' own TP and EP over Gloo, next
+the unsharded fp32 model, timed, and compared with each other (greedy tokens, a short training
+run's losses: ``bench/model_agree.py``, whose comparison is also tested alone here). CPU: 2 Gloo ranks (transformers' own TP and EP over Gloo, next
 to ours). GPU (marker ``gpu``): world 1 over NCCL, eager and CUDA-graph steps; a smoke test of
 the benchmark's GPU path: at world 1 the three variants are one program, so their agreement and
 ratios say nothing of the parallelism (the 2-rank Gloo test and the parity tests do)."""
@@ -36,19 +37,32 @@ def _run(tmp_path: Path, ranks: int, *flags: str, env: dict[str, str] | None = N
 
 def _every_variant_ran(records: list[dict], graph: bool) -> None:
     for family in ("llama", "qwen3_moe"):
-        for step in ("train", "decode"):
+        for step in ("train", "prefill", "decode") if not graph else ("train", "decode"):
             rows = [r for r in records if (r["family"], r["step"], r["graph"]) == (family, step, graph)]
             assert {r["variant"] for r in rows} == VARIANTS, (family, step, rows)
             for r in rows:
                 assert r["wrong"] == 0 and r["max_rel_err"] < 1e-4, r
                 assert r["time_us"] is not None and r["time_us"] > 0 and r["tokens_per_s"] > 0, r
-                assert r["vs_transformers"] > 0, r
+                assert r["vs_transformers"] > 0 and r["vs_sequential"] > 0, r
+
+
+def _variants_agree(agreement: list[dict]) -> None:
+    """float32: every variant's greedy tokens and training losses are transformers' own."""
+    for family in ("llama", "qwen3_moe"):
+        rows = [a for a in agreement if a["family"] == family]
+        assert {a["variant"] for a in rows} == VARIANTS and all(a["anchor"] == "transformers" for a in rows), rows
+        for a in rows:
+            assert a["error"] is None and a["tokens_equal"] and a["losses_agree"], a
+            assert len(a["tokens"][0]) == 4 and len(a["losses"]) == 3, a
+            assert a["losses"][-1] < a["losses"][0] - 0.1, a  # the run trains: the comparison is not of a constant
 
 
 def test_bench_model_on_gloo(tmp_path: Path) -> None:
     rec = _run(tmp_path, 2, "--backend", "gloo", env={"CUDA_VISIBLE_DEVICES": ""})  # CPUs, even on a GPU machine
     assert rec["meta"]["world"] == 2 and "transformers" in rec["meta"]
     _every_variant_ran(rec["records"], graph=False)
+    _variants_agree(rec["agreement"])
+    assert {r["seq"] for r in rec["records"] if r["step"] == "prefill"} == {48}
     layouts = {r["family"]: r["layout"] for r in rec["records"]}
     assert layouts["llama"] == "tp=2" and layouts["qwen3_moe"].endswith("ep=2"), layouts
 
@@ -66,3 +80,22 @@ def test_bench_model_on_one_gpu(tmp_path: Path) -> None:
         assert (r["time_us"] or 0) > 0 or r["error"], r
     dense = [r for r in graphs if r["family"] == "llama"]
     assert all(r["time_us"] for r in dense), dense
+
+
+def test_agreement_names_where_variants_part() -> None:
+    from bench.model_agree import compare
+
+    anchor = {"tokens": [[5, 6, 7], [1, 2, 3]], "margins": [[0.5, 0.4, 0.3], [2.0, 0.01, 1.0]],
+              "losses": [10.0, 8.0, 6.0]}
+    results = {"transformers": anchor,
+               "ours/auto": {"tokens": [[5, 6, 7], [1, 9, 3]], "losses": [10.0, 8.05, 6.0]},  # seq 1 parts at step 1
+               "ours/sequential": {"tokens": [[5, 6, 7], [1, 2, 3]], "losses": [10.0, 8.0, 6.3]},
+               "broken": {"error": "tokens: RuntimeError: x"}}
+    got = {a.variant: a for a in compare("llama", torch.bfloat16, results, "transformers", 2e-2)}
+    assert got["transformers"].tokens_equal and got["transformers"].max_loss_rel_diff == 0
+    auto = got["ours/auto"]
+    assert auto.tokens_equal is False and auto.first_diff == 1 and auto.margin_at_diff == 0.01
+    assert auto.losses_agree and abs(auto.max_loss_rel_diff - 0.05 / 8) < 1e-12
+    seq = got["ours/sequential"]
+    assert seq.tokens_equal and seq.losses_agree is False and abs(seq.max_loss_rel_diff - 0.05) < 1e-12
+    assert got["broken"].tokens_equal is None and got["broken"].losses_agree is None and got["broken"].error
