@@ -259,28 +259,28 @@ def _train_step(model: Any, ids: torch.Tensor) -> Callable[[], None]:
     return step
 
 
-def _static_cache(model: Any, length: int) -> tuple[Any, list[torch.Tensor]]:
-    """A ``StaticCache`` of ``length`` tokens, and its layers' write positions where it keeps them:
-    transformers 5.2x's static layers hold their own on the device (``cumulative_length``), earlier
-    ones write at ``cache_position``. A step that repeats a write resets them first."""
-    from transformers import StaticCache  # deferred: the models extra
-
-    cache = StaticCache(config=model.config, max_cache_len=length)
-    counters = [t for t in (getattr(layer, "cumulative_length", None) for layer in getattr(cache, "layers", ()))
-                if isinstance(t, torch.Tensor)]
-    return cache, counters
+def _rewind(cache: Any, position: int) -> None:
+    """Set the write position of each layer of a ``StaticCache`` that keeps its own (transformers
+    5.17 and 5.24 write at ``cumulative_length``, not at ``cache_position``) to ``position``. Looked
+    up on every call: a layer's first write replaces that tensor with one on the cache's device."""
+    for layer in getattr(cache, "layers", ()):
+        t = getattr(layer, "cumulative_length", None)
+        if isinstance(t, torch.Tensor):
+            t.fill_(position)
 
 
 def _prefill_step(model: Any, ids: torch.Tensor) -> Callable[[], None]:
-    """The prompt ``ids`` written into a static cache of its length (the same slots every call)."""
+    """The prompt ``ids`` written into a static cache with room for 16 more tokens (the same
+    slots every call)."""
+    from transformers import StaticCache  # deferred: the models extra
+
     n = ids.shape[1]
-    cache, counters = _static_cache(model, n)
+    cache = StaticCache(config=model.config, max_cache_len=n + 16)
     pos = torch.arange(n, device=ids.device)
 
     def step() -> None:
         model.eval()
-        for t in counters:
-            t.fill_(0)
+        _rewind(cache, 0)
         with torch.no_grad():
             model(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=pos)
     return step
@@ -288,16 +288,17 @@ def _prefill_step(model: Any, ids: torch.Tensor) -> Callable[[], None]:
 
 def _decode_step(model: Any, ids: torch.Tensor) -> Callable[[], None]:
     """One token per row against a static cache prefilled with ``ids`` (the same slot every call)."""
+    from transformers import StaticCache  # deferred: the models extra
+
     n = ids.shape[1]
-    cache, counters = _static_cache(model, n + 1)
+    cache = StaticCache(config=model.config, max_cache_len=n + 1)
     with torch.no_grad():
         model(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(n, device=ids.device))
     tok, pos = ids[:, -1:].clone(), torch.tensor([n], device=ids.device)
 
     def step() -> None:
         model.eval()
-        for t in counters:
-            t.fill_(n)
+        _rewind(cache, n)
         with torch.no_grad():
             model(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=pos, position_ids=pos.view(1, 1))
     return step

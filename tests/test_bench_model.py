@@ -99,3 +99,27 @@ def test_agreement_names_where_variants_part() -> None:
     seq = got["ours/sequential"]
     assert seq.tokens_equal and seq.losses_agree is False and abs(seq.max_loss_rel_diff - 0.05) < 1e-12
     assert got["broken"].tokens_equal is None and got["broken"].losses_agree is None and got["broken"].error
+
+
+def test_a_static_cache_is_rewound_through_its_current_counters() -> None:
+    """A static layer's first write on a GPU replaces its write position (``cumulative_length``)
+    with a tensor on the cache's device; a prefill or decode step repeated from a stale handle to
+    the old one wrote past the cache (a device-side assert on an H200). ``_rewind`` looks the
+    counters up each time: swapped for new tensors here, as that first write does, they are reset."""
+    from transformers import StaticCache
+
+    from bench.model_step import _rewind, small_model
+
+    model = small_model("llama", "tiny", torch.float32, torch.device("cpu"))
+    cache = StaticCache(config=model.config, max_cache_len=24)
+    ids = torch.randint(0, 512, (1, 8))
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(8))
+    layers = [layer for layer in cache.layers if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)]
+    if not layers:
+        pytest.skip("this transformers' static layers write at cache_position: nothing to rewind")
+    for layer in layers:
+        assert int(layer.cumulative_length) == 8
+        layer.cumulative_length = layer.cumulative_length.clone()  # what the first write on a GPU does
+    _rewind(cache, 3)
+    assert all(int(layer.cumulative_length) == 3 for layer in layers)
