@@ -60,6 +60,8 @@ class Record:
     busbw_GBps: float
     wrong: int | None
     chosen: str | None = None  # what "auto" ran
+    vs_native: float | None = None  # median over rounds of time / native's in the same round
+    time_us_rounds: list[float] | None = None  # the time of each round, in round order
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -329,7 +331,9 @@ def measure_side_by_side(comm: C.Communicator, op: str, algorithms: list[str], n
                          min_loop_s: float = 0.0) -> list[Record]:
     """Time each of ``algorithms`` at each size of ``nbytes`` (one or a list) in rounds: each
     round times one loop of every (size, algorithm), each round in its own order, and each record
-    holds its median, min and max over the ``reps`` rounds. What is compared then shares the
+    holds its median, min and max over the ``reps`` rounds, each round's time, and (where "native"
+    is among ``algorithms``) the median over rounds of its time over native's in the same round.
+    What is compared then shares the
     host's drift instead of each getting a different stretch of it: on the 2xH200 hosts, loops
     of small calls ran 1.3-1.5x slower for stretches of 0.1-1 s, every implementation alike, and
     a stretch now spoils a few rounds of many sizes (the medians drop them) instead of every
@@ -359,6 +363,7 @@ def measure_side_by_side(comm: C.Communicator, op: str, algorithms: list[str], n
             loops[job] = max(iters, min(10_000, int(min_loop_s / max(one, 1e-7))))
     replays = {job: _captured(cases[job].call, loops[job]) for job in jobs} if graph and device.type == "cuda" else {}
     per = _in_rounds(cases, loops, replays, comm, device, reps)
+    native = {s: per[(s, a)] for s, a in jobs if a == "native"}
     elem = torch.empty((), dtype=dtype).element_size()
     out = []
     for job in jobs:
@@ -371,7 +376,9 @@ def measure_side_by_side(comm: C.Communicator, op: str, algorithms: list[str], n
         out.append(Record(op, a, str(dtype).removeprefix("torch."), total * elem, total, w,
                           comm.backend_for(device.type) or comm.backend, str(device), graph, med * 1e6,
                           min(per[job]) * 1e6, max(per[job]) * 1e6, algbw, algbw * busbw_factor(op, w), n_wrong,
-                          chosen[job]))
+                          chosen[job],
+                          statistics.median(t / b for t, b in zip(per[job], native[job[0]], strict=True))
+                          if job[0] in native else None, [t * 1e6 for t in per[job]]))
     return out
 
 

@@ -27,7 +27,8 @@ def _label(r: Record) -> str:
 
 
 def format_table(records: Sequence[Record]) -> str:
-    """One row per (size, algorithm); ``time/native`` is time / native's time at that size and mode."""
+    """One row per (size, algorithm); ``time/native`` is the time over native's at that size and
+    mode, paired by round where they were timed in the same rounds (``Record.vs_native``)."""
     head = (f"{'size(B)':>12} {'count':>11} {'type':>8} {'algorithm':<28} {'time(us)':>10} {'min(us)':>10} "
             f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>6} {'time/native':>11}")
     lines = [head, "-" * len(head)]
@@ -38,7 +39,8 @@ def format_table(records: Sequence[Record]) -> str:
             lines.append("")
         prev = r.bytes
         base = native.get((r.op, r.bytes, r.graph)) or native.get((r.op, r.bytes, False))
-        ratio = f"{r.time_us / base:11.2f}" if base else f"{'-':>11}"
+        vs = r.vs_native if r.vs_native is not None else (r.time_us / base if base else None)
+        ratio = f"{vs:11.2f}" if vs is not None else f"{'-':>11}"
         wrong = "-" if r.wrong is None else str(r.wrong)
         lines.append(f"{r.bytes:>12} {r.count:>11} {r.dtype:>8} {_label(r):<28} {r.time_us:>10.1f} {r.time_us_min:>10.1f} "
                      f"{r.algbw_GBps:>11.3f} {r.busbw_GBps:>11.3f} {wrong:>6} {ratio}")

@@ -289,6 +289,16 @@ def test_main_job_records_its_run_in_a_new_folder_by_default(worlds, tmp_path) -
     assert [(r["bytes"], r["algorithm"]) for r in data["records"]] == [(1024, "native"), (1024, "ring"),
                                                                         (2048, "native"), (2048, "ring")]
     assert all(r["wrong"] == 0 and r["time_us_min"] <= r["time_us"] <= r["time_us_max"] for r in data["records"])
+    # each round's time, and the ratio to native paired by round (native's own: exactly 1)
+    for r in data["records"]:
+        rounds = r["time_us_rounds"]
+        assert min(rounds) == r["time_us_min"] and max(rounds) == r["time_us_max"], r
+    by = {(r["bytes"], r["algorithm"]): r for r in data["records"]}
+    for size in (1024, 2048):
+        ring, native = by[size, "ring"], by[size, "native"]
+        paired = [t / b for t, b in zip(ring["time_us_rounds"], native["time_us_rounds"], strict=True)]
+        assert len(paired) == 2 and native["vs_native"] == 1.0, (ring, native)  # -r 2: two rounds
+        assert abs(ring["vs_native"] - (paired[0] + paired[1]) / 2) < 1e-12, (ring, native)
     assert data["meta"]["world"] == 2 and data["meta"]["op"] == "all_reduce" and data["meta"]["backend"] == "gloo"
     assert (tmp_path / folder / "plot.png").read_bytes()[:4] == b"\x89PNG"
     lead, other = outs
