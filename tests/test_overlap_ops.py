@@ -176,6 +176,10 @@ def _bench_smoke(rank: int, world: int) -> list[tuple[str, str, int | None, floa
             out.append((op, r.variant, r.wrong, r.vs_sequential))
             # one round: the paired ratio is that round's ratio, i.e. the ratio of the medians
             assert r.variant in ("gemm", "collective") or r.vs_sequential_paired == pytest.approx(r.vs_sequential)
+            # and the share of the smaller term hidden is that round's, from the medians' figures
+            if r.variant not in ("gemm", "collective"):
+                small = min(r.gemm_us, r.comm_us)
+                assert r.hidden_small_pct == pytest.approx(100 * (r.sequential_us - r.time_us) / small)
     return out
 
 
