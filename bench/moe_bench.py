@@ -9,13 +9,17 @@ sends, its own included; ``*_link_GBps`` only the bytes that cross to other rank
 (``bytes_crossing``). ``hidden_pct`` is ``(sequential - pipelined) / (dispatch + combine)``;
 ``hidden_small_pct`` is ``(sequential - pipelined) / min(experts, dispatch + combine)``, the share
 of the smaller term hidden, and ``ideal_us`` ``max(experts, dispatch + combine)``, the best any
-overlap reaches.
+overlap reaches; ``hidden_small_paired_pct`` the same with all five timed in the same rounds, the
+median of the per-round shares. ``ce_link_GBps`` is the copy engines' rate for the same crossing
+bytes in the same run (the copy-engine all-gather of them), the yardstick of ``dispatch_vs_ce``
+and ``combine_vs_ce``.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -103,6 +107,18 @@ class MoERecord:
     fp8_dispatch_us: float = 0.0
     fp8_rms_err: float = 0.0
     plain_rms_err: float = 0.0
+    fp8_vs_plain_dispatch: float = 0.0  # the FP8 dispatch's time over the plain one's, paired by round
+    # the pipelined forward's share of the smaller term hidden, its five times in the same rounds
+    hidden_small_paired_pct: float = 0.0
+    # the copy engines moving bytes_crossing in the same run (CUDA, 2+ ranks of one node; else 0.0),
+    # and the dispatch's and combine's link rates as fractions of it
+    ce_link_GBps: float = 0.0
+    dispatch_vs_ce: float = 0.0
+    combine_vs_ce: float = 0.0
+    # decode: the low-latency dispatch's and combine's graph replays over NCCL's all-to-all's,
+    # the three in the same rounds, paired by round
+    ll_dispatch_vs_a2a_graph: float = 0.0
+    ll_combine_vs_a2a_graph: float = 0.0
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -150,9 +166,13 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
         es = x.element_size()
         sent_bytes = sum(handle.send_counts) * hidden * es
         crossing = (sum(handle.send_counts) - handle.send_counts[comm.rank]) * hidden * es
-        t_dispatch = _time(lambda: disp.dispatch(x, idx, w), comm, device, iters, reps)
         fp8 = disp.transport_impl.packed_rows and hidden % 128 == 0
-        t_fp8 = _time(lambda: disp.dispatch(x, idx, w, fp8=True), comm, device, iters, reps) if fp8 else 0.0
+        dispatches = {"plain": lambda: disp.dispatch(x, idx, w)}
+        if fp8:
+            dispatches["fp8"] = lambda: disp.dispatch(x, idx, w, fp8=True)
+        d_rounds: dict[str, list[float]] = {}
+        d_times = time_interleaved(dispatches, comm, device, iters, reps, rounds=d_rounds)
+        t_dispatch, t_fp8 = d_times["plain"], d_times.get("fp8", 0.0)
         t_experts = _time(lambda: mlp(recv, handle.tokens_per_expert), comm, device, iters, reps)
         t_combine = _time(lambda: disp.combine(y, handle, w), comm, device, iters, reps)
         # NCCL's all-to-all of the same rows (the host-planned handle: the same counts, and which
@@ -163,6 +183,7 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
         t_a2a = _time(lambda: dist.all_to_all_single(out, rows, plain.recv_counts, plain.send_counts,
                                                      group=comm.group), comm, device, iters, reps)
         t_seq = _time(lambda: disp.forward(x, idx, w, mlp), comm, device, iters, reps)
+        ce = _ce_rate(comm, crossing, dtype, device, iters, reps)
         # the low-latency path (where the transport offers it) is for decode-sized batches: its
         # blocks hold W x tokens rows per expert
         decode = disp.offers_low_latency and tokens <= LOW_LATENCY_MAX_TOKENS
@@ -198,7 +219,8 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
             return float((sums[0] / sums[1]).sqrt()) if sums[1] > 0 else 0.0
 
         errs = {"fp8_dispatch_us": t_fp8, "fp8_rms_err": rms_err(disp.forward(x, idx, w, mlp, fp8=True)),
-                "plain_rms_err": rms_err(disp.forward(x, idx, w, mlp))} if fp8 else {}
+                "plain_rms_err": rms_err(disp.forward(x, idx, w, mlp)),
+                "fp8_vs_plain_dispatch": paired_ratio(d_rounds, "fp8", "plain")} if fp8 else {}
         if decode:  # the low-latency path against the same reference
             rv, hl = disp32.dispatch_low_latency(x.float(), idx)
             wrong_seq += off(disp32.combine_low_latency(mlp32.forward_padded(rv), hl, w.float()))
@@ -215,7 +237,10 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
                 wrong = off(_pipeline(disp32, x.float(), idx, w.float(), mlp32, k)()) + wrong_seq
             rounds: dict[str, list[float]] = {}
             both = time_interleaved({"sequential": lambda: disp.forward(x, idx, w, mlp),
-                                     "pipelined": _pipeline(disp, x, idx, w, mlp, k)},
+                                     "pipelined": _pipeline(disp, x, idx, w, mlp, k),
+                                     "experts": lambda: mlp(recv, handle.tokens_per_expert),
+                                     "dispatch": lambda: disp.dispatch(x, idx, w),
+                                     "combine": lambda: disp.combine(y, handle, w)},
                                     comm, device, iters, reps, rounds=rounds)
             t_pipe = both["pipelined"]
             # (read before the layer's calls below set last_chunks again)
@@ -245,6 +270,9 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
                 bytes_crossing=crossing, dispatch_link_GBps=crossing / t_dispatch / 1e3,
                 combine_link_GBps=crossing / t_combine / 1e3, ideal_us=max(t_experts, comm_us),
                 hidden_small_pct=100 * (t_seq - t_pipe) / small if small else 0.0,
+                hidden_small_paired_pct=_hidden_small(rounds), ce_link_GBps=ce,
+                dispatch_vs_ce=crossing / t_dispatch / 1e3 / ce if ce else 0.0,
+                combine_vs_ce=crossing / t_combine / 1e3 / ce if ce else 0.0,
                 train_pipelined_us=train_t["pipelined"],
                 train_speedup_paired=1 / paired_ratio(train_rounds, "pipelined", "sequential"),
                 # the training step's smaller term: the forward's, twice (the backward repeats both)
@@ -311,11 +339,43 @@ def _low_latency(disp: MoEDispatcher, mlp: GroupedSwiGLU, x: torch.Tensor, idx: 
            "ll_combine_us": _time(lambda: disp.combine_low_latency(y, h, w), comm, device, iters, reps)}
     if device.type == "cuda":
         n = iters + iters % 2
-        got["ll_dispatch_graph_us"] = _time(lambda: disp.dispatch_low_latency(x, idx), comm, device, n, reps, graph=True)
-        got["ll_combine_graph_us"] = _time(lambda: disp.combine_low_latency(y, h, w), comm, device, n, reps, graph=True)
-        got["a2a_graph_us"] = _time(lambda: dist.all_to_all_single(out, rows, plain.recv_counts, plain.send_counts,
-                                                                   group=comm.group), comm, device, n, reps, graph=True)
+        rounds: dict[str, list[float]] = {}
+        t = time_interleaved({"dispatch": lambda: disp.dispatch_low_latency(x, idx),
+                              "combine": lambda: disp.combine_low_latency(y, h, w),
+                              "a2a": lambda: dist.all_to_all_single(out, rows, plain.recv_counts, plain.send_counts,
+                                                                    group=comm.group)},
+                             comm, device, n, reps, graph=True, rounds=rounds)
+        got.update(ll_dispatch_graph_us=t["dispatch"], ll_combine_graph_us=t["combine"], a2a_graph_us=t["a2a"],
+                   ll_dispatch_vs_a2a_graph=paired_ratio(rounds, "dispatch", "a2a"),
+                   ll_combine_vs_a2a_graph=paired_ratio(rounds, "combine", "a2a"))
     return got
+
+
+def _hidden_small(rounds: dict[str, list[float]]) -> float:
+    """The median over rounds of (sequential - pipelined) / min(experts, dispatch + combine), in %."""
+    return 100 * statistics.median(
+        (s - p) / min(e, d + c) if min(e, d + c) > 0 else 0.0 for s, p, e, d, c in zip(
+            rounds["sequential"], rounds["pipelined"], rounds["experts"], rounds["dispatch"], rounds["combine"],
+            strict=True))
+
+
+def _ce_rate(comm: C.Communicator, crossing: int, dtype: torch.dtype, device: torch.device, iters: int,
+             reps: int) -> float:
+    """GB/s of the copy engines moving ``crossing`` bytes to the other ranks: the copy-engine
+    all-gather of ``crossing / (world - 1)`` bytes per rank (0.0 where it cannot run)."""
+    if device.type != "cuda" or comm.size < 2 or not crossing:
+        return 0.0
+    es = torch.empty((), dtype=dtype).element_size()
+    n = max(1, crossing // (comm.size - 1) // es)
+    shard = torch.randn(n, device=device).to(dtype)
+    out = shard.new_empty(n * comm.size)
+    try:
+        C.all_gather_single(out, shard, algorithm="copy_engine", group=comm.group)
+    except C.UnsupportedError:  # not GPUs of one node, say: the same answer on every rank
+        return 0.0
+    t = _time(lambda: C.all_gather_single(out, shard, algorithm="copy_engine", group=comm.group), comm, device,
+              iters, reps)
+    return n * es * (comm.size - 1) / t / 1e3
 
 
 _TUNE_KEY = ("transport", "pieces", "dtype", "device_type", "tokens", "hidden", "ffn_hidden", "experts", "top_k")
@@ -373,14 +433,17 @@ def format_moe_table(records: list[MoERecord]) -> str:
                      f"{r.pipelined_us:9.1f} us ({r.hidden_pct:6.1f}% hidden, {r.speedup_paired:.3f}x paired) | train step {r.train_us:9.1f} us "
                      f"#wrong {r.wrong}")
         lines.append(f"{'':<14} crossing {r.bytes_crossing / 1e6:8.2f} MB: dispatch {r.dispatch_link_GBps:7.2f} GB/s, "
-                     f"combine {r.combine_link_GBps:7.2f} GB/s | ideal {r.ideal_us:9.1f} us | smaller term hidden "
-                     f"{r.hidden_small_pct:6.1f}% | train step pipelined/{r.chunks} {r.train_pipelined_us:9.1f} us "
+                     f"combine {r.combine_link_GBps:7.2f} GB/s"
+                     + (f" ({r.dispatch_vs_ce:.2f}x, {r.combine_vs_ce:.2f}x the copy engines' {r.ce_link_GBps:.1f} GB/s)"
+                        if r.ce_link_GBps else "")
+                     + f" | ideal {r.ideal_us:9.1f} us | smaller term hidden "
+                     f"{r.hidden_small_pct:6.1f}% ({r.hidden_small_paired_pct:.1f}% paired) | train step pipelined/{r.chunks} {r.train_pipelined_us:9.1f} us "
                      f"({r.train_speedup_paired:.3f}x paired, {r.train_hidden_small_pct:6.1f}% hidden)")
         lines.append(f"{'':<14} layer (router included): sequential {r.layer_sequential_us:9.1f} us | pipelined/{r.chunks} "
                      f"{r.layer_pipelined_us:9.1f} us ({r.layer_speedup_paired:.3f}x paired)")
         if r.fp8_dispatch_us:
-            lines.append(f"{'':<14} fp8 dispatch {r.fp8_dispatch_us:9.1f} us ({r.dispatch_us / r.fp8_dispatch_us:.2f}x the "
-                         f"{r.dtype} dispatch's speed) | layer error (RMS, of float32's) fp8 {r.fp8_rms_err:.2e}, "
+            lines.append(f"{'':<14} fp8 dispatch {r.fp8_dispatch_us:9.1f} us ({r.fp8_vs_plain_dispatch:.3f}x the "
+                         f"{r.dtype} dispatch's time, paired) | layer error (RMS, of float32's) fp8 {r.fp8_rms_err:.2e}, "
                          f"{r.dtype} {r.plain_rms_err:.2e}")
         if r.auto_ran:
             lines.append(f"{'':<14} auto ran: {r.auto_ran}")
@@ -390,7 +453,8 @@ def format_moe_table(records: list[MoERecord]) -> str:
         if r.ll_dispatch_us:
             lines.append(f"{'':<14} low latency: dispatch {r.ll_dispatch_us:9.1f} us (graph {r.ll_dispatch_graph_us:9.1f}) "
                          f"| combine {r.ll_combine_us:9.1f} us (graph {r.ll_combine_graph_us:9.1f}) | all_to_all graph "
-                         f"{r.a2a_graph_us:9.1f} us")
+                         f"{r.a2a_graph_us:9.1f} us (dispatch {r.ll_dispatch_vs_a2a_graph:.3f}x, combine "
+                         f"{r.ll_combine_vs_a2a_graph:.3f}x it, paired)")
     return "\n".join(lines)
 
 
