@@ -1,7 +1,10 @@
 """Timing a tensor-parallel MLP, forward and backward, with each overlap strategy of its layers.
 
 The module is ``RowParallelLinear(act(ColumnParallelLinear(x)))`` (``overlap.layers``, no bias),
-with or without sequence parallelism; every strategy runs the same weights and inputs. For each
+with or without sequence parallelism; every strategy runs the same weights and inputs. Gated
+(the default, Llama's MLP): the column layer is ``2 * ffn`` wide, and each rank's shard of it is
+halved into the gate and the up projection, ``silu(gate) * up``; else ``silu`` of an ``ffn``-wide
+layer. For each
 token count the same run times one forward + backward per strategy (every strategy in the same
 rounds, ``bench.harness.time_interleaved``) and compares its output and gradients (input and
 both weights) with those of ``strategy="sequential"``: ``max_rel_err`` is the largest difference
@@ -20,7 +23,7 @@ import torch.nn.functional as F
 import collectives as C
 from overlap.layers import ColumnParallelLinear, RowParallelLinear
 
-from .harness import _slowest
+from .harness import _slowest, paired_ratio
 from .harness import time_interleaved as _time_interleaved
 
 __all__ = ["MLPRecord", "measure_mlp", "format_mlp_table", "plot_mlp"]
@@ -40,6 +43,8 @@ class MLPRecord:
     sequential_us: float
     speedup: float        # sequential / time
     max_rel_err: float    # against the sequential strategy's output and gradients
+    gated: bool = True    # the SwiGLU MLP
+    speedup_paired: float | None = None  # the median over rounds of sequential / time in the same round
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -47,20 +52,25 @@ class MLPRecord:
 
 class _MLP(torch.nn.Module):
     def __init__(self, hidden: int, ffn: int, sp: bool, strategy: str, chunks: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, gated: bool) -> None:
         super().__init__()
-        self.fc1 = ColumnParallelLinear(hidden, ffn, bias=False, sequence_parallel=sp, strategy=strategy, chunks=chunks,
-                                        dtype=dtype, device=device)
+        self.gated = gated
+        self.fc1 = ColumnParallelLinear(hidden, 2 * ffn if gated else ffn, bias=False, sequence_parallel=sp,
+                                        strategy=strategy, chunks=chunks, dtype=dtype, device=device)
         self.fc2 = RowParallelLinear(ffn, hidden, bias=False, sequence_parallel=sp, strategy=strategy, chunks=chunks,
                                      dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.silu(self.fc1(x)))
+        h = self.fc1(x)
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            return self.fc2(F.silu(gate) * up)
+        return self.fc2(F.silu(h))
 
 
 def measure_mlp(comm: C.Communicator, tokens: int, hidden: int, ffn: int, dtype: torch.dtype, device: torch.device, *,
                 sequence_parallel: bool = True, variants: tuple[str, ...] = ("sequential", "chunked/4", "auto"),
-                iters: int = 5, reps: int = 5, seed: int = 0) -> list[MLPRecord]:
+                iters: int = 5, reps: int = 5, seed: int = 0, gated: bool = True) -> list[MLPRecord]:
     """One record per variant ("strategy" or "strategy/chunks") at one token count (tokens of
     the whole sequence; each rank holds ``tokens / world`` of them under sequence parallelism)."""
     w, r = comm.size, comm.rank
@@ -70,7 +80,7 @@ def measure_mlp(comm: C.Communicator, tokens: int, hidden: int, ffn: int, dtype:
     mods: dict[str, _MLP] = {}
     for v in variants:
         strategy, _, chunks = v.partition("/")
-        mods[v] = _MLP(hidden, ffn, sequence_parallel, strategy, int(chunks or 1), dtype, device)
+        mods[v] = _MLP(hidden, ffn, sequence_parallel, strategy, int(chunks or 1), dtype, device, gated)
     first = mods[variants[0]]
     with torch.no_grad():
         for p in first.parameters():
@@ -97,18 +107,22 @@ def measure_mlp(comm: C.Communicator, tokens: int, hidden: int, ffn: int, dtype:
         e = max(float((a.detach().float() - b.detach().float()).abs().max())
                 / max(float(b.detach().float().abs().max()), 1e-30) for a, b in zip(got, ref))
         errs[v] = _slowest(comm, [e], device)[0]
-    times = _time_interleaved({v: functools.partial(step, m) for v, m in mods.items()}, comm, device, iters, reps)
-    seq = times.get("sequential", times[variants[0]])
+    rounds: dict[str, list[float]] = {}
+    times = _time_interleaved({v: functools.partial(step, m) for v, m in mods.items()}, comm, device, iters, reps,
+                              rounds=rounds)
+    base = "sequential" if "sequential" in times else variants[0]
+    seq = times[base]
     name = str(dtype).removeprefix("torch.")
     return [MLPRecord(tokens, hidden, ffn, sequence_parallel, w, name, str(device), v, times[v], seq, seq / times[v],
-                      errs[v]) for v in variants]
+                      errs[v], gated, 1 / paired_ratio(rounds, v, base)) for v in variants]
 
 
 def format_mlp_table(records: list[MLPRecord]) -> str:
     lines = []
     for r in records:
         lines.append(f"tokens {r.tokens:>6} h {r.hidden} ffn {r.ffn_hidden} sp={int(r.sequence_parallel)} "
-                     f"{r.strategy:<14} {r.time_us:10.1f} us  {r.speedup:5.2f}x vs sequential  "
+                     f"{'gated ' if r.gated else ''}{r.strategy:<14} {r.time_us:10.1f} us  {r.speedup:5.2f}x vs sequential"
+                     + (f" ({r.speedup_paired:.3f}x paired)" if r.speedup_paired is not None else "") + "  "
                      f"max rel err {r.max_rel_err:.2e}")
     return "\n".join(lines)
 
@@ -130,12 +144,12 @@ def plot_mlp(records: list[MLPRecord], path: str, title: str = "") -> None:
             hit: Any = [r for r in records if r.tokens == t and r.strategy == name]
             if hit:
                 xs.append(j + i * width)
-                ys.append(hit[0].speedup)
+                ys.append(hit[0].speedup_paired or hit[0].speedup)
         ax.bar(xs, ys, width, label=name)
     ax.axhline(1.0, color="k", lw=0.8, ls="--")
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tokens))], [str(t) for t in tokens])
     ax.set_xlabel("tokens")
-    ax.set_ylabel("speed-up over sequential (fwd + bwd)")
+    ax.set_ylabel("speed-up over sequential (fwd + bwd, paired)")
     ax.legend(fontsize=8)
     ax.set_title(title)
     fig.tight_layout()

@@ -29,6 +29,7 @@ def main() -> int:
     p.add_argument("--variants", default="sequential,chunked/2,chunked/4,auto",
                    help="strategy or strategy/chunks, comma-separated (copy_engine/4 on the GPUs of one node)")
     p.add_argument("--no-sp", action="store_true", help="without sequence parallelism")
+    p.add_argument("--ungated", action="store_true", help="silu(fc1(x)) instead of Llama's silu(gate) * up")
     p.add_argument("-d", "--dtype", default=None, choices=sorted(DTYPES), help="default bf16 on GPUs, float on CPUs")
     p.add_argument("-n", "--iters", type=int, default=5)
     p.add_argument("-r", "--reps", type=int, default=5)
@@ -44,6 +45,7 @@ def main() -> int:
     records = []
     for t in tokens:
         rs = measure_mlp(comm, t, hidden, ffn, dtype, device, sequence_parallel=not args.no_sp, variants=variants,
+                         gated=not args.ungated,
                          iters=args.iters, reps=args.reps)
         records += rs
         if comm.rank == 0:

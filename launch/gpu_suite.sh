@@ -38,8 +38,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 N=${NPROC:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
 R="python3 -m torch.distributed.run --standalone --nproc-per-node $N"
-# the tensor-parallel MLP's GEMMs (Llama-3-8B-like, TP=2): all-gather + GEMM and GEMM + reduce-scatter
-MLP_AG="2048x4096x7168,4096x4096x7168,8192x4096x7168,16384x4096x7168"
+# the tensor-parallel MLP's GEMMs (Llama-3-8B-like, TP=2; bench_tp_mlp's gated MLP: gate and up in
+# one column layer): all-gather + GEMM and GEMM + reduce-scatter
+MLP_AG="2048x4096x14336,4096x4096x14336,8192x4096x14336,16384x4096x14336"
 MLP_RS="2048x7168x4096,4096x7168x4096,8192x7168x4096,16384x7168x4096"
 TUNED="$OUT/overlap_tuned.json"
 MOE_TUNED="$OUT/moe_tuned.json"  # forward_pipelined(chunks="auto")'s table, from the moe and moe_pipeline steps
@@ -97,13 +98,16 @@ for step in $STEPS; do
         --config top2-h4096-f512:16384:4096:512:$((16 * N)):2 --config top1-h4096-f1024:16384:4096:1024:$((8 * N)):1 \
         --json "$OUT/moe_pipeline.json" --csv "$OUT/moe_pipeline.csv" --plot "$OUT/moe_pipeline.png" \
         --tune "$MOE_TUNED" ;;
-    moe_auto)  # chunks="auto" following the table the two steps above wrote, paired with the sequential forward
+    moe_auto)  # chunks="auto" following the table the two steps above wrote, paired with the sequential forward:
+      # the moe step's configurations over both transports, then the pipeline step's over peer
+      COMMOPS_OVERLAP_TUNED=$MOE_TUNED run moe_auto_builtin 300 $R launch/bench_moe.py --pieces 1 --chunks auto -n 10 -r 5 \
+        --json "$OUT/moe_auto_builtin.json" --csv "$OUT/moe_auto_builtin.csv" --plot "$OUT/moe_auto_builtin.png"
       COMMOPS_OVERLAP_TUNED=$MOE_TUNED run moe_auto 300 $R launch/bench_moe.py --transport peer --chunks auto \
         --pipeline-transfers copy_engine -n 10 -r 5 --config qwen3-30b-prefill:8192:2048:768:$((16 * N)):8 \
         --config top2-h4096-f512:16384:4096:512:$((16 * N)):2 --config top1-h4096-f1024:16384:4096:1024:$((8 * N)):1 \
         --json "$OUT/moe_auto.json" --csv "$OUT/moe_auto.csv" --plot "$OUT/moe_auto.png" ;;
     peer_bench) run peer_bench 300 $R launch/bench_collectives.py --op all_reduce,reduce_scatter,all_gather -d bf16 \
-        -b 8 -e 1G -f 4 -a native,one_shot,two_shot,copy_engine,auto,symm_mem_two_shot -G both -n 20 -r 5 -w 5 \
+        -b 8 -e 1G -f 4 -a native,one_shot,two_shot,copy_engine,auto,symm_mem_one_shot,symm_mem_two_shot -G both -n 20 -r 5 -w 5 \
         --json "$OUT/peer.json" --plot-vs-native "$OUT/peer.png" --out none ;;
     tune_peer) run tune_peer 200 $R launch/tune_peer.py -b 8 -e 256K -f 8 --json "$OUT/tune_peer.json" ;;
     topology) run topology 60 $R -m topology --json "$OUT/topology.json" ;;

@@ -103,16 +103,19 @@ def _mlp_bench(rank: int, world: int) -> list[tuple[str, bool, float, float]]:
     from bench.tp_mlp import measure_mlp
 
     out = []
-    for sp in (True, False):
+    for sp, gated in ((True, True), (False, True), (True, False)):
         for r in measure_mlp(C.get_communicator(), 4 * world, 8, 12, torch.float64, torch.device("cpu"),
-                             sequence_parallel=sp, variants=("sequential", "chunked/2", "auto"), iters=1, reps=1):
+                             sequence_parallel=sp, variants=("sequential", "chunked/2", "auto"), iters=1, reps=1,
+                             gated=gated):
+            assert r.gated == gated and abs(r.speedup_paired - r.speedup) < 1e-9 * r.speedup  # one round: the same
             out.append((r.strategy, r.sequence_parallel, r.max_rel_err, r.speedup))
     return out
 
 
 def test_tp_mlp_benchmark_smoke(worlds) -> None:  # noqa: ANN001
     rows = worlds(2).run(_mlp_bench)[0]
-    assert [(s, sp) for s, sp, _, _ in rows] == [(s, sp) for sp in (True, False) for s in ("sequential", "chunked/2", "auto")]
+    assert [(s, sp) for s, sp, _, _ in rows] == [(s, sp) for sp in (True, False, True)
+                                                 for s in ("sequential", "chunked/2", "auto")]
     # float64: the strategies agree with the sequence to rounding (the layers themselves are
     # checked against the unsharded module above)
     assert all(err < 1e-12 for _, _, err, _ in rows), rows
