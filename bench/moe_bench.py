@@ -101,6 +101,10 @@ class MoERecord:
     train_pipelined_us: float = 0.0
     train_speedup_paired: float = 0.0
     train_hidden_small_pct: float = 0.0
+    # the same share measured: the experts' forward + backward alone and the exchange's (dispatch,
+    # then combine of the rows as they came, forward + backward) alone, timed in the training
+    # steps' rounds; the median of the per-round shares, in %
+    train_hidden_small_paired_pct: float = 0.0
     # the FP8 dispatch (dispatch(fp8=True), where the transport takes it: "nccl", "peer"; hidden % 128 == 0):
     # its time, and the layer's error with it and without it, each the RMS of (out - ref) over
     # the RMS of ref, ref the float32 forward (0.0 where not run)
@@ -195,6 +199,16 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
     def train(k: int | str = 1) -> None:
         _pipeline(disp, xg, idx, wg, mlp, k)().backward(gout)
 
+    recv_g = recv.detach().clone().requires_grad_()
+    gy = torch.randn(y.shape, generator=g, device=device).to(dtype)
+
+    def experts_train() -> None:
+        mlp(recv_g, handle.tokens_per_expert).backward(gy)
+
+    def exchange_train() -> None:
+        rows, h = disp.dispatch(xg, idx, wg)
+        disp.combine(rows, h, wg).backward(gout)
+
     t_train = _time(train, comm, device, iters, reps)
     with torch.no_grad():
         # The check runs in float32 (a copy of the experts): chunking changes the experts' GEMM
@@ -255,7 +269,8 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
             small = min(t_experts, comm_us)
             with torch.enable_grad():
                 train_rounds: dict[str, list[float]] = {}
-                train_t = time_interleaved({"sequential": train, "pipelined": functools.partial(train, k)},
+                train_t = time_interleaved({"sequential": train, "pipelined": functools.partial(train, k),
+                                            "experts": experts_train, "exchange": exchange_train},
                                            comm, device, iters, reps, rounds=train_rounds)
             how = disp.last_pipeline[0] if disp.last_pipeline else transport  # the transport's record, if it keeps one
             records.append(MoERecord(
@@ -277,7 +292,10 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
                 train_speedup_paired=1 / paired_ratio(train_rounds, "pipelined", "sequential"),
                 # the training step's smaller term: the forward's, twice (the backward repeats both)
                 train_hidden_small_pct=100 * (train_t["sequential"] - train_t["pipelined"]) / (2 * small)
-                if small else 0.0, **errs))
+                if small else 0.0, train_hidden_small_paired_pct=100 * statistics.median(
+                    (sq - pp) / min(e, x) if min(e, x) > 0 else 0.0 for sq, pp, e, x in zip(
+                        train_rounds["sequential"], train_rounds["pipelined"], train_rounds["experts"],
+                        train_rounds["exchange"], strict=True)), **errs))
     disp.close()
     disp32.close()
     return records
@@ -438,7 +456,8 @@ def format_moe_table(records: list[MoERecord]) -> str:
                         if r.ce_link_GBps else "")
                      + f" | ideal {r.ideal_us:9.1f} us | smaller term hidden "
                      f"{r.hidden_small_pct:6.1f}% ({r.hidden_small_paired_pct:.1f}% paired) | train step pipelined/{r.chunks} {r.train_pipelined_us:9.1f} us "
-                     f"({r.train_speedup_paired:.3f}x paired, {r.train_hidden_small_pct:6.1f}% hidden)")
+                     f"({r.train_speedup_paired:.3f}x paired, {r.train_hidden_small_pct:6.1f}% hidden of twice the "
+                     f"forward's smaller term, {r.train_hidden_small_paired_pct:.1f}% of the backward's own, paired)")
         lines.append(f"{'':<14} layer (router included): sequential {r.layer_sequential_us:9.1f} us | pipelined/{r.chunks} "
                      f"{r.layer_pipelined_us:9.1f} us ({r.layer_speedup_paired:.3f}x paired)")
         if r.fp8_dispatch_us:

@@ -356,6 +356,7 @@ def _moe_bench_smoke(rank: int, world: int) -> list[tuple[int, int, float]]:
         assert abs(r.dispatch_link_GBps * r.dispatch_us * 1e3 - r.bytes_crossing) <= 1e-6 * r.bytes_sent
         # the terms timed in the pipeline's rounds give a share too; no copy engines on CPUs
         assert math.isfinite(r.hidden_small_paired_pct) and r.ce_link_GBps == r.dispatch_vs_ce == 0.0
+        assert math.isfinite(r.train_hidden_small_paired_pct)
     recs += measure_config(C.get_communicator(), "tiny", 6 + rank, 8, 12, 2 * world, 2, torch.float32,
                            torch.device("cpu"), chunk_counts=(2,), iters=1, reps=1, routing="device")
     assert all(r.layer_sequential_us > 0 and r.layer_pipelined_us > 0 and r.layer_speedup_paired > 0 for r in recs)
