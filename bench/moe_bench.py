@@ -457,7 +457,7 @@ def format_moe_table(records: list[MoERecord]) -> str:
                      + f" | ideal {r.ideal_us:9.1f} us | smaller term hidden "
                      f"{r.hidden_small_pct:6.1f}% ({r.hidden_small_paired_pct:.1f}% paired) | train step pipelined/{r.chunks} {r.train_pipelined_us:9.1f} us "
                      f"({r.train_speedup_paired:.3f}x paired, {r.train_hidden_small_pct:6.1f}% hidden of twice the "
-                     f"forward's smaller term, {r.train_hidden_small_paired_pct:.1f}% of the backward's own, paired)")
+                     f"forward's smaller term, {r.train_hidden_small_paired_pct:.1f}% of the step's own smaller term, paired)")
         lines.append(f"{'':<14} layer (router included): sequential {r.layer_sequential_us:9.1f} us | pipelined/{r.chunks} "
                      f"{r.layer_pipelined_us:9.1f} us ({r.layer_speedup_paired:.3f}x paired)")
         if r.fp8_dispatch_us:
