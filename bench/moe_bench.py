@@ -292,10 +292,7 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
                 train_speedup_paired=1 / paired_ratio(train_rounds, "pipelined", "sequential"),
                 # the training step's smaller term: the forward's, twice (the backward repeats both)
                 train_hidden_small_pct=100 * (train_t["sequential"] - train_t["pipelined"]) / (2 * small)
-                if small else 0.0, train_hidden_small_paired_pct=100 * statistics.median(
-                    (sq - pp) / min(e, x) if min(e, x) > 0 else 0.0 for sq, pp, e, x in zip(
-                        train_rounds["sequential"], train_rounds["pipelined"], train_rounds["experts"],
-                        train_rounds["exchange"], strict=True)), **errs))
+                if small else 0.0, train_hidden_small_paired_pct=_hidden_small(train_rounds, ("exchange",)), **errs))
     disp.close()
     disp32.close()
     return records
@@ -369,12 +366,14 @@ def _low_latency(disp: MoEDispatcher, mlp: GroupedSwiGLU, x: torch.Tensor, idx: 
     return got
 
 
-def _hidden_small(rounds: dict[str, list[float]]) -> float:
-    """The median over rounds of (sequential - pipelined) / min(experts, dispatch + combine), in %."""
-    return 100 * statistics.median(
-        (s - p) / min(e, d + c) if min(e, d + c) > 0 else 0.0 for s, p, e, d, c in zip(
-            rounds["sequential"], rounds["pipelined"], rounds["experts"], rounds["dispatch"], rounds["combine"],
-            strict=True))
+def _hidden_small(rounds: dict[str, list[float]], exchange: tuple[str, ...] = ("dispatch", "combine")) -> float:
+    """The median over rounds of (sequential - pipelined) / min(experts, the ``exchange`` terms'
+    sum), each round's own times, in %."""
+    shares = []
+    for i, (s, p, e) in enumerate(zip(rounds["sequential"], rounds["pipelined"], rounds["experts"], strict=True)):
+        small = min(e, sum(rounds[t][i] for t in exchange))
+        shares.append((s - p) / small if small > 0 else 0.0)
+    return 100 * statistics.median(shares)
 
 
 def _ce_rate(comm: C.Communicator, crossing: int, dtype: torch.dtype, device: torch.device, iters: int,
