@@ -92,8 +92,10 @@ def _config_sizes(family: str, p: dict[str, int]) -> dict[str, Any]:
     return sizes
 
 
-def small_model(family: str, preset: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> Any:
-    """A ``family`` model of ``PRESETS[preset]`` sizes from random weights, the same on every rank."""
+def small_model(family: str, preset: str, dtype: torch.dtype, device: torch.device, seed: int = 0,
+                positions: int = 4096) -> Any:
+    """A ``family`` model of ``PRESETS[preset]`` sizes from random weights, the same on every rank,
+    for sequences of up to ``positions`` tokens."""
     import transformers  # deferred: the models extra
 
     if family not in _CLASSES:
@@ -102,7 +104,7 @@ def small_model(family: str, preset: str, dtype: torch.dtype, device: torch.devi
     if preset not in PRESETS:
         raise C.InvalidArgumentError("preset", preset, "is not a preset", f"use one of {sorted(PRESETS)}")
     config_name, model_name = _CLASSES[family]
-    cfg = getattr(transformers, config_name)(max_position_embeddings=4096, tie_word_embeddings=False,
+    cfg = getattr(transformers, config_name)(max_position_embeddings=positions, tie_word_embeddings=False,
                                              **_config_sizes(family, PRESETS[preset]))
     torch.manual_seed(seed)
     return getattr(transformers, model_name)(cfg).to(dtype=dtype, device=device)
@@ -281,8 +283,8 @@ def _prefill_step(model: Any, ids: torch.Tensor) -> Callable[[], None]:
     def step() -> None:
         model.eval()
         _rewind(cache, 0)
-        with torch.no_grad():
-            model(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=pos)
+        with torch.no_grad():  # the next token's logits alone, as generation asks for
+            model(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=pos, logits_to_keep=1)
     return step
 
 
@@ -293,7 +295,8 @@ def _decode_step(model: Any, ids: torch.Tensor) -> Callable[[], None]:
     n = ids.shape[1]
     cache = StaticCache(config=model.config, max_cache_len=n + 1)
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(n, device=ids.device))
+        model(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(n, device=ids.device),
+              logits_to_keep=1)
     tok, pos = ids[:, -1:].clone(), torch.tensor([n], device=ids.device)
 
     def step() -> None:
@@ -347,7 +350,8 @@ def measure_model(family: str, comm: C.Communicator, device: torch.device, dtype
     check = _check(family, variants, check_preset or preset, comm, device)
     progress(f"{family}: checked " + ", ".join(f"{v}: {c if isinstance(c, str) else c[0]} wrong"
                                                 for v, c in check.items()))
-    base = small_model(family, preset, dtype, device)
+    longest = max([seq, decode_seq + 1, *prefill_seqs])
+    base = small_model(family, preset, dtype, device, positions=max(4096, longest + 16))
     path = save_checkpoint(base, comm)
     del base
     gen = torch.Generator().manual_seed(2)
@@ -374,8 +378,9 @@ def measure_model(family: str, comm: C.Communicator, device: torch.device, dtype
     records = []
     for step, data in plan:
         for graph in ((False, True) if graphs and device.type == "cuda" and step != "prefill" else (False,)):
-            fns = {v: steps[step](m, data) for v, m in models.items()}
+            fns, unbuilt = _built(steps[step], models, data, comm, device)
             times, rounds, failed = _time(fns, comm, device, graph, iters, reps)
+            failed.update(unbuilt)
             if profile and not graph:
                 _profile(fns, failed, profile, f"{family}-{step}-b{data.shape[0]}-s{data.shape[1]}", comm, device)
             tokens = data.numel() if step != "decode" else data.shape[0]
@@ -399,6 +404,23 @@ def measure_model(family: str, comm: C.Communicator, device: torch.device, dtype
     return records, agree
 
 
+def _built(make: Callable[[Any, torch.Tensor], Callable[[], None]], models: dict[str, Any], data: torch.Tensor,
+           comm: C.Communicator, device: torch.device) -> tuple[dict[str, Callable[[], None]], dict[str, str]]:
+    """Each variant's step function (building a decode step runs its prompt's prefill), and why
+    those that could not be built were not (on any rank: all go on with the same variants)."""
+    fns: dict[str, Callable[[], None]] = {}
+    why: dict[str, str] = {}
+    for v, m in models.items():
+        try:
+            fns[v] = make(m, data)
+        except Exception as e:  # reported in its records
+            why[v] = f"{type(e).__name__}: {e}"[:300]
+        if not _agreed(comm, v not in why, device):
+            why.setdefault(v, "failed on another rank")
+            fns.pop(v, None)
+    return fns, why
+
+
 def _agreement(family: str, models: dict[str, Any], errors: dict[str, str], comm: C.Communicator,
                device: torch.device, dtype: torch.dtype, vocab: int, decode_seq: int, ids: torch.Tensor, n_tokens: int,
                train_steps: int, lr: float, loss_rtol: float | None) -> list[AgreeRecord]:
@@ -413,17 +435,23 @@ def _agreement(family: str, models: dict[str, Any], errors: dict[str, str], comm
             continue
         for v, m in models.items():
             got = results.setdefault(v, {})
+            failed = ""
             try:
                 if what == "tokens":
                     got["tokens"], got["margins"] = greedy_tokens(m, prompt, n_tokens)
                 else:
                     got["losses"] = loss_curve(m, ids, train_steps, lr)
             except Exception as e:  # a variant that cannot run it is reported with why
-                got["error"] = f"{what}: {type(e).__name__}: {e}"[:300]
-            if not _agreed(comm, what not in str(got.get("error", "")), device):
+                failed = f"{what}: {type(e).__name__}: {e}"[:300]
+            if not _agreed(comm, not failed, device):
                 got.pop(what, None)
-                got.setdefault("error", f"{what}: failed on another rank")
-    anchor = "transformers" if "transformers" in results else "ours/sequential"
+                failed = failed or f"{what}: failed on another rank"
+            if failed:
+                got["error"] = "; ".join(filter(None, (got.get("error"), failed)))
+    # the first variant with something to compare with: transformers, else ours/sequential
+    anchor = next((v for v in ("transformers", "ours/sequential", "ours/auto")
+                   if results.get(v, {}).get("tokens") is not None or results.get(v, {}).get("losses") is not None),
+                  "transformers")
     half = dtype in (torch.bfloat16, torch.float16)
     return compare(family, dtype, results, anchor, loss_rtol if loss_rtol is not None else (2e-2 if half else 1e-4))
 

@@ -31,7 +31,7 @@ import collectives as C
 from overlap.layers import MoELayer
 from overlap.moe import MOE_TUNE_MIN_SPEEDUP, GroupedSwiGLU, MoEDispatcher, PeerTransport
 
-from .harness import _align, paired_ratio, time_interleaved
+from .harness import _align, _slowest, paired_ratio, time_interleaved
 from .harness import time_fn as _time
 
 __all__ = ["MoERecord", "measure_config", "format_moe_table", "plot_moe", "tuned_moe_table", "micro_batches_of"]
@@ -279,9 +279,9 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
                 sent_bytes / t_combine / 1e3, t_a2a, sent_bytes / t_a2a / 1e3, t_experts, t_seq, t_pipe, k,
                 100 * (t_seq - t_pipe) / comm_us if comm_us else 0.0, wrong, pieces, transport, t_train, **low,
                 routing="device" if where else "host", pipeline=how,
-                speedup_paired=1 / paired_ratio(rounds, "pipelined", "sequential"), timeline=timeline,
+                speedup_paired=paired_ratio(rounds, "sequential", "pipelined"), timeline=timeline,
                 auto_ran=auto_ran, layer_sequential_us=layer_t["sequential"], layer_pipelined_us=layer_t["pipelined"],
-                layer_speedup_paired=1 / paired_ratio(layer_rounds, "pipelined", "sequential"),
+                layer_speedup_paired=paired_ratio(layer_rounds, "sequential", "pipelined"),
                 bytes_crossing=crossing, dispatch_link_GBps=crossing / t_dispatch / 1e3,
                 combine_link_GBps=crossing / t_combine / 1e3, ideal_us=max(t_experts, comm_us),
                 hidden_small_pct=100 * (t_seq - t_pipe) / small if small else 0.0,
@@ -289,7 +289,7 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
                 dispatch_vs_ce=crossing / t_dispatch / 1e3 / ce if ce else 0.0,
                 combine_vs_ce=crossing / t_combine / 1e3 / ce if ce else 0.0,
                 train_pipelined_us=train_t["pipelined"],
-                train_speedup_paired=1 / paired_ratio(train_rounds, "pipelined", "sequential"),
+                train_speedup_paired=paired_ratio(train_rounds, "sequential", "pipelined"),
                 # the training step's smaller term: the forward's, twice (the backward repeats both)
                 train_hidden_small_pct=100 * (train_t["sequential"] - train_t["pipelined"]) / (2 * small)
                 if small else 0.0, train_hidden_small_paired_pct=_hidden_small(train_rounds, ("exchange",)), **errs))
@@ -378,9 +378,13 @@ def _hidden_small(rounds: dict[str, list[float]], exchange: tuple[str, ...] = ("
 
 def _ce_rate(comm: C.Communicator, crossing: int, dtype: torch.dtype, device: torch.device, iters: int,
              reps: int) -> float:
-    """GB/s of the copy engines moving ``crossing`` bytes to the other ranks: the copy-engine
-    all-gather of ``crossing / (world - 1)`` bytes per rank (0.0 where it cannot run)."""
-    if device.type != "cuda" or comm.size < 2 or not crossing:
+    """GB/s of the copy engines moving a rank's crossing bytes to the other ranks: the copy-engine
+    all-gather of ``crossing / (world - 1)`` bytes per rank, the largest ``crossing`` of any rank
+    (an all-gather's shards are alike; 0.0 where it cannot run)."""
+    if device.type != "cuda" or comm.size < 2:
+        return 0.0
+    crossing = int(_slowest(comm, [float(crossing)], device)[0])  # routing differs by rank
+    if not crossing:
         return 0.0
     es = torch.empty((), dtype=dtype).element_size()
     n = max(1, crossing // (comm.size - 1) // es)

@@ -114,7 +114,7 @@ def measure_mlp(comm: C.Communicator, tokens: int, hidden: int, ffn: int, dtype:
     seq = times[base]
     name = str(dtype).removeprefix("torch.")
     return [MLPRecord(tokens, hidden, ffn, sequence_parallel, w, name, str(device), v, times[v], seq, seq / times[v],
-                      errs[v], gated, 1 / paired_ratio(rounds, v, base)) for v in variants]
+                      errs[v], gated, paired_ratio(rounds, base, v)) for v in variants]
 
 
 def format_mlp_table(records: list[MLPRecord]) -> str:

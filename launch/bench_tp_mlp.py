@@ -1,9 +1,11 @@
 """Benchmark a tensor-parallel MLP forward + backward per overlap strategy:
 ``torchrun --nproc-per-node N launch/bench_tp_mlp.py``.
 
-``ColumnParallelLinear`` -> SiLU -> ``RowParallelLinear`` (``overlap.layers``), Llama-like sizes
-by default, at several token counts, with sequence parallelism unless ``--no-sp``. Prints each
-strategy's time, its speed-up over ``strategy="sequential"`` and the largest relative difference
+Llama's gated MLP, ``RowParallelLinear(silu(gate) * up)`` with gate and up from one
+``ColumnParallelLinear`` (``overlap.layers``; ``--ungated``: ``silu`` of one projection),
+Llama-3-8B sizes by default, at several token counts, with sequence parallelism unless
+``--no-sp``. Prints each strategy's time, its speed-up over ``strategy="sequential"`` (also paired
+by round) and the largest relative difference
 of its output and gradients from the sequential ones. JSON and a plot on request.
 """
 

@@ -5,7 +5,7 @@ with ranks that may share them (run by ``tests/test_gpu_compile.py``):
 Where ranks share a GPU (more ranks than GPUs) the group's own traffic is Gloo's
 (``tests._checks.shared_gpu_ranks``) and every exchange below goes through peer memory, which maps
 a buffer of the same GPU as it maps a peer GPU's. Families (float32 against float64 references
-built from every rank's data, and compiled against eager):
+built from every rank's data; the operators compiled also against eager, bit for bit):
 
 - ``peer/overlap``: ``gemm_all_reduce``, ``gemm_reduce_scatter`` and ``all_gather_gemm`` with
   ``strategy="copy_engine"`` (1 and 3 chunks), compiled with ``fullgraph=True`` (Inductor, one

@@ -1,6 +1,7 @@
 """On GPUs: the peer-memory collectives (``collectives/peer``), checked by
-``tests/gpu_peer_check.py`` under torchrun, once at 2 and once at 3 ranks, sharing GPUs where
-the machine has fewer (one GPU is enough; the comparison with NCCL is then one with Gloo). One
+``tests/gpu_peer_check.py`` under torchrun, at 2 and 3 ranks (and at every GPU of a larger
+node), sharing GPUs where the machine has fewer (one GPU is enough; the comparison with NCCL is
+then one with Gloo). One
 case per world size and family of its checks (``gpu_peer_check.families()``). Marker ``gpu``."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ TIMEOUT_S = 900
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(TIMEOUT_S + 60)]  # the script's own limit reports first
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}ranks")
+@pytest.fixture(scope="module", params=sorted({2, 3, torch.cuda.device_count()} - {0, 1}), ids=lambda n: f"{n}ranks")
 def peer_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ScriptRun:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")

@@ -290,40 +290,42 @@ def _layer_case(rank: int, world: int, tokens: list[int], capacity: float | None
     layer, router, full = layer.to(device), router.to(device), full.to(device)
     lo = rank * (E // world)
 
-    data = token_data(tokens, H, 77, device)
-    x, G = data(rank)
-    _, xs = run_layer(layer, x.to(dtype), G.to(dtype), backend)
+    try:
+        data = token_data(tokens, H, 77, device)
+        x, G = data(rank)
+        _, xs = run_layer(layer, x.to(dtype), G.to(dtype), backend)
 
-    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
-        return (F.silu(rows @ full.w1[e]) * (rows @ full.w3[e])) @ full.w2[e]
+        def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+            return (F.silu(rows @ full.w1[e]) * (rows @ full.w3[e])) @ full.w2[e]
 
-    # The reference over every rank's tokens (the experts' gradients sum over them); this rank's
-    # part also gives the input's and the router's gradients.
-    loss = torch.zeros((), dtype=torch.float64, device=device)
-    mine = None
-    for q in range(world):
-        xq, Gq = data(q)
-        xq = xq.clone().requires_grad_()
-        probs = torch.softmax(router(xq), dim=-1)
-        w, idx = probs.topk(k, dim=-1)
-        w = w / w.sum(-1, keepdim=True)
-        if capacity is not None:
-            w = w * _kept_mask(idx, E, math.ceil(capacity * tokens[q] * k / E))
-        out = reference_moe(xq, idx, w, expert)
-        if q == rank:
-            mine = (xq, router.weight.grad)
-            rloss = (out * Gq).sum()
-        loss = loss + (out * Gq).sum()
-    assert mine is not None
-    rgrad = torch.autograd.grad(rloss, [router.weight, mine[0]], retain_graph=True, allow_unused=True) \
-        if tokens[rank] else (None, None)
-    loss.backward()
-    errs = [(xs.grad - rgrad[1]).abs().max().item() if tokens[rank] else 0.0]
-    if tokens[rank]:
-        errs.append((layer.router.weight.grad - rgrad[0]).abs().max().item())
-    for name in ("w1", "w2", "w3"):
-        errs.append((getattr(layer.experts, name).grad - getattr(full, name).grad[lo:lo + E // world]).abs().max().item())
-    layer.close()
+        # The reference over every rank's tokens (the experts' gradients sum over them); this rank's
+        # part also gives the input's and the router's gradients.
+        loss = torch.zeros((), dtype=torch.float64, device=device)
+        mine = None
+        for q in range(world):
+            xq, Gq = data(q)
+            xq = xq.clone().requires_grad_()
+            probs = torch.softmax(router(xq), dim=-1)
+            w, idx = probs.topk(k, dim=-1)
+            w = w / w.sum(-1, keepdim=True)
+            if capacity is not None:
+                w = w * _kept_mask(idx, E, math.ceil(capacity * tokens[q] * k / E))
+            out = reference_moe(xq, idx, w, expert)
+            if q == rank:
+                mine = (xq, router.weight.grad)
+                rloss = (out * Gq).sum()
+            loss = loss + (out * Gq).sum()
+        assert mine is not None
+        rgrad = torch.autograd.grad(rloss, [router.weight, mine[0]], retain_graph=True, allow_unused=True) \
+            if tokens[rank] else (None, None)
+        loss.backward()
+        errs = [(xs.grad - rgrad[1]).abs().max().item() if tokens[rank] else 0.0]
+        if tokens[rank]:
+            errs.append((layer.router.weight.grad - rgrad[0]).abs().max().item())
+        for name in ("w1", "w2", "w3"):
+            errs.append((getattr(layer.experts, name).grad - getattr(full, name).grad[lo:lo + E // world]).abs().max().item())
+    finally:
+        layer.close()  # collective: every rank, whatever it found
     return max(errs)
 
 
