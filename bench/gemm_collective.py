@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -28,7 +27,7 @@ import collectives as C
 import overlap
 from overlap import ops as O
 
-from .harness import _slowest, paired_ratio
+from .harness import _slowest, paired_hidden_share, paired_ratio
 from .harness import time_interleaved as _time_interleaved
 
 __all__ = ["OverlapRecord", "measure_shape", "format_overlap_table", "plot_overlap", "tuned_overlap_table", "OPS"]
@@ -215,17 +214,11 @@ def measure_shape(comm: C.Communicator, op: str, M: int, K: int, N: int, dtype: 
         out_records.append(OverlapRecord(variant=name, time_us=t, hidden_pct=100 * (seq - t) / t_comm if t_comm else 0.0,
                                          vs_sequential=t / seq, wrong=wrong, chosen=chosen,
                                          vs_sequential_paired=paired_ratio(rounds, name, "sequential"),
-                                         hidden_small_pct=_hidden_small(rounds, name),
+                                         hidden_small_pct=paired_hidden_share(rounds, "sequential", name,
+                                                                              (("gemm",), ("collective",))),
                                          **common))  # type: ignore[arg-type]
     dist.barrier(group=g)
     return out_records
-
-
-def _hidden_small(rounds: dict[str, list[float]], name: str) -> float:
-    """The median over rounds of ``name``'s saving on the sequence over the smaller of the GEMM
-    and the collective alone, in the same round, in %."""
-    return 100 * statistics.median((s - t) / min(g, c) if min(g, c) > 0 else 0.0 for s, t, g, c in zip(
-        rounds["sequential"], rounds[name], rounds["gemm"], rounds["collective"], strict=True))
 
 
 def format_overlap_table(records: list[OverlapRecord]) -> str:

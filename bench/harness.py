@@ -317,6 +317,18 @@ def paired_ratio(rounds: dict[str, list[float]], name: str, base: str) -> float:
     return statistics.median(t / b for t, b in zip(rounds[name], rounds[base], strict=True))
 
 
+def paired_hidden_share(rounds: dict[str, list[float]], base: str, name: str,
+                        terms: tuple[tuple[str, ...], ...]) -> float:
+    """The median over rounds of ``(base - name) / min(the sums of terms)`` in the same round, in %:
+    the share of the smaller term (each term a sum of functions timed in those rounds) that
+    ``name`` hides against ``base`` (0 in a round where a term took no time)."""
+    shares = []
+    for i, (b, t) in enumerate(zip(rounds[base], rounds[name], strict=True)):
+        small = min(sum(rounds[f][i] for f in term) for term in terms)
+        shares.append((b - t) / small if small > 0 else 0.0)
+    return 100 * statistics.median(shares)
+
+
 def measure(comm: C.Communicator, op: str, algorithm: str, nbytes: int, dtype: torch.dtype, device: torch.device, *,
             iters: int = 20, warmup: int = 5, reps: int = 5, check: bool = True, graph: bool = False,
             seed: int = 0, min_loop_s: float = 0.0) -> Record:

@@ -38,6 +38,7 @@ dtype: greedy tokens from one prompt, and the losses of a short training run.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import os
 import shutil
@@ -237,14 +238,10 @@ def _check(family: str, variants: tuple[str, ...], preset: str, comm: C.Communic
     del ref_model
     out: dict[str, tuple[int, float] | str] = {}
     for v in variants:
-        try:
-            model = _load(v, family, path, comm, torch.float32, device, ids.numel())
-            out[v] = _wrong(_logits(model, ids), ref)
-        except Exception as e:  # a variant that does not run here is reported, not dropped
-            out[v] = f"{type(e).__name__}: {e}"[:300]
-        if not _agreed(comm, not isinstance(out[v], str), device):  # all ranks go on with the same variants
-            out[v] = out[v] if isinstance(out[v], str) else "failed on another rank"
-        model = None
+        wrong, why = _on_every_rank(
+            lambda: _wrong(_logits(_load(v, family, path, comm, torch.float32, device, ids.numel()), ids), ref),  # noqa: B023
+            comm, device)
+        out[v] = why or wrong
         gc.collect()
     _forget(path, comm)
     return out
@@ -312,25 +309,38 @@ def _agreed(comm: C.Communicator, ok: bool, device: torch.device) -> bool:
     return _slowest(comm, [0.0 if ok else 1.0], device)[0] == 0.0
 
 
+def _on_every_rank(fn: Callable[[], Any], comm: C.Communicator, device: torch.device) -> tuple[Any, str]:
+    """``(fn(), "")`` where ``fn`` ran on every rank, else ``(None, why)``: its own error, or "failed
+    on another rank". Collective: every rank calls it, and all go on with the same variants."""
+    try:
+        got, why = fn(), ""
+    except Exception as e:  # a variant that does not run here is reported in its records, not dropped
+        got, why = None, f"{type(e).__name__}: {e}"[:300]
+    if not _agreed(comm, not why, device):
+        return None, why or "failed on another rank"
+    return got, ""
+
+
+def _first_call(fn: Callable[[], None], graph: bool, device: torch.device) -> None:
+    """One call of ``fn`` (and its capture in a CUDA graph) alone, finished."""
+    fn()
+    if graph:
+        _captured(fn, 1)()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _time(fns: dict[str, Callable[[], None]], comm: C.Communicator, device: torch.device, graph: bool, iters: int,
           reps: int) -> tuple[dict[str, float], dict[str, list[float]], dict[str, str]]:
     """Each function's time (us), its times by round, and why those that could not run did not."""
     errors: dict[str, str] = {}
     ready = {}
     for name, fn in fns.items():  # one call (or capture) alone first: a failure is its own record
-        try:
-            fn()
-            if graph:
-                _captured(fn, 1)()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            ok = True
-        except Exception as e:
-            errors[name], ok = f"{type(e).__name__}: {e}"[:300], False
-        if _agreed(comm, ok, device):
-            ready[name] = fn
+        _, why = _on_every_rank(functools.partial(_first_call, fn, graph, device), comm, device)
+        if why:
+            errors[name] = why
         else:
-            errors.setdefault(name, "failed on another rank")
+            ready[name] = fn
     rounds: dict[str, list[float]] = {}
     times = time_interleaved(ready, comm, device, iters, reps, graph=graph, rounds=rounds) if ready else {}
     return times, rounds, errors
@@ -365,13 +375,12 @@ def measure_model(family: str, comm: C.Communicator, device: torch.device, dtype
     for v in variants:
         if v in errors:
             continue
-        try:
-            models[v] = _load(v, family, path, comm, dtype, device, max(t.numel() for _, t in plan))
-        except Exception as e:  # reported in its records, like a check that did not run
-            errors[v] = f"{type(e).__name__}: {e}"[:300]
-        if not _agreed(comm, v not in errors, device):
-            errors.setdefault(v, "failed on another rank")
-            models.pop(v, None)
+        model, why = _on_every_rank(lambda: _load(v, family, path, comm, dtype, device,  # noqa: B023
+                                                  max(t.numel() for _, t in plan)), comm, device)
+        if why:
+            errors[v] = why
+        else:
+            models[v] = model
     _, tp, ep = _hf_layout(comm.size, family in _MOE)
     layout = f"tp={tp}" + (f",ep={ep}" if family in _MOE else "")
     steps = {"train": _train_step, "prefill": _prefill_step, "decode": _decode_step}
@@ -411,13 +420,11 @@ def _built(make: Callable[[Any, torch.Tensor], Callable[[], None]], models: dict
     fns: dict[str, Callable[[], None]] = {}
     why: dict[str, str] = {}
     for v, m in models.items():
-        try:
-            fns[v] = make(m, data)
-        except Exception as e:  # reported in its records
-            why[v] = f"{type(e).__name__}: {e}"[:300]
-        if not _agreed(comm, v not in why, device):
-            why.setdefault(v, "failed on another rank")
-            fns.pop(v, None)
+        fn, failed = _on_every_rank(functools.partial(make, m, data), comm, device)
+        if failed:
+            why[v] = failed
+        else:
+            fns[v] = fn
     return fns, why
 
 
@@ -435,19 +442,15 @@ def _agreement(family: str, models: dict[str, Any], errors: dict[str, str], comm
             continue
         for v, m in models.items():
             got = results.setdefault(v, {})
-            failed = ""
-            try:
-                if what == "tokens":
-                    got["tokens"], got["margins"] = greedy_tokens(m, prompt, n_tokens)
-                else:
-                    got["losses"] = loss_curve(m, ids, train_steps, lr)
-            except Exception as e:  # a variant that cannot run it is reported with why
-                failed = f"{what}: {type(e).__name__}: {e}"[:300]
-            if not _agreed(comm, not failed, device):
-                got.pop(what, None)
-                failed = failed or f"{what}: failed on another rank"
-            if failed:
-                got["error"] = "; ".join(filter(None, (got.get("error"), failed)))
+            run = functools.partial(greedy_tokens, m, prompt, n_tokens) if what == "tokens" else \
+                functools.partial(loss_curve, m, ids, train_steps, lr)
+            value, why = _on_every_rank(run, comm, device)
+            if why:
+                got["error"] = "; ".join(filter(None, (got.get("error"), f"{what}: {why}")))
+            elif what == "tokens":
+                got["tokens"], got["margins"] = value
+            else:
+                got["losses"] = value
     # the first variant with something to compare with: transformers, else ours/sequential
     anchor = next((v for v in ("transformers", "ours/sequential", "ours/auto")
                    if results.get(v, {}).get("tokens") is not None or results.get(v, {}).get("losses") is not None),

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -31,13 +30,16 @@ import collectives as C
 from overlap.layers import MoELayer
 from overlap.moe import MOE_TUNE_MIN_SPEEDUP, GroupedSwiGLU, MoEDispatcher, PeerTransport
 
-from .harness import _align, _slowest, paired_ratio, time_interleaved
+from .harness import _align, _slowest, paired_hidden_share, paired_ratio, time_interleaved
 from .harness import time_fn as _time
 
 __all__ = ["MoERecord", "measure_config", "format_moe_table", "plot_moe", "tuned_moe_table", "micro_batches_of"]
 
 
 LOW_LATENCY_MAX_TOKENS = 256  # configurations timed on the low-latency path too (decode)
+# the two terms whose smaller one an overlap hides: the forward's, and the training step's
+FORWARD_TERMS = (("experts",), ("dispatch", "combine"))
+TRAIN_TERMS = (("experts",), ("exchange",))
 
 
 @dataclass
@@ -285,14 +287,16 @@ def measure_config(comm: C.Communicator, name: str, tokens: int, hidden: int, ff
                 bytes_crossing=crossing, dispatch_link_GBps=crossing / t_dispatch / 1e3,
                 combine_link_GBps=crossing / t_combine / 1e3, ideal_us=max(t_experts, comm_us),
                 hidden_small_pct=100 * (t_seq - t_pipe) / small if small else 0.0,
-                hidden_small_paired_pct=_hidden_small(rounds), ce_link_GBps=ce,
+                hidden_small_paired_pct=paired_hidden_share(rounds, "sequential", "pipelined", FORWARD_TERMS),
+                ce_link_GBps=ce,
                 dispatch_vs_ce=crossing / t_dispatch / 1e3 / ce if ce else 0.0,
                 combine_vs_ce=crossing / t_combine / 1e3 / ce if ce else 0.0,
                 train_pipelined_us=train_t["pipelined"],
                 train_speedup_paired=paired_ratio(train_rounds, "sequential", "pipelined"),
                 # the training step's smaller term: the forward's, twice (the backward repeats both)
                 train_hidden_small_pct=100 * (train_t["sequential"] - train_t["pipelined"]) / (2 * small)
-                if small else 0.0, train_hidden_small_paired_pct=_hidden_small(train_rounds, ("exchange",)), **errs))
+                if small else 0.0, train_hidden_small_paired_pct=paired_hidden_share(
+                    train_rounds, "sequential", "pipelined", TRAIN_TERMS), **errs))
     disp.close()
     disp32.close()
     return records
@@ -364,16 +368,6 @@ def _low_latency(disp: MoEDispatcher, mlp: GroupedSwiGLU, x: torch.Tensor, idx: 
                    ll_dispatch_vs_a2a_graph=paired_ratio(rounds, "dispatch", "a2a"),
                    ll_combine_vs_a2a_graph=paired_ratio(rounds, "combine", "a2a"))
     return got
-
-
-def _hidden_small(rounds: dict[str, list[float]], exchange: tuple[str, ...] = ("dispatch", "combine")) -> float:
-    """The median over rounds of (sequential - pipelined) / min(experts, the ``exchange`` terms'
-    sum), each round's own times, in %."""
-    shares = []
-    for i, (s, p, e) in enumerate(zip(rounds["sequential"], rounds["pipelined"], rounds["experts"], strict=True)):
-        small = min(e, sum(rounds[t][i] for t in exchange))
-        shares.append((s - p) / small if small > 0 else 0.0)
-    return 100 * statistics.median(shares)
 
 
 def _ce_rate(comm: C.Communicator, crossing: int, dtype: torch.dtype, device: torch.device, iters: int,

@@ -130,6 +130,18 @@ def closer(ck: Checks, r: int) -> Close:
     return close
 
 
+def guarder(ck: Checks, r: int) -> Callable[[str, Callable[[], None]], None]:
+    """``guarded(what, fn)``: ``fn()``, and what it raised as a failure in ``ck`` (a check that
+    raises leaves the script's other families to run)."""
+    def guarded(what: str, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - reported as a failure, with what raised
+            ck.count()
+            ck.fail(f"rank {r} {what}: {type(exc).__name__}: {str(exc)[:400]}")
+    return guarded
+
+
 def mlp_checks(close: Close, w: int, r: int, dev: torch.device, mode: str | None, strategy: str = "chunked") -> None:
     """The two-layer tensor-parallel MLP (``strategy``), with and without sequence parallelism,
     against the float64 unsharded one: compiled (``fullgraph``, Inductor) forward and backward
@@ -170,14 +182,7 @@ def main() -> int:
     cuda = bool(comm.backend_for("cuda"))
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     ck = Checks(families(dev.type), r)
-    close = closer(ck, r)
-
-    def guarded(what: str, fn: Callable[[], None]) -> None:
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - reported as a failure, with what raised
-            ck.count()
-            ck.fail(f"rank {r} {what}: {type(exc).__name__}: {str(exc)[:400]}")
+    close, guarded = closer(ck, r), guarder(ck, r)
 
     shape = (2 * w, 3)
 

@@ -43,7 +43,7 @@ from overlap import ops  # noqa: E402
 from overlap.layers import ColumnParallelLinear, MoELayer, RowParallelLinear  # noqa: E402
 from tests._checks import Checks, report, shared_gpu_ranks  # noqa: E402
 from tests._compiled import compile_checked  # noqa: E402
-from tests.gpu_compile_check import Close, _data, closer, mlp_checks  # noqa: E402
+from tests.gpu_compile_check import Close, _data, closer, guarder, mlp_checks  # noqa: E402
 from tests.test_overlap_moe import _layer_case  # noqa: E402
 
 FAMILIES = ("peer/overlap", "peer/tp_mlp", "peer/moe_layer", "reduce_overhead/peer_tp_mlp")
@@ -99,7 +99,9 @@ def moe_checks(ck: Checks, r: int, w: int, dev: torch.device) -> None:
 def _timed(variants: dict[str, Any], x: torch.Tensor, rounds: int, steps: int) -> dict[str, Any]:
     """Forward and backward of each of ``variants`` (name -> function of ``x``; "eager" first),
     ``steps`` steps per variant per round, the variants in turn within each round: the median step
-    time of each and its median ratio to eager's in the same round."""
+    time of each and its median ratio to eager's in the same round. (Not
+    ``bench.harness.time_interleaved``: it lines the ranks up with a collective on the GPU, which
+    ranks sharing one cannot make; these line up over Gloo.)"""
     def run(fn: Any) -> None:
         for _ in range(steps):
             fn(x).float().sum().backward()
@@ -166,14 +168,7 @@ def main() -> int:
     w, r = comm.size, comm.rank
     shared = torch.cuda.device_count() < w
     ck = Checks(FAMILIES, r)
-    close = closer(ck, r)
-
-    def guarded(what: str, fn: Any) -> None:
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - reported as a failure, with what raised
-            ck.count()
-            ck.fail(f"rank {r} {what}: {type(exc).__name__}: {str(exc)[:400]}")
+    close, guarded = closer(ck, r), guarder(ck, r)
 
     from torch._dynamo.utils import counters
 
