@@ -365,3 +365,16 @@ def test_plot_styles_and_size_labels_read_at_a_glance() -> None:
     fmt = ax.xaxis.get_major_formatter()
     assert [fmt(t) for t in ax.get_xticks()] == ["32", "1K", "32K", "1M", "32M", "1G"]
     plt.close(fig)
+
+
+def test_paired_hidden_share_takes_each_rounds_own_smaller_term() -> None:
+    from bench.harness import paired_hidden_share
+
+    # round 0: seq 10, variant 7, terms 4 and 2+1=3 -> 3/3 = 100%; round 1: seq 12, variant 10,
+    # terms 8 and 5+3=8 -> 2/8 = 25%; round 2: seq 9, variant 9 -> 0%. Median: 25%.
+    rounds = {"seq": [10.0, 12.0, 9.0], "v": [7.0, 10.0, 9.0], "a": [4.0, 8.0, 3.0],
+              "b1": [2.0, 5.0, 1.0], "b2": [1.0, 3.0, 1.0]}
+    assert paired_hidden_share(rounds, "seq", "v", (("a",), ("b1", "b2"))) == 25.0
+    # a term that took no time gives 0 for that round, not a division by zero
+    rounds["a"][1] = 0.0
+    assert paired_hidden_share(rounds, "seq", "v", (("a",), ("b1", "b2"))) == 0.0
