@@ -184,6 +184,14 @@ def test_moe_model_over_expert_parallelism_matches_the_unsharded_one(worlds, fam
     assert not problems, "\n".join(problems)
 
 
+def _qwen2(heads: int = 4) -> torch.nn.Module:
+    """A family without a hand entry (sharded by its plans); 4 heads of 16, which 3 ranks do not split."""
+    torch.manual_seed(1234)
+    cfg = transformers.Qwen2Config(vocab_size=96, hidden_size=16 * heads, intermediate_size=96, num_hidden_layers=1,
+                                   num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=64)
+    return transformers.Qwen2ForCausalLM(cfg).float().eval()
+
+
 def body_refusals(rank: int, world: int) -> dict[str, str]:
     """Each bad call raises its typed error naming the argument, and leaves the model untouched."""
     from collectives.errors import InvalidArgumentError, UnsupportedError
@@ -199,7 +207,19 @@ def body_refusals(rank: int, world: int) -> dict[str, str]:
     cases = {
         "KV heads neither divided nor a divisor": (lambda: parallelize(six_heads, tp_group=g), InvalidArgumentError,
                                                    ["tp_group=", "2 KV heads", "multiple of 2"]),
-        "unknown family": (lambda: parallelize(gpt2, tp_group=g), UnsupportedError, ["gpt2", "llama", "qwen3"]),
+        "a model without a plan": (lambda: parallelize(gpt2, tp_group=g), UnsupportedError,
+                                   ["gpt2", "no tensor-parallel plan", "tp_plan="]),
+        "a style the plans do not map": (lambda: parallelize(_qwen2(), tp_group=g, tp_plan={
+            "model.layers.*.mlp.down_proj": "bogus"}), UnsupportedError,
+            ["model.layers.0.mlp.down_proj", "'bogus'", "'replicate'"]),
+        "a plan entry that is not a linear": (lambda: parallelize(_qwen2(heads=6), tp_group=g, tp_plan={
+            "model.layers.*.input_layernorm": "colwise"}), UnsupportedError,
+            ["model.layers.0.input_layernorm", "not an nn.Linear", "'replicate'"]),
+        "sizes a plan entry does not divide": (lambda: parallelize(_qwen2(), tp_group=g), InvalidArgumentError,
+                                               ["tp_group=", "model.layers.0.self_attn.q_proj", "64 output features"]),
+        "sequence parallelism by plans": (lambda: parallelize(_qwen2(), tp_group=alone, sequence_parallel=True),
+                                          UnsupportedError, ["sequence_parallel=", "pass sequence_parallel=False"]),
+        "a plan that is not a dict": (lambda: parallelize(_qwen2(), tp_plan=["colwise"]), TypeError, ["tp_plan="]),
         "heads not divisible": (lambda: parallelize(_model("llama", False), tp_group=g), InvalidArgumentError,
                                 ["tp_group=", "attention heads (4)"]),
         "not a group": (lambda: parallelize(_model("llama", False), tp_group=[0, 1]), TypeError, ["tp_group="]),
@@ -219,15 +239,17 @@ def body_refusals(rank: int, world: int) -> dict[str, str]:
         except exc_type as exc:
             missing = [w for w in words if w not in str(exc)]
             out[name] = f"message lacks {missing}: {exc}" if missing else ""
-    model = _model("llama", False)
-    before = {n: p.clone() for n, p in model.state_dict().items()}
-    try:
-        parallelize(model, tp_group=g)
-    except InvalidArgumentError:
-        pass
-    same = model.state_dict().keys() == before.keys() and all(torch.equal(model.state_dict()[n], t)
-                                                              for n, t in before.items())
-    out["model unchanged after a refusal"] = "" if same else "the model was changed"
+    for label, model in (("hand", _model("llama", False)), ("plan", _qwen2())):
+        before = {n: p.clone() for n, p in model.state_dict().items()}
+        modules = [type(m) for m in model.modules()]
+        try:
+            parallelize(model, tp_group=g)
+        except InvalidArgumentError:
+            pass
+        same = model.state_dict().keys() == before.keys() and all(torch.equal(model.state_dict()[n], t)
+                                                                  for n, t in before.items())
+        same = same and modules == [type(m) for m in model.modules()]
+        out[f"{label} model unchanged after a refusal"] = "" if same else "the model was changed"
     C.destroy(g)
     return out
 

@@ -52,22 +52,19 @@ from ._experts import ExpertParallelMoE
 from ._kv import replicated_kv_linear
 from ._sequence import SequenceRowParallelLinear, SequenceSplit, split_sequence, summed_over
 from ._vocab import VocabParallelEmbedding, reduce_from_group
-from .families import FAMILIES, Family
+from . import plans
+from .families import FAMILIES, PLAN_OVERRIDES, Family
 
 __all__ = ["parallelize", "ExpertParallelMoE", "VocabParallelEmbedding", "reduce_from_group", "FAMILIES", "Family"]
 
 
-def _family(model: Any) -> Family:
+def _kind(model: Any) -> str:
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
     if not isinstance(model, nn.Module) or kind is None:
         raise InvalidTypeError("model", model, "is not a transformers model (no config.model_type)",
                                "pass a transformers causal LM, e.g. AutoModelForCausalLM.from_pretrained(...)")
-    family = FAMILIES.get(kind)
-    if family is None:
-        raise UnsupportedError("model", f"{type(model).__name__} (model_type {kind!r})", "is not a family parallelize "
-                               "knows", f"use a model of one of {sorted(FAMILIES)}")
-    return family
+    return str(kind)
 
 
 def _divides(what: str, n: int, size: int, fix: str) -> None:
@@ -126,12 +123,15 @@ def _grid(tp_group: Any, ep_group: Any) -> None:
 
 
 def parallelize(model: Any, *, tp_group: Any = None, ep_group: Any = None, sequence_parallel: bool = False,
-                strategy: str = "auto", moe_transport: Any = "nccl") -> Any:
+                strategy: str = "auto", moe_transport: Any = "nccl", tp_plan: dict[str, str] | None = None,
+                ep_plan: dict[str, str] | None = None) -> Any:
     """Shard ``model`` (a ``transformers`` causal LM, the same on every rank) in place over ``tp_group``.
 
     Args:
-        model: a model of a family in ``FAMILIES`` (``config.model_type``), built or loaded the same way
-            on every rank of ``tp_group``.
+        model: a ``transformers`` model, built or loaded the same way on every rank of ``tp_group``. A
+            family in ``FAMILIES`` (``config.model_type``) is sharded by its hand entry (which adds
+            sequence parallelism and the fused decode norms); any other by its own plans
+            (``plans.py``: ``model._tp_plan`` and ``model._ep_plan``).
         tp_group: the tensor-parallel group (default: world; a group of this rank alone,
             ``torch.distributed.new_subgroups(1)[0]``, for none). Collective: every rank of it calls this.
         ep_group: the expert-parallel group, for MoE families (``ExpertParallelMoE``): its ranks hold
@@ -148,17 +148,19 @@ def parallelize(model: Any, *, tp_group: Any = None, ep_group: Any = None, seque
         moe_transport: the expert-parallel blocks' dispatcher transport (``MoEDispatcher``'s
             ``transport``): "nccl" (all-to-all), or e.g. ``PeerOptions(max_tokens=..., top_k=...)``
             on the GPUs of one node, ``max_tokens`` at least ``ceil(batch * seq / ep)``.
+        tp_plan, ep_plan: entries laid over the model's own plans (glob names from the model's root,
+            ``{"model.layers.*.mlp.down_proj": "replicate"}``); either given, the model goes by its
+            plans even where it has a hand entry.
 
     Returns:
         ``model``, whose forward on the same ids on every rank returns the unsharded model's logits
         (all gathered, ``[batch, seq, vocab]``) and whose parameters are this rank's shards (the
-        same names, but for an expert-parallel block's experts: ``w1``, ``w3``, ``w2``).
-        ``model.config`` is left as it was (the full model's sizes).
+        same names, but for a hand family's expert-parallel block's experts: ``w1``, ``w3``, ``w2``).
+        ``model.config`` is left as it was (the full model's sizes). ``model.commops_parallel``
+        says what was done: ``"source"`` (``"hand"`` or ``"plan"``) and, from plans, ``"sharded"``
+        (each path and what its style became) and ``"kept_whole"`` (each path kept whole, and why).
     """
-    family = _family(model)
-    if ep_group is not None and family.moe is None:
-        raise UnsupportedError("ep_group", ep_group, f"{family.name} is a dense family: it has no experts",
-                               "pass ep_group=None")
+    kind = _kind(model)
     if not isinstance(sequence_parallel, bool):
         raise InvalidTypeError("sequence_parallel", sequence_parallel, "is not a bool", "pass True or False")
     for name, g in (("tp_group", tp_group), ("ep_group", ep_group)):
@@ -168,6 +170,18 @@ def parallelize(model: Any, *, tp_group: Any = None, ep_group: Any = None, seque
         if g is not None and not isinstance(g, dist.ProcessGroup):
             raise InvalidTypeError(name, g, f"is a {type(g).__name__}, not a process group",
                                    "pass a torch.distributed.ProcessGroup (new_group) or None")
+    for name, plan in (("tp_plan", tp_plan), ("ep_plan", ep_plan)):
+        if plan is not None and not (isinstance(plan, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                                    for k, v in plan.items())):
+            raise InvalidTypeError(name, plan, "is not a dict of dotted names to style names",
+                                   "pass e.g. {'model.layers.*.mlp.down_proj': 'replicate'}, or None")
+    family = FAMILIES.get(kind) if tp_plan is None and ep_plan is None else None
+    if family is None:
+        return _parallelize_from_plans(model, kind, tp_group, ep_group, sequence_parallel, strategy, moe_transport,
+                                       tp_plan, ep_plan)
+    if ep_group is not None and family.moe is None:
+        raise UnsupportedError("ep_group", ep_group, f"{family.name} is a dense family: it has no experts",
+                               "pass ep_group=None")
     tp = dist.get_world_size(tp_group)
     ep = 1 if ep_group is None else dist.get_world_size(ep_group)
     _grid(tp_group, ep_group)
@@ -207,7 +221,7 @@ def parallelize(model: Any, *, tp_group: Any = None, ep_group: Any = None, seque
     transports = sorted({m.dispatcher.transport for m in model.modules() if isinstance(m, ExpertParallelMoE)})
     if split is not None:
         split_sequence(model, family, split)
-    model.commops_parallel = {"family": family.name, "tp": tp, "ep": ep, "strategy": strategy,
+    model.commops_parallel = {"family": family.name, "source": "hand", "tp": tp, "ep": ep, "strategy": strategy,
                               "sequence_parallel": split is not None,
                               "moe_transport": transports[0] if transports else None,
                               "decode_norms": "off: no tensor parallelism"}
@@ -223,3 +237,98 @@ def parallelize(model: Any, *, tp_group: Any = None, ep_group: Any = None, seque
             new_head.weight = new_emb.weight  # the same rows of the same table
         model.set_output_embeddings(new_head)
     return model
+
+
+def _head_sizes(model: Any) -> tuple[int, int, int | None, int | None]:
+    """(query heads, KV heads, head_dim, rotary dim of MLA) of the model's text config."""
+    config = model.config
+    try:
+        config = config.get_text_config()
+    except (AttributeError, ValueError):  # several text configs: the model's own is the one it runs
+        pass
+    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    kv = int(getattr(config, "num_key_value_heads", 0) or heads)
+    head_dim = getattr(config, "head_dim", None)
+    if not isinstance(head_dim, int) or not head_dim:
+        hidden = getattr(config, "hidden_size", None)
+        head_dim = hidden // heads if isinstance(hidden, int) and heads and hidden % heads == 0 else None
+    rope = getattr(config, "qk_rope_head_dim", None)
+    return heads, kv, head_dim, rope if isinstance(rope, int) else None
+
+
+def _parallelize_from_plans(model: Any, kind: str, tp_group: Any, ep_group: Any, sequence_parallel: bool,
+                            strategy: str, moe_transport: Any, tp_override: dict[str, str] | None,
+                            ep_override: dict[str, str] | None) -> Any:
+    """``parallelize`` of a model by its own plans (``plans.py``): everything resolved and checked,
+    then applied."""
+    if sequence_parallel:
+        raise UnsupportedError("sequence_parallel", True, f"is built for the families {sorted(FAMILIES)} alone "
+                               f"({kind} goes by its plans, which do not say where its layers' norms are)",
+                               "pass sequence_parallel=False")
+    tp = dist.get_world_size(tp_group)
+    ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+    _grid(tp_group, ep_group)
+    tp_plan, ep_plan = plans.model_plans(model, {**PLAN_OVERRIDES.get(kind, {}), **(tp_override or {})}, ep_override)
+    experts = plans.expert_modules(model, ep_plan, tp_plan)
+    if tp > 1 and not tp_plan:
+        raise UnsupportedError("tp_group", f"a group of {tp} ranks", f"{type(model).__name__} (model_type {kind!r}) "
+                               "has no tensor-parallel plan (config.base_model_tp_plan)",
+                               "pass tp_plan={...} naming its modules' styles, or tp_group=None")
+    if ep > 1 and not experts:
+        raise UnsupportedError("ep_group", f"a group of {ep} ranks", f"{type(model).__name__} (model_type {kind!r}) "
+                               "has no experts module in its plans (config.base_model_ep_plan)",
+                               "pass ep_group=None")
+    if ep > 1:
+        plans.check_experts(model, experts, ep)
+    heads, kv, head_dim, rope = _head_sizes(model)
+    ctx = plans.Context(model, tp_group, tp, strategy, heads, kv, head_dim, rope)
+    steps = plans.resolve(model, tp_plan, experts) if tp > 1 else []
+    if tp > 1:
+        steps = _embedding_and_head(model, steps, tp, ctx.kept)
+    plans.check(ctx, steps)  # everything that can refuse has refused: from here on the model changes
+    if tp == 1 and ep == 1:
+        return model
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = head is not None and emb is not None and head.weight is emb.weight
+    if ep > 1:
+        plans.apply_experts(model, experts, ep_group, moe_transport, ctx.done)
+    else:
+        for path in experts:
+            ctx.kept[path] = "experts kept whole on every rank (pass ep_group to split them)"
+    plans.apply(ctx, steps)
+    if tied and isinstance(model.get_input_embeddings(), VocabParallelEmbedding) and \
+            isinstance(model.get_output_embeddings(), ColumnParallelLinear):
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight  # the same rows of one table
+    transports = sorted({m._commops_ep.dispatcher.transport for m in model.modules() if hasattr(m, "_commops_ep")})
+    model.commops_parallel = {"family": kind, "source": "plan", "tp": tp, "ep": ep, "strategy": strategy,
+                              "sequence_parallel": False, "moe_transport": transports[0] if transports else None,
+                              "decode_norms": "off: built for the hand families (plans do not say where the norms are)",
+                              "sharded": dict(ctx.done), "kept_whole": dict(ctx.kept)}
+    return model
+
+
+def _embedding_and_head(model: Any, steps: list[plans.PlanStep], tp: int, kept: dict[str, str]) -> list[plans.PlanStep]:
+    """The plan's steps with the input embedding vocabulary-parallel where the plan does not name it
+    (a plain table whose rows divide), and a tied head and embedding split alike or both kept whole."""
+    names = {m: n for n, m in model.named_modules()}
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    emb_path = names.get(emb)
+    by_path = {s.path: s for s in steps}
+    if emb_path is not None and emb_path not in by_path and plans.plain_embedding(emb) and \
+            emb.num_embeddings % tp == 0:
+        steps = [plans.PlanStep(emb_path, "embedding_rowwise", plans.STYLES["embedding_rowwise"], False), *steps]
+        by_path[emb_path] = steps[0]
+    tied = head is not None and emb is not None and getattr(head, "weight", None) is getattr(emb, "weight", 0)
+    head_path = names.get(head)
+    if tied and head_path is not None:
+        e, h = by_path.get(emb_path or ""), by_path.get(head_path)
+        alike = e is not None and h is not None and e.meaning is plans.STYLES["embedding_rowwise"] and \
+            h.meaning is plans.STYLES["colwise_gather_output"]
+        if not alike:
+            steps = [s for s in steps if s.path not in (emb_path, head_path)]
+            for p in (emb_path, head_path):
+                kept[str(p)] = "the head is tied to the input embedding, and the two are not split alike by the plan"
+    for p, why in ((emb_path, "not a plain table whose rows divide the group"), (head_path, "not in the plan")):
+        if p is not None and p not in kept and p not in {s.path for s in steps}:
+            kept[p] = why
+    return steps

@@ -30,9 +30,10 @@ from collectives import functional as F
 from collectives.errors import UnsupportedError
 
 from ..moe import GroupedSwiGLU, MoEDispatcher, register_block, routed_block
+from ._decode import _subclass
 from ._sequence import summed_over
 
-__all__ = ["ExpertParallelMoE"]
+__all__ = ["ExpertParallelMoE", "experts_over_dispatcher", "experts_count"]
 
 # torch 2.11's compiled autograd gave this block's input a wrong gradient (its experts' and router's
 # were right; measured against eager on Gloo, tests/test_compile_models.py, 0.02 off in the
@@ -148,3 +149,110 @@ class ExpertParallelMoE(nn.Module):
     def extra_repr(self) -> str:
         n = self.experts.w1.shape[0]
         return f"experts {self.first_expert}..{self.first_expert + n - 1} here, top_k={self.top_k}"
+
+
+class _ExpertParams:
+    """What ``register_block``'s ``experts`` must give: the parameters the exchange's experts use."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def parameters(self) -> Any:
+        return self.module.parameters()
+
+
+class _ExpertsOverDispatcher(nn.Module):
+    """Mixed in front of a ``transformers`` experts module's own class by :func:`experts_over_dispatcher`.
+
+    ``forward(hidden_states [tokens, hidden], top_k_index [tokens, k], top_k_weights [tokens, k])``,
+    the contract every ``transformers`` experts module fills (the block's router has run on every
+    rank alike): this rank's ``1/W`` of the tokens (padded to a multiple of ``W`` with rows of
+    weight 0) go through ``MoEDispatcher`` to their experts' ranks, where the class's own forward
+    computes them (each received row with its one local expert and weight 1; the combine applies
+    the routing weights), and the ranks' outputs are all-gathered back (``_TakeRows`` /
+    ``_GatherRows``: the router's gradient reaches every rank whole through the weights' gather)."""
+
+    _commops_ep: Any
+
+    @property
+    def experts(self) -> _ExpertParams:
+        return _ExpertParams(self)
+
+    def _local(self, rows: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+        counts = torch.tensor(tokens_per_expert, device=rows.device)
+        ids = torch.repeat_interleave(torch.arange(len(tokens_per_expert), device=rows.device), counts)
+        ones = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
+        return super().forward(rows, ids[:, None], ones)  # type: ignore[no-any-return]
+
+    def _block(self, flat: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self._commops_ep.dispatcher.forward_pipelined(flat, idx, w, self._local, chunks=1)  # type: ignore[no-any-return]
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args or kwargs:
+            raise UnsupportedError("model", f"{type(self).__name__} called with {len(args)} more arguments and "
+                                   f"keywords {sorted(kwargs)}", "is not an experts module of the (hidden_states, "
+                                   "top_k_index, top_k_weights) contract", "leave ep_group=None for this model")
+        ep = self._commops_ep
+        shape, world = hidden_states.shape, ep.world
+        flat = hidden_states.reshape(-1, shape[-1])
+        idx = top_k_index.reshape(flat.shape[0], -1)
+        w = top_k_weights.reshape(flat.shape[0], -1).to(flat.dtype)
+        tokens = flat.shape[0]
+        pad = -tokens % world
+        if pad:
+            flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[1])])
+            idx = torch.cat([idx, idx.new_zeros(pad, idx.shape[1])])
+            w = torch.cat([w, w.new_zeros(pad, w.shape[1])])
+        n = flat.shape[0] // world
+        mine = _TakeRows.apply(flat, ep.group)
+        mine_w = _TakeRows.apply(w, ep.group)
+        mine_idx = idx[ep.rank * n:(ep.rank + 1) * n].contiguous()
+        out = routed_block(self, mine, mine_idx, mine_w)
+        return _GatherRows.apply(out, ep.group)[:tokens].reshape(shape)  # type: ignore[no-any-return]
+
+
+class _EpState:
+    def __init__(self, group: Any, dispatcher: MoEDispatcher, first: int, local: int) -> None:
+        self.group, self.dispatcher, self.first_expert, self.local = group, dispatcher, first, local
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+
+
+def experts_count(experts: nn.Module) -> int:
+    """The experts of a ``transformers`` experts module: its ``num_experts``, else its first parameter's rows."""
+    n = getattr(experts, "num_experts", None)
+    if isinstance(n, int) and not isinstance(n, bool):
+        return n
+    first = next(experts.parameters(), None)
+    return int(first.shape[0]) if first is not None else 0
+
+
+def experts_over_dispatcher(experts: nn.Module, ep_group: Any, transport: Any = "nccl") -> nn.Module:
+    """Put ``experts`` (a ``transformers`` experts module, the same on every rank) over expert parallelism in place.
+
+    Rank r keeps experts ``r*E/W ... (r+1)*E/W - 1``: every parameter of ``experts`` is ``[E, ...]``
+    and keeps those rows, under its own name; ``num_experts`` becomes ``E/W``; the module keeps its
+    class's expert code (a subclass of it, made here, with ``_ExpertsOverDispatcher``'s forward in
+    front), so any activation, bias or clamp the model's experts have runs unchanged. Collective
+    over ``ep_group`` only in its forward. Returns ``experts``."""
+    world, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+    total = experts_count(experts)
+    params = dict(experts.named_parameters(recurse=False))
+    hidden = next((int(p.shape[-1]) for n, p in params.items() if p.dim() == 3), 0)
+    local = total // world
+    with torch.no_grad():
+        for name, p in params.items():
+            shard = nn.Parameter(p.detach()[rank * local:(rank + 1) * local].clone(), requires_grad=p.requires_grad)
+            setattr(experts, name, shard)
+    if hasattr(experts, "num_experts"):
+        experts.num_experts = local
+    sample = next(iter(params.values()))
+    width = getattr(experts, "hidden_size", None) or getattr(experts, "hidden_dim", None) or hidden
+    dispatcher = MoEDispatcher(total, int(width), ep_group, dtype=sample.dtype, device=sample.device,
+                               transport=transport)
+    experts._commops_ep = _EpState(ep_group, dispatcher, rank * local, local)
+    _subclass(experts, _ExpertsOverDispatcher)
+    experts._commops_ep.op_name = register_block(experts)
+    experts.op_name = experts._commops_ep.op_name
+    return experts
+

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["Family", "FAMILIES", "LLAMA", "QWEN3", "QWEN3_MOE", "MIXTRAL"]
+__all__ = ["Family", "FAMILIES", "PLAN_OVERRIDES", "LLAMA", "QWEN3", "QWEN3_MOE", "MIXTRAL"]
 
 
 @dataclass(frozen=True)
@@ -109,3 +109,18 @@ QWEN3_MOE = Family("qwen3_moe", _decoder_layers, column=_ATTENTION + _MLP, row=_
 MIXTRAL = Family("mixtral", _decoder_layers, column=_ATTENTION + _MLP, row=_ROW, moe="mlp")
 
 FAMILIES: dict[str, Family] = {"llama": LLAMA, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL}
+
+# What a family's own plan leaves out, laid over it by ``parallelize`` before the caller's ``tp_plan``
+# (each one found by the zoo, ``bench/model_zoo.py``: a gradient of the sharded model that was a
+# part of the unsharded one's). A per-head norm or an activation between the column- and the
+# row-parallel layers sees only this rank's heads or features, so its parameters' gradients are
+# partial sums: ``replicated_with_grad_allreduce`` sums them over the group.
+_PER_HEAD_NORMS = {"model.layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+                   "model.layers.*.self_attn.k_norm": "replicated_with_grad_allreduce"}
+_TRAINED_ACTIVATION = {"model.layers.*.mlp.act_fn": "replicated_with_grad_allreduce"}  # xIELU's alpha_p, alpha_n
+PLAN_OVERRIDES: dict[str, dict[str, str]] = {
+    "param2moe": _PER_HEAD_NORMS,  # the plan shards q/k/v but does not name q_norm and k_norm
+    "sarvam_moe": _PER_HEAD_NORMS,
+    "apertus": _TRAINED_ACTIVATION,
+    "apertus1p5_text": _TRAINED_ACTIVATION,
+}
