@@ -25,8 +25,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--impls", default="ours,transformers")
     ap.add_argument("--json", default="")
     ap.add_argument("--table", default="")
+    ap.add_argument("--from", dest="sources", nargs="+", default=[], metavar="JSON",
+                    help="write the table of these runs' records (no run; no launcher needed)")
     args = ap.parse_args(argv)
     import transformers
+
+    if args.sources:
+        return _table_only(args.sources, args.table)
 
     import collectives as C
     from bench.model_zoo import check_family, env_threads, families, format_table
@@ -70,6 +75,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"transformers passes and ours does not: {missed}", file=sys.stderr)
     C.destroy()
     return 1 if missed else 0
+
+
+def _table_only(sources: list[str], out: str) -> int:
+    from bench.model_zoo import ZooRecord, format_table
+
+    records, versions = [], set()
+    for path in sources:
+        with open(path) as f:
+            data = json.load(f)
+        versions.add(data["meta"]["transformers"])
+        records += [ZooRecord(**r) for r in data["records"]]
+    table = format_table(records, ", ".join(sorted(versions)))
+    if out:
+        with open(out, "w") as f:
+            f.write(table + "\n")
+    print(table)
+    return 0
 
 
 if __name__ == "__main__":

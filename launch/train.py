@@ -4,9 +4,11 @@
     torchrun --nproc-per-node 2 launch/train.py --model qwen3_moe --tp 1 --ep 2
     torchrun --nproc-per-node 4 launch/train.py --model mixtral --tp 2 --ep 2 --steps 200
     torchrun --nproc-per-node 2 launch/train.py --model /path/to/checkpoint --dtype bfloat16
+    torchrun --nproc-per-node 2 launch/train.py --model gpt_oss --tp 1 --ep 2     # any family with a plan
 
-``--model`` is a family name (a small model of that family from random weights: no download) or a
-local checkpoint directory (``AutoModelForCausalLM.from_pretrained``, every rank loading the same).
+``--model`` is a family name (a small model of that family from random weights: no download; one
+of ``SMALL``, or any other model type of the installed transformers whose config has a parallel
+plan, built tiny by ``bench/model_zoo.py``'s rules) or a local checkpoint directory (``AutoModelForCausalLM.from_pretrained``, every rank loading the same).
 The ranks form a grid of ``--tp`` x ``--ep`` (their product the world size): tensor parallelism
 over consecutive ranks, expert parallelism across them; every rank sees the same batches. The data
 counts up by 1 or 2 from a random token (its first two tokens say which), so the loss falls from
@@ -43,12 +45,21 @@ SMALL = {  # a small model per family, its sizes divisible by TP and EP up to 4
 
 
 def build_model(name: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    import transformers  # deferred: the models extra, needed by this program only
+    try:
+        import transformers  # deferred: the models extra, needed by this program only
+    except ModuleNotFoundError as exc:
+        raise SystemExit(f"launch/train.py needs transformers ({exc}): install the models extra, "
+                         "python3 -m pip install -e '.[models]'") from None
 
     if os.path.isdir(name):
         return transformers.AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)
     if name not in SMALL:
-        raise SystemExit(f"--model {name!r}: not a directory, nor one of {', '.join(SMALL)}")
+        from bench.model_zoo import families, tiny_model
+
+        if name not in families():
+            raise SystemExit(f"--model {name!r}: not a directory, nor one of {', '.join(SMALL)}, nor a model type "
+                             f"with a parallel plan in transformers {transformers.__version__}")
+        return tiny_model(name).to(dtype=dtype, device=device)
     config_name, model_name, extra = SMALL[name]
     cfg = getattr(transformers, config_name)(vocab_size=512, hidden_size=256, intermediate_size=512,
                                              num_hidden_layers=4, num_attention_heads=4,

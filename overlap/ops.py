@@ -303,9 +303,9 @@ def _group(name: str) -> Any:
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (contiguous) as a tensor that is not a view: an op's output that is a view of a temporary
-    is refused by autograd when the caller then changes it in place (a model's ``out.add_(...)``)."""
-    t = t.contiguous()
+    """``t`` (its sizes and strides, which the op's fake gives too) as a tensor that is not a view: an
+    op's output that is a view of a temporary is refused by autograd when the caller then changes it
+    in place (a model's ``out.add_(...)``)."""
     if t._base is None:
         return t
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape,
@@ -314,7 +314,7 @@ def _own(t: torch.Tensor) -> torch.Tensor:
 
 def _op_gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group: str, strategy: str,
                         chunks: int) -> torch.Tensor:
-    return _own(_gemm_all_reduce(a, b, _group(group), bias, strategy, chunks))
+    return _own(_gemm_all_reduce(a, b, _group(group), bias, strategy, chunks).contiguous())
 
 
 def _op_gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, scatter_dim: int, group_size: int, group: str,
@@ -327,7 +327,7 @@ def _op_all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, gather_dim: int,
                         strategy: str, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
     _c_ops._check_size(group_size, group)
     out, full = _all_gather_gemm(a_shard, b, _group(group), gather_dim, strategy, chunks, keep_gathered=True)
-    return _own(out), _own(full)
+    return _own(out.contiguous()), _own(full.contiguous())
 
 
 def _result_shape(a: torch.Tensor, b: torch.Tensor, dim: int | None = None, factor: float = 1) -> list[int]:

@@ -131,3 +131,56 @@ def body_decode_compiled(rank: int, world: int, family: str) -> list[str]:
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
 def test_compiled_decode_path_keeps_the_fused_norm_in_one_graph(worlds, family: str) -> None:  # noqa: ANN001
     _no_problems(worlds, body_decode_compiled, family)
+
+
+def body_plan_compiled(rank: int, world: int, family: str, layout: str) -> list[str]:
+    """A family sharded by its plans (``bench/model_zoo.py``'s tiny model), compiled with
+    ``fullgraph=True``: one graph holding our ops, and a training step's loss and gradients equal
+    to eager's."""
+    from bench.model_zoo import tiny_model
+
+    problems: list[str] = []
+    alone = dist.new_subgroups(1)[0]
+
+    def build() -> torch.nn.Module:
+        tp, ep = (dist.group.WORLD, None) if layout == "tp" else (alone, dist.group.WORLD)
+        return parallelize(tiny_model(family), tp_group=tp, ep_group=ep).train()
+
+    eager, compiled = build(), build()
+    ids = torch.randint(3, 128, (2, 10), generator=torch.Generator().manual_seed(3))
+
+    def loss_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=ids, labels=ids).loss
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(loss_of)(compiled, ids)
+    if explained.graph_break_count or explained.graph_count != 1:
+        problems.append(f"{explained.graph_count} graphs, {explained.graph_break_count} breaks: "
+                        f"{[b.reason[:200] for b in explained.break_reasons]}")
+    ops = set().union(*(traced_ops(g) for g in explained.graphs))
+    want = {"commops.gemm_all_reduce"} if layout == "tp" else {"commops.moe_layer"}
+    if not want <= ops:
+        problems.append(f"the graph lacks {sorted(want - ops)}: {sorted(o for o in ops if 'commops' in o)}")
+    torch._dynamo.reset()
+    step = torch.compile(loss_of, fullgraph=True, backend="aot_eager")
+    a, b = loss_of(eager, ids), step(compiled, ids)
+    a.backward()
+    b.backward()
+    if abs(a.item() - b.item()) > 1e-5 * abs(a.item()):
+        problems.append(f"eager loss {a.item()}, compiled {b.item()}")
+    for (n, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        if (p.grad is None) != (q.grad is None) or (p.grad is not None and not torch.allclose(p.grad, q.grad,
+                                                                                             rtol=1e-4, atol=1e-6)):
+            problems.append(f"gradient of {n} differs from eager's")
+            break
+    torch._dynamo.reset()
+    return problems
+
+
+# from plans: biases on the column layers (TP); MLA (TP); biased, clamped experts over EP
+@pytest.mark.parametrize("family,layout", [("qwen2", "tp"), ("deepseek_v3", "tp"), ("gpt_oss", "ep")])
+def test_compiled_model_from_plans_has_one_graph_and_eager_gradients(worlds, family: str,  # noqa: ANN001
+                                                                     layout: str) -> None:
+    reports = worlds(2).run(body_plan_compiled, family, layout, timeout=600)
+    problems = [f"rank {r}: {p}" for r, rep in enumerate(reports) for p in rep]
+    assert not problems, "\n".join(problems)

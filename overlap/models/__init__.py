@@ -17,8 +17,10 @@ unchanged, every rank loading the same one):
   that the model's own loss, ``generate()`` and the KV cache (which holds the local heads) work as
   they do unsharded; a tied head shares the embedding's shard.
 
-Which modules are which is written once per family (``families.py``); a model of another family is
-refused by name before anything is changed. Everything is checked before the first module is
+Which modules are which is written once per family for the hand families (``families.py``);
+a model of any other family is sharded by its own tensor- and expert-parallel plans
+(``plans.py``, which says what each plan style becomes), and refused by module path and style
+where a plan asks for what the mapping cannot do. Everything is checked before the first module is
 replaced (sizes that do not divide, a model that is not one we know), so a refused call leaves the
 model as it was.
 
@@ -246,14 +248,24 @@ def _head_sizes(model: Any) -> tuple[int, int, int | None, int | None]:
         config = config.get_text_config()
     except (AttributeError, ValueError):  # several text configs: the model's own is the one it runs
         pass
-    heads = int(getattr(config, "num_attention_heads", 0) or 0)
-    kv = int(getattr(config, "num_key_value_heads", 0) or heads)
-    head_dim = getattr(config, "head_dim", None)
+    heads, kv, head_dim, rope = (_size(config, n) for n in ("num_attention_heads", "num_key_value_heads", "head_dim",
+                                                             "qk_rope_head_dim"))
+    heads = heads or 0
+    kv = kv or heads
     if not isinstance(head_dim, int) or not head_dim:
         hidden = getattr(config, "hidden_size", None)
         head_dim = hidden // heads if isinstance(hidden, int) and heads and hidden % heads == 0 else None
-    rope = getattr(config, "qk_rope_head_dim", None)
-    return heads, kv, head_dim, rope if isinstance(rope, int) else None
+    return heads, kv, head_dim, rope
+
+
+def _size(config: Any, name: str) -> int | None:
+    """An int field of ``config``, or None where it has none, or one per layer (which the config refuses
+    to give as one number)."""
+    try:
+        v = getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - e.g. transformers' per-layer attributes raise their own error type
+        return None
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
 def _parallelize_from_plans(model: Any, kind: str, tp_group: Any, ep_group: Any, sequence_parallel: bool,

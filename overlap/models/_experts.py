@@ -33,7 +33,7 @@ from ..moe import GroupedSwiGLU, MoEDispatcher, register_block, routed_block
 from ._decode import _subclass
 from ._sequence import summed_over
 
-__all__ = ["ExpertParallelMoE", "experts_over_dispatcher", "experts_count"]
+__all__ = ["ExpertParallelMoE", "experts_over_dispatcher", "experts_count", "distinct_experts"]
 
 # torch 2.11's compiled autograd gave this block's input a wrong gradient (its experts' and router's
 # were right; measured against eager on Gloo, tests/test_compile_models.py, 0.02 off in the
@@ -200,16 +200,35 @@ class _ExpertsOverDispatcher(nn.Module):
         w = top_k_weights.reshape(flat.shape[0], -1).to(flat.dtype)
         tokens = flat.shape[0]
         pad = -tokens % world
-        if pad:
+        if pad:  # rows of weight 0 (their experts made distinct below)
             flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[1])])
             idx = torch.cat([idx, idx.new_zeros(pad, idx.shape[1])])
             w = torch.cat([w, w.new_zeros(pad, w.shape[1])])
+        idx, w = distinct_experts(idx, w, ep.dispatcher.num_experts)
         n = flat.shape[0] // world
         mine = _TakeRows.apply(flat, ep.group)
         mine_w = _TakeRows.apply(w, ep.group)
         mine_idx = idx[ep.rank * n:(ep.rank + 1) * n].contiguous()
         out = routed_block(self, mine, mine_idx, mine_w)
         return _GatherRows.apply(out, ep.group)[:tokens].reshape(shape)  # type: ignore[no-any-return]
+
+
+def distinct_experts(idx: torch.Tensor, w: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(idx, w)`` with every token's ``k`` experts distinct, as ``MoEDispatcher`` takes them, and
+    the same weighted sum: a token routed to one expert more than once (hash routing; the padding
+    rows of ``[0, 0, ...]``) keeps that expert once with the pairs' weights summed, and its other
+    slots go to experts it does not use, with weight 0. ``[tokens, k]`` each; ``k <= num_experts``."""
+    s, order = idx.sort(dim=1)
+    ws = w.gather(1, order)
+    dup = torch.zeros_like(s, dtype=torch.bool)
+    dup[:, 1:] = s[:, 1:] == s[:, :-1]
+    run = (~dup).long().cumsum(1) - 1                      # which run of equal experts each slot is in
+    totals = torch.zeros_like(ws).scatter_add(1, run, ws)  # each run's summed weight, at the run's number
+    merged = torch.where(dup, torch.zeros_like(ws), totals.gather(1, run))
+    used = torch.zeros(s.shape[0], num_experts, dtype=torch.bool, device=s.device).scatter(1, s, True)
+    free = (~used).to(torch.int8).argsort(dim=1, descending=True, stable=True)[:, :s.shape[1]]
+    nth = (dup.long().cumsum(1) - 1).clamp(min=0)          # the slot's place among its token's repeats
+    return torch.where(dup, free.gather(1, nth), s), merged
 
 
 class _EpState:

@@ -45,6 +45,7 @@ error naming the module's dotted path, and the model is left as it was. ``tp_pla
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -422,6 +423,13 @@ def check_experts(model: nn.Module, paths: list[str], ep: int) -> None:
         if not params or odd:
             raise UnsupportedError("model", f"{path} = {type(m).__name__}", f"has parameters {odd or 'none'} that "
                                    f"are not [{n} experts, ...]", "leave ep_group=None for this model")
+        takes = [q for q in inspect.signature(type(m).forward).parameters.values()
+                 if q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD)]
+        if len(takes) < 4:  # self, hidden_states, top_k_index, top_k_weights
+            names = ", ".join(q.name for q in takes[1:])
+            raise UnsupportedError("model", f"{path} = {type(m).__name__}", f"takes ({names}), not the experts "
+                                   "contract (hidden_states, top_k_index, top_k_weights) that the exchange calls",
+                                   "leave ep_group=None for this model")
         if n % ep:
             raise InvalidArgumentError("ep_group", f"a group of {ep} ranks", f"does not divide the {n} experts of "
                                        f"{path}", f"use an expert-parallel size that divides {n}")
