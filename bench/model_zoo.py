@@ -275,17 +275,18 @@ def _shard(kind: str, layout: str, impl: str, ref: Any, path: str) -> Any:
     return model.eval(), dist.get_rank(g), tp
 
 
-def check_family(kind: str, layout: str = "tp", impl: str = "ours", seed: int = 1234) -> ZooRecord:
+def check_family(kind: str, layout: str = "tp", impl: str = "ours", seed: int = 1234, device: str = "cpu") -> ZooRecord:
     """Build ``kind`` tiny, shard it (``layout``, ``impl``) and hold it against the unsharded model.
-    Collective over the world; every rank returns the same record."""
+    Collective over the world; every rank returns the same record. ``device``: where the models and
+    data live ("cuda": ranks may share one GPU, the group's traffic over Gloo; ours alone)."""
     start = time.perf_counter()
     rec = ZooRecord(kind, layout, impl, "fail")
     problem, what = "", "build"
     try:
-        ref = tiny_model(kind, seed)
+        ref = tiny_model(kind, seed).to(device)
         what = "run"
         with torch.no_grad():
-            ref(torch.randint(3, int(_text(ref.config).vocab_size), (1, 6)))
+            ref(torch.randint(3, int(_text(ref.config).vocab_size), (1, 6), device=device))
     except Exception as exc:  # noqa: BLE001 - a tiny model that cannot be built or run unsharded is a skip
         problem = f"the tiny model does not {what}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
     if (p := _agree(problem)):
@@ -327,7 +328,8 @@ def _checks(rec: ZooRecord, kind: str, layout: str, impl: str, ref: Any, path: s
         return rec
     gen = torch.Generator().manual_seed(99)
     vocab = int(_text(ref.config).vocab_size)
-    ids = torch.randint(3, vocab, (2, 12), generator=gen)
+    device = next(ref.parameters()).device
+    ids = torch.randint(3, vocab, (2, 12), generator=gen).to(device)
     phase = "logits"
     try:
         with torch.no_grad():
@@ -356,7 +358,7 @@ def _checks(rec: ZooRecord, kind: str, layout: str, impl: str, ref: Any, path: s
             ref.eval()
         if not problem:
             phase = "generate"
-            prompt = torch.randint(3, vocab, (2, 5), generator=gen)
+            prompt = torch.randint(3, vocab, (2, 5), generator=gen).to(device)
             kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0,
                       attention_mask=torch.ones_like(prompt))
             with torch.no_grad():

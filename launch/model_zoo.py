@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--families", default="", help="comma-separated model types (default: every one with a plan)")
     ap.add_argument("--layouts", default="tp,ep", help="tp, ep and/or tpxep (4 ranks)")
     ap.add_argument("--impls", default="ours,transformers")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (ours only; ranks may share one GPU over Gloo)")
     ap.add_argument("--json", default="")
     ap.add_argument("--table", default="")
     ap.add_argument("--from", dest="sources", nargs="+", default=[], metavar="JSON",
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.model_zoo import check_family, env_threads, families, format_table
 
     env_threads()
-    C.init()
+    C.init(backend="gloo") if args.device == "cuda" else C.init()
     plans = families()
     kinds = [k for k in (args.families.split(",") if args.families else sorted(plans)) if k]
     unknown = [k for k in kinds if k not in plans]
@@ -52,13 +53,16 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [(k, lay) for k in kinds for lay in layouts if plans[k]["tp" if lay == "tp" else "ep"]]
     for n, (kind, lay) in enumerate(jobs, 1):
         for impl in args.impls.split(","):
-            rec = check_family(kind, lay, impl)
+            rec = check_family(kind, lay, impl, device=args.device)
             records.append(rec)
             if rank0:
                 print(f"[{n}/{len(jobs)} {time.perf_counter() - start:6.0f}s] {kind:28s} {lay:5s} {impl:12s} "
                       f"{rec.status:7s} {rec.seconds:5.1f}s {rec.reason[:150]}", flush=True)
     if rank0:
-        meta = {"transformers": transformers.__version__, "world": dist.get_world_size(),
+        import torch
+
+        meta = {"transformers": transformers.__version__, "torch": torch.__version__, "device": args.device,
+                "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "world": dist.get_world_size(),
                 "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"), "seconds": time.perf_counter() - start}
         if args.json:
             with open(args.json, "w") as f:
