@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["AgreeRecord", "greedy_tokens", "loss_curve", "compare"]
+__all__ = ["AgreeRecord", "greedy_tokens", "loss_curve", "compare", "full_tensor"]
 
 
 @dataclass
@@ -40,7 +40,7 @@ class AgreeRecord:
         return asdict(self)
 
 
-def _full(t: Any) -> torch.Tensor:
+def full_tensor(t: Any) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
@@ -56,7 +56,7 @@ def greedy_tokens(model: Any, prompt: torch.Tensor, n: int) -> tuple[list[list[i
         logits = model(input_ids=prompt, past_key_values=cache, use_cache=True,
                        cache_position=torch.arange(length, device=prompt.device)).logits[:, -1]
         for i in range(n):
-            top = _full(logits).float().topk(2, dim=-1)
+            top = full_tensor(logits).float().topk(2, dim=-1)
             tok = top.indices[:, :1].contiguous()
             tokens.append(tok)
             margins.append(top.values[:, 0] - top.values[:, 1])
@@ -77,7 +77,7 @@ def loss_curve(model: Any, ids: torch.Tensor, steps: int, lr: float) -> list[flo
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         opt.step()
-        losses.append(float(_full(loss.detach())))
+        losses.append(float(full_tensor(loss.detach())))
     opt.zero_grad(set_to_none=True)
     return losses
 

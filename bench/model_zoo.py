@@ -37,6 +37,8 @@ import torch.distributed as dist
 from collectives import call_timeout
 from collectives.errors import CommopsError
 
+from .model_agree import full_tensor
+
 __all__ = ["ZooRecord", "families", "tiny_model", "check_family", "format_table"]
 
 # our small-config rules: each applies where the type's config has the field
@@ -168,10 +170,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 def _expected(name: str, p: torch.Tensor, ref: dict[str, torch.Tensor], model: Any, tp_rank: int, tp: int) -> Any:
     """The reference gradient's part that this rank's ``p`` holds (None: nothing to compare with)."""
     want = ref.get(name)
@@ -227,7 +225,7 @@ def _grad_problem(model: Any, ref: Any, tp_rank: int, tp: int, transformers_impl
     for name, p in model.named_parameters():
         g = p.grad
         if transformers_impl:
-            g = None if g is None else _full(g)
+            g = None if g is None else full_tensor(g)
             want = ref_grads.get(name)
         else:
             want = _expected(name, p, ref_grads, model, tp_rank, tp)
@@ -334,9 +332,9 @@ def _checks(rec: ZooRecord, kind: str, layout: str, impl: str, ref: Any, path: s
     try:
         with torch.no_grad():
             got, want = model(ids).logits, ref(ids).logits
-        rec.logits_err = _rel(_full(got), want)
+        rec.logits_err = _rel(full_tensor(got), want)
         with torch.no_grad():  # an odd number of tokens (7): the expert exchange pads its share
-            odd = _rel(_full(model(ids[:1, :7]).logits), ref(ids[:1, :7]).logits)
+            odd = _rel(full_tensor(model(ids[:1, :7]).logits), ref(ids[:1, :7]).logits)
         rec.logits_err = max(rec.logits_err, odd)
         if rec.logits_err > 1e-4:
             problem = f"logits differ by {rec.logits_err:.3g} (relative)"

@@ -271,7 +271,6 @@ def experts_over_dispatcher(experts: nn.Module, ep_group: Any, transport: Any = 
                                transport=transport)
     experts._commops_ep = _EpState(ep_group, dispatcher, rank * local, local)
     _subclass(experts, _ExpertsOverDispatcher)
-    experts._commops_ep.op_name = register_block(experts)
-    experts.op_name = experts._commops_ep.op_name
+    experts.op_name = register_block(experts)  # what routed_block finds the exchange by
     return experts
 

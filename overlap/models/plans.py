@@ -119,7 +119,6 @@ class Style:
     what: str
     check: Callable[[Context, str, str, Any], None]
     apply: Callable[[Context, str, str, Any], None]
-    param: bool = False  # a parameter's style (its owner's module path is the entry's path less one name)
 
 
 def _is_linear(m: Any) -> bool:
@@ -341,8 +340,8 @@ STYLES: dict[str, Style] = {
 }
 # a plan entry that names a parameter rather than a module
 _PARAM_STYLES: dict[str, Style] = {
-    "colwise": Style("its rows of the heads' dimension", _param_check(True), _param_apply(True), param=True),
-    "rowwise": Style("its slice of the last dimension", _param_check(False), _param_apply(False), param=True),
+    "colwise": Style("its rows of the heads' dimension", _param_check(True), _param_apply(True)),
+    "rowwise": Style("its slice of the last dimension", _param_check(False), _param_apply(False)),
 }
 for _alias, _base in (("unit_colwise", "colwise"), ("local_colwise", "colwise"), ("rowwise_split_input", "rowwise"),
                       ("local_rowwise", "rowwise")):
