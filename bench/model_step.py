@@ -64,7 +64,7 @@ VARIANTS = ("ours/auto", "ours/sequential", "transformers")
 _CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
             "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM")}
 _MOE = ("qwen3_moe", "mixtral")
-FAMILY_PRESETS = tuple(_CLASSES)  # the families small_model builds
+FAMILY_PRESETS = tuple(_CLASSES)  # the hand families; any other family with a plan is sized by model_zoo's rules
 # Sizes by preset: "tiny" divides TP and EP up to 4 (CPU tests); "gpu" is about 0.9B parameters
 # dense (Llama) and 1.0B MoE (Qwen3-MoE: 32 experts of 768, 4 per token); "llama3-8b-4l" and
 # "qwen3-30b-a3b-4l" have the layer shapes and vocabularies of Llama-3-8B and Qwen3-30B-A3B
@@ -78,6 +78,13 @@ PRESETS: dict[str, dict[str, int]] = {
     "qwen3-30b-a3b-4l": dict(vocab=151936, hidden=2048, ffn=6144, layers=4, heads=32, kv=4, head_dim=128, experts=128,
                              top_k=8, moe_ffn=768),
 }
+# Beyond "tiny", what a family of another kind takes besides the preset's sizes, in its config's
+# names (each where the config has the field): for MLA (DeepSeek-V2/V3, Kimi) DeepSeek-V3's
+# per-head sizes (a rotary part of 64, 128 more for q and k, v of 128) and kv rank (512), a q
+# rank of 3/8 of the hidden size; one shared expert; the routed experts in 4 groups of which a
+# token's top-k come from 2; the first layer dense; a sliding window of 128 (GPT-OSS's).
+_LARGER = dict(qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, qk_head_dim=192, kv_lora_rank=512,
+               n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1, sliding_window=128)
 
 
 def _config_sizes(family: str, p: dict[str, int]) -> dict[str, Any]:
@@ -93,17 +100,52 @@ def _config_sizes(family: str, p: dict[str, int]) -> dict[str, Any]:
     return sizes
 
 
+def _plan_sizes(family: str, preset: str) -> dict[str, Any]:
+    """``PRESETS[preset]`` in the config names of a family that is not a hand one (``model_zoo.tiny_config``
+    applies each where the family's config has it)."""
+    from transformers import AutoConfig  # deferred: the models extra
+
+    p = PRESETS[preset]
+    fields = AutoConfig.for_model(family).to_dict()
+    sizes = _config_sizes("llama", p)
+    experts = {k: p["experts"] for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in fields}
+    sizes.update(experts, num_experts_per_tok=p["top_k"], moe_topk=p["top_k"], moe_intermediate_size=p["moe_ffn"],
+                 shared_expert_intermediate_size=p["moe_ffn"])
+    if experts and "moe_intermediate_size" not in fields:  # GPT-OSS, Mixtral-like: intermediate_size is the experts'
+        sizes["intermediate_size"] = p["moe_ffn"]
+    if preset != "tiny":
+        sizes.update(_LARGER, q_lora_rank=p["hidden"] * 3 // 8)
+    return sizes
+
+
+def is_moe(family: str) -> bool:
+    """Whether ``family``'s models have experts (a hand MoE family, or a plan for them)."""
+    if family in _CLASSES:
+        return family in _MOE
+    from transformers import AutoConfig  # deferred: the models extra
+
+    return bool(getattr(AutoConfig.for_model(family), "base_model_ep_plan", None))
+
+
 def small_model(family: str, preset: str, dtype: torch.dtype, device: torch.device, seed: int = 0,
                 positions: int = 4096) -> Any:
     """A ``family`` model of ``PRESETS[preset]`` sizes from random weights, the same on every rank,
-    for sequences of up to ``positions`` tokens."""
+    for sequences of up to ``positions`` tokens. ``family``: a hand family (``FAMILY_PRESETS``) or
+    any other causal-LM type with a tensor-parallel plan (``bench.model_zoo.families``), sized by
+    ``bench.model_zoo.tiny_config`` with the preset's sizes laid over its rules."""
     import transformers  # deferred: the models extra
 
-    if family not in _CLASSES:
-        raise C.InvalidArgumentError("family", family, "is not a family with a preset",
-                                     f"use one of {sorted(_CLASSES)}")
     if preset not in PRESETS:
         raise C.InvalidArgumentError("preset", preset, "is not a preset", f"use one of {sorted(PRESETS)}")
+    if family not in _CLASSES:
+        from .model_zoo import families, tiny_model
+
+        if not families().get(family, {}).get("tp"):
+            raise C.InvalidArgumentError("family", family, "is neither a hand family nor a causal-LM type of this "
+                                         "transformers with a tensor-parallel plan",
+                                         f"use one of {sorted(_CLASSES)} or a type bench.model_zoo.families() lists")
+        sizes = {**_plan_sizes(family, preset), "max_position_embeddings": positions}
+        return tiny_model(family, seed, sizes, most_parameters=1 << 40).to(dtype=dtype, device=device)
     config_name, model_name = _CLASSES[family]
     cfg = getattr(transformers, config_name)(max_position_embeddings=positions, tie_word_embeddings=False,
                                              **_config_sizes(family, PRESETS[preset]))
@@ -175,7 +217,7 @@ def _groups(comm: C.Communicator, tp: int, ep: int) -> tuple[Any, Any]:
 def _moe_transport(variant: str, family: str, comm: C.Communicator, device: torch.device, ep: int, tokens: int,
                    top_k: int) -> Any:
     """"peer" options for ours/auto where the expert-parallel ranks (all ranks) are GPUs of one node."""
-    if variant != "ours/auto" or family not in _MOE or ep == 1 or device.type != "cuda" or len(comm.topology.nodes) > 1:
+    if variant != "ours/auto" or not is_moe(family) or ep == 1 or device.type != "cuda" or len(comm.topology.nodes) > 1:
         return "nccl"
     return PeerOptions(max_tokens=-(-tokens // ep), top_k=top_k)
 
@@ -185,8 +227,7 @@ def _load(variant: str, family: str, path: str, comm: C.Communicator, dtype: tor
     """One variant of the checkpoint at ``path``, on this rank."""
     import transformers  # deferred: the models extra
 
-    moe = family in _MOE
-    hf, tp, ep = _hf_layout(comm.size, moe)
+    hf, tp, ep = _hf_layout(comm.size, is_moe(family))
     if variant == "transformers":
         if not hf:
             return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
@@ -362,10 +403,10 @@ def measure_model(family: str, comm: C.Communicator, device: torch.device, dtype
                                                 for v, c in check.items()))
     longest = max([seq, decode_seq + 1, *prefill_seqs])
     base = small_model(family, preset, dtype, device, positions=max(4096, longest + 16))
+    vocab = int(base.config.get_text_config().vocab_size)
     path = save_checkpoint(base, comm)
     del base
     gen = torch.Generator().manual_seed(2)
-    vocab = PRESETS[preset]["vocab"]
     ids = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
     plan = [("train", ids)] + [("prefill", torch.randint(0, vocab, (prefill_batch, n), generator=gen).to(device))
                                for n in prefill_seqs]
@@ -381,8 +422,8 @@ def measure_model(family: str, comm: C.Communicator, device: torch.device, dtype
             errors[v] = why
         else:
             models[v] = model
-    _, tp, ep = _hf_layout(comm.size, family in _MOE)
-    layout = f"tp={tp}" + (f",ep={ep}" if family in _MOE else "")
+    _, tp, ep = _hf_layout(comm.size, is_moe(family))
+    layout = f"tp={tp}" + (f",ep={ep}" if is_moe(family) else "")
     steps = {"train": _train_step, "prefill": _prefill_step, "decode": _decode_step}
     records = []
     for step, data in plan:

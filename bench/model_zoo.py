@@ -100,8 +100,9 @@ def _text(cfg: Any) -> Any:
         return cfg
 
 
-def tiny_config(kind: str) -> Any:
-    """The type's default config with ``_TINY``'s sizes (raises where that cannot be built)."""
+def tiny_config(kind: str, sizes: dict[str, Any] | None = None) -> Any:
+    """The type's default config with ``_TINY``'s sizes, then ``sizes`` (config field names: each
+    applies where the type's config has the field; raises where that cannot be built)."""
     from transformers import AutoConfig  # deferred: the models extra
 
     base = AutoConfig.for_model(kind)
@@ -109,32 +110,35 @@ def tiny_config(kind: str) -> Any:
         raise CommopsError(f"{kind} is a composite model (a text config inside {type(base).__name__}): its "
                            "tiny form needs its other towers too")
     fields = base.to_dict()
-    kw = {k: v for k, v in _TINY.items() if k in fields or k == "attn_implementation"}
+    kw = {k: v for k, v in {**_TINY, **(sizes or {})}.items() if k in fields or k == "attn_implementation"}
     kw.update({k: 0.0 for k in _ZERO if k in fields})
     if "qk_rope_head_dim" in fields:  # MLA: the rotary part is what head_dim sizes, and k and v have every head
         kw["head_dim"] = kw["qk_rope_head_dim"]
         kw["num_key_value_heads"] = kw["num_attention_heads"]
     if "attn_layer_period" in fields:  # Jamba-like hybrids: one attention layer of the two
         kw.update(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1)
-    if isinstance(fields.get("layer_types"), list):
+    if isinstance(fields.get("layer_types"), list):  # the type's first two kinds of layer, in turn
         kinds = list(dict.fromkeys(fields["layer_types"]))[:2]
-        kw["layer_types"] = kinds + kinds[:1] * (2 - len(kinds))
+        kw["layer_types"] = [kinds[i % len(kinds)] for i in range(int(kw.get("num_hidden_layers", 2)))]
     for name in ("rope_scaling", "rope_parameters"):
         if isinstance(fields.get(name), dict) and "mrope_section" in fields[name]:
             raise CommopsError(f"{kind} takes multimodal rotary sections: its tiny form needs their sizes")
     return AutoConfig.for_model(kind, **kw)
 
 
-def tiny_model(kind: str, seed: int = 1234) -> Any:
-    """The tiny random model of ``kind`` (float32, eval mode), the same on every rank."""
+def tiny_model(kind: str, seed: int = 1234, sizes: dict[str, Any] | None = None,
+               most_parameters: int = _MOST_PARAMETERS) -> Any:
+    """The tiny random model of ``kind`` (float32, eval mode), the same on every rank; ``sizes``
+    as :func:`tiny_config` takes them, ``most_parameters`` the size past which the rules missed
+    one of the type's own size fields (an error)."""
     import transformers  # deferred: the models extra
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    cfg = tiny_config(kind)
+    cfg = tiny_config(kind, sizes)
     cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind])
     with torch.device("meta"):
         n = sum(p.numel() for p in cls(cfg).parameters())
-    if n > _MOST_PARAMETERS:
+    if n > most_parameters:
         raise CommopsError(f"the tiny rules leave {kind} {n / 1e6:.0f}M parameters (its sizes have other names)")
     torch.manual_seed(seed)
     return cls(cfg).float().eval()

@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 2 launch/bench_model.py --families llama --batch 8 --seq 1024
     torchrun --nproc-per-node 2 launch/bench_model.py --families llama --preset llama=llama3-8b-4l
     torchrun --nproc-per-node 2 launch/bench_model.py --preset tiny --backend gloo   # on CPUs
+    torchrun --nproc-per-node 1 launch/bench_model.py --model deepseek_v3,gpt_oss,qwen2  # any family with a plan
 
 The same checkpoint three ways on the same ranks and data (``bench/model_step.py`` says how):
 ``ours/auto``, ``ours/sequential`` (and the plain NCCL transport for MoE rows) and transformers'
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import difflib
 import json
 import os
 import sys
@@ -54,7 +56,10 @@ def _presets(text: str | None, families: list[str], default: str) -> dict[str, s
 
 def main() -> int:
     p = argparse.ArgumentParser(prog="launch/bench_model.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--families", default="llama,qwen3_moe", help="comma-separated: llama, qwen3, qwen3_moe, mixtral")
+    p.add_argument("--families", "--model", default="llama,qwen3_moe",
+                   help="comma-separated model types: the hand families (llama, qwen3, qwen3_moe, mixtral) or any "
+                        "causal-LM type of the installed transformers with a tensor-parallel plan (qwen2, gpt_oss, "
+                        "deepseek_v3, ...), sized by the preset through bench/model_zoo.py's rules")
     p.add_argument("--preset", default=None,
                    help=f"model sizes, one of {', '.join(PRESETS)}, or family=preset pairs, comma-separated "
                         "(default gpu on GPUs, else tiny)")
@@ -82,9 +87,19 @@ def main() -> int:
     p.add_argument("--out", default=None, help="folder for results.json/csv and plot.png, or 'none'")
     args = p.parse_args()
     families = [f.strip() for f in args.families.split(",")]
-    for f in families:
-        if f not in FAMILY_PRESETS:
-            p.error(f"--families: {f!r} is not one of {', '.join(FAMILY_PRESETS)}")
+    planned = [f for f in families if f not in FAMILY_PRESETS]
+    if planned:
+        try:
+            from bench.model_zoo import families as zoo
+        except ImportError as e:
+            p.error(f"--families {','.join(planned)}: needs transformers (pip install -e '.[models]'): {e}")
+        known = {k for k, v in zoo().items() if v.get("tp")}
+        for f in planned:
+            if f not in known:
+                near = difflib.get_close_matches(f, sorted(known | set(FAMILY_PRESETS)), n=3)
+                p.error(f"--families: {f!r} is neither a hand family ({', '.join(FAMILY_PRESETS)}) nor a causal-LM "
+                        "type of this transformers with a tensor-parallel plan"
+                        + (f"; did you mean {', '.join(near)}?" if near else ""))
     variants = tuple(v.strip() for v in args.variants.split(","))
     for v in variants:
         if v not in VARIANTS:

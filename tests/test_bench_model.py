@@ -35,8 +35,8 @@ def _run(tmp_path: Path, ranks: int, *flags: str, env: dict[str, str] | None = N
     return json.loads((out / "results.json").read_text())
 
 
-def _every_variant_ran(records: list[dict], graph: bool) -> None:
-    for family in ("llama", "qwen3_moe"):
+def _every_variant_ran(records: list[dict], graph: bool, families: tuple[str, ...] = ("llama", "qwen3_moe")) -> None:
+    for family in families:
         for step in ("train", "prefill", "decode") if not graph else ("train", "decode"):
             rows = [r for r in records if (r["family"], r["step"], r["graph"]) == (family, step, graph)]
             assert {r["variant"] for r in rows} == VARIANTS, (family, step, rows)
@@ -80,6 +80,32 @@ def test_bench_model_on_one_gpu(tmp_path: Path) -> None:
         assert (r["time_us"] or 0) > 0 or r["error"], r
     dense = [r for r in graphs if r["family"] == "llama"]
     assert all(r["time_us"] for r in dense), dense
+
+
+@pytest.mark.gpu
+def test_bench_model_takes_any_planned_family_on_one_gpu(tmp_path: Path) -> None:
+    """DeepSeek-V3-, GPT-OSS- and Qwen2-like models (sized by the tiny rules and the preset): the
+    families of the plan path, through the same three variants."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    families = ("deepseek_v3", "gpt_oss", "qwen2")
+    rec = _run(tmp_path, 1, "--model", ",".join(families))
+    _every_variant_ran(rec["records"], graph=False, families=families)
+    for r in (r for r in rec["records"] if r["graph"]):
+        assert (r["time_us"] or 0) > 0 or r["error"], r
+
+
+def test_small_model_sizes_a_planned_family_from_its_preset() -> None:
+    from bench.model_step import PRESETS, is_moe, small_model
+
+    p = PRESETS["tiny"]
+    m = small_model("gpt_oss", "tiny", torch.float32, torch.device("cpu"), positions=256)
+    c = m.config
+    assert (c.hidden_size, c.num_local_experts, c.num_experts_per_tok) == (p["hidden"], p["experts"], p["top_k"])
+    assert c.intermediate_size == p["moe_ffn"] and c.max_position_embeddings == 256  # GPT-OSS: the experts' width
+    assert is_moe("gpt_oss") and not is_moe("qwen2") and is_moe("mixtral") and not is_moe("llama")
+    with pytest.raises(Exception, match="tensor-parallel plan"):
+        small_model("not_a_model_type", "tiny", torch.float32, torch.device("cpu"))
 
 
 def test_agreement_names_where_variants_part() -> None:

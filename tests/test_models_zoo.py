@@ -27,6 +27,7 @@ SUBSET = {
     "qwen3_next": (("tp", "ep"), "a hybrid of linear-attention and attention layers, gated attention, per-head norms"),
     "llama4_text": (("tp",), "a row-parallel output the model adds into in place; experts kept whole under TP"),
     "jamba": (("tp", "ep"), "a hybrid of Mamba and attention layers, experts every other layer"),
+    "doge": (("tp",), "a per-KV-head dynamic mask computed from every head's values (an override)"),
 }
 
 

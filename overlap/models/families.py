@@ -118,9 +118,16 @@ FAMILIES: dict[str, Family] = {"llama": LLAMA, "qwen3": QWEN3, "qwen3_moe": QWEN
 _PER_HEAD_NORMS = {"model.layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
                    "model.layers.*.self_attn.k_norm": "replicated_with_grad_allreduce"}
 _TRAINED_ACTIVATION = {"model.layers.*.mlp.act_fn": "replicated_with_grad_allreduce"}  # xIELU's alpha_p, alpha_n
+# Doge's dynamic mask: dt_proj maps every KV head's values to one number per KV head, and A scales
+# them; its plan makes dt_proj rowwise (every head's number, summed) and leaves A whole, so the mask
+# has every KV head where the attention has this rank's. Each rank keeps its heads' share of both.
+# (Its q_norm and k_norm are per-head norms the plan does not name either.)
+_DOGE_MASK = {"model.layers.*.self_attn.dt_proj": "rowwise_own_output", "model.layers.*.self_attn.A": "colwise",
+              **_PER_HEAD_NORMS}
 PLAN_OVERRIDES: dict[str, dict[str, str]] = {
     "param2moe": _PER_HEAD_NORMS,  # the plan shards q/k/v but does not name q_norm and k_norm
     "sarvam_moe": _PER_HEAD_NORMS,
     "apertus": _TRAINED_ACTIVATION,
     "apertus1p5_text": _TRAINED_ACTIVATION,
+    "doge": _DOGE_MASK,
 }

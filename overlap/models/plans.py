@@ -17,6 +17,8 @@ What each style becomes here:
   projection that the model splits itself, the LM head).
 - ``rowwise``: ``RowParallelLinear`` (input features split; ``gemm_all_reduce``);
   ``rowwise_split_input`` / ``rowwise_rep``: the same taking a replicated input and its slice.
+- ``rowwise_own_output`` (ours, for overrides): row-parallel, then this rank's share of the summed
+  output's features (a per-head projection of every head's values, Doge's ``dt_proj``).
 - ``packed_colwise`` on a linear: its two packed halves each split, so a rank's rows are its gate
   rows then its up rows and the model's own ``chunk(2)`` finds them.
 - ``embedding_rowwise`` / ``embedding_colwise``: ``VocabParallelEmbedding`` (the table's rows split;
@@ -26,7 +28,8 @@ What each style becomes here:
   (a per-head norm sees only this rank's heads).
 - ``mla_kv_a_proj``: kept whole; the gradient of its output's rotary part, which reaches the
   attention's local heads alone, is summed over the group (the rest goes through a column layer).
-- ``all_reduce``: the module's output (a partial sum) all-reduced.
+- ``all_reduce``: the module's output (a partial sum) all-reduced; where its own parameters are
+  split by parameter entries, its inputs' gradients (each rank's part) are summed too.
 - an experts module's styles (``grouped_gemm``, ``ep_dispatch_experts``, ``ep_router``,
   ``moe_tp_experts``, ``packed_rowwise``) with ``ep_group``: the module over
   ``MoEDispatcher`` (``experts_over_dispatcher``: whole experts per rank, the model's own expert
@@ -207,6 +210,23 @@ def _row(split_input: bool) -> Callable[[Context, str, str, Any], None]:
     return apply
 
 
+def _check_row_own(ctx: Context, path: str, style: str, m: Any) -> None:
+    _check_row(ctx, path, style, m)
+    _divides(path, style, "output features", m.out_features, ctx.tp)
+
+
+def _own_share(group: Any) -> Callable[[nn.Module, Any, torch.Tensor], torch.Tensor]:
+    def hook(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        n = out.shape[-1] // dist.get_world_size(group)
+        return out.narrow(-1, dist.get_rank(group) * n, n)
+    return hook
+
+
+def _apply_row_own(ctx: Context, path: str, style: str, m: Any) -> None:
+    _row(False)(ctx, path, style, m)
+    ctx.model.get_submodule(path).register_forward_hook(_own_share(ctx.group))
+
+
 def plain_embedding(m: Any) -> bool:
     """An ``nn.Embedding`` whose forward is the table's lookup, or that lookup times its ``embed_scale``."""
     if not isinstance(m, nn.Embedding) or isinstance(m, VocabParallelEmbedding):
@@ -327,6 +347,8 @@ STYLES: dict[str, Style] = {
     "colwise_gather_output": _GATHERED, "colwise_rep": _GATHERED, "gather": _GATHERED,
     "rowwise": _ROW, "unit_rowwise": _ROW, "local_rowwise": _ROW,
     "rowwise_split_input": _ROW_SPLIT, "rowwise_rep": _ROW_SPLIT,
+    "rowwise_own_output": Style("row-parallel, then this rank's share of the output features", _check_row_own,
+                                _apply_row_own),
     "packed_colwise": Style("column-parallel, two packed halves split alike", _check_packed, _apply_packed),
     "embedding_rowwise": _EMBEDDING, "embedding_colwise": _EMBEDDING,
     "replicated_with_grad_allreduce": Style("kept whole, gradients summed over the group", _check_any,
@@ -406,10 +428,26 @@ def check(ctx: Context, steps: list[PlanStep]) -> None:
         step.meaning.check(ctx, step.path, step.style, target(ctx.model, step))
 
 
+def _input_grad_summed(group: Any) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Any]:
+    """A forward pre-hook: each floating-point tensor input's gradient summed over ``group``."""
+    def summed(x: Any) -> Any:
+        return _SumGradOverRanks.apply(x, group) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return tuple(summed(a) for a in args), {k: summed(v) for k, v in kwargs.items()}
+    return hook
+
+
 def apply(ctx: Context, steps: list[PlanStep]) -> None:
     for step in steps:
         step.meaning.apply(ctx, step.path, step.style, target(ctx.model, step))
         ctx.done[step.path] = f"{step.style}: {step.meaning.what}"
+    for step in steps:
+        # an all-reduced module whose own parameters are split (no column layer sums its input's
+        # gradient, as ColumnParallelLinear does): each rank's input gradients are parts, summed here
+        if step.style == "all_reduce" and any(s.param and s.path.startswith(step.path + ".") for s in steps):
+            ctx.model.get_submodule(step.path).register_forward_pre_hook(_input_grad_summed(ctx.group),
+                                                                         with_kwargs=True)
 
 
 def check_experts(model: nn.Module, paths: list[str], ep: int) -> None:
