@@ -143,6 +143,12 @@ def _same(name: str, t: torch.Tensor, other_name: str, other: torch.Tensor) -> N
 
 
 def _reducible(call: Call, name: str, t: torch.Tensor) -> None:
+    if t.is_complex():  # torch's words first for a complex tensor, whatever the op (BAND included)
+        try:
+            call.reduce_op = normalize_reduce_op(call.reduce_op)
+        except InvalidArgumentError:
+            raise InvalidArgumentError("op", call.reduce_op, f"{call.op} does not support {call.reduce_op} on "
+                                       "complex tensors", "reduce with op=SUM or AVG") from None
     call.reduce_op = normalize_reduce_op(call.reduce_op)
     if t.dtype not in REDUCIBLE_DTYPES:
         if t.is_complex():

@@ -132,7 +132,9 @@ def store_gather(store: Any, prefix: str, rank: int, value: str, ranks: Sequence
         except Exception:  # noqa: BLE001 - the store itself is gone: no rank can be told apart
             missing = []
         why = f"rank(s) {missing} did not reach it" if missing else f"the store did not answer ({exc})"
-        raise CollectiveTimeout(op, missing, f"{what}: {why} within {seconds:g} s") from exc
+        # "Timed out": the words torch's own timeouts use, which callers and torch's tests match
+        raise CollectiveTimeout(op, missing, f"{what}: {why} within {seconds:g} s (Timed out after "
+                                f"{seconds:g} s)") from exc
     return [v.decode() for v in store.multi_get(keys)]
 
 

@@ -201,27 +201,39 @@ def test_equal_settings_pass_with_one_exchange_per_communicator(worlds, tmp_path
         assert res["peer_bytes"] == 32 << 20 and res["debug"] is True, res
 
 
-def _late(rank: int, world: int) -> dict[str, object]:
-    g = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=300))
-    out: dict[str, object] = {"raised": None}
-    t0 = time.monotonic()
-    if rank != world - 1:  # the last rank never makes the group's first call
-        try:
-            with C.call_timeout(3.0):
-                C.all_reduce(torch.ones(4), group=g)
-        except C.CollectiveTimeout as exc:
-            out.update(raised="CollectiveTimeout", missing=exc.missing, message=str(exc))
-    out["seconds"] = time.monotonic() - t0
-    dist.barrier()
-    C.destroy(g)
-    return out
+_LATE_CALLS = {"all_reduce": lambda g: C.all_reduce(torch.ones(4), group=g),
+               "all_reduce ring": lambda g: C.all_reduce(torch.ones(1000), group=g, algorithm="ring"),
+               "barrier": lambda g: C.barrier(group=g)}
+
+
+def _late(rank: int, world: int) -> dict[str, dict[str, object]]:
+    """Each call first on a fresh group whose own timeout is 300 s, the last rank never making it."""
+    got: dict[str, dict[str, object]] = {}
+    for name, call in _LATE_CALLS.items():
+        g = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=300))
+        out: dict[str, object] = {"raised": None}
+        t0 = time.monotonic()
+        if rank != world - 1:
+            try:
+                with C.call_timeout(3.0):
+                    call(g)
+            except C.CollectiveTimeout as exc:
+                out.update(raised="CollectiveTimeout", missing=exc.missing, message=str(exc))
+        out["seconds"] = time.monotonic() - t0
+        got[name] = out
+        dist.barrier()
+        C.destroy(g)
+    return got
 
 
 def test_the_settings_check_is_bounded_by_the_calls_timeout(worlds) -> None:  # noqa: ANN001
     world = 3
-    for res in worlds(world).run(_late, timeout=120)[:-1]:
-        assert res["raised"] == "CollectiveTimeout" and res["missing"] == [world - 1], res
-        assert 2.5 < res["seconds"] < 8.0, res
+    for rank_res in worlds(world).run(_late, timeout=120)[:-1]:
+        for name, res in rank_res.items():
+            assert res["raised"] == "CollectiveTimeout" and res["missing"] == [world - 1], (name, res)
+            assert 2.5 < res["seconds"] < 8.0, (name, res)
+            # ours names who did not arrive; torch's words too, which its callers and tests match
+            assert "did not reach it" in res["message"] and "Timed out" in res["message"], (name, res)
 
 
 @pytest.fixture(scope="module")
