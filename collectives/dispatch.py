@@ -18,6 +18,7 @@ collective's path and its cost is measured against calling torch.distributed dir
 
 from __future__ import annotations
 
+import difflib
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -144,7 +145,9 @@ def _resolve(call: Call) -> Algorithm:
         if algo is None or not algo.supports(op, dtype, backend):
             usable = for_op(op, dtype, backend)
             why = "is not a registered algorithm" if algo is None else f"does not run {op} on {dtype} with {backend}"
-            raise UnsupportedError("algorithm", call.algorithm, why, f"pass 'auto' or one of {usable}")
+            near = difflib.get_close_matches(call.algorithm, usable, n=1) if isinstance(call.algorithm, str) else []
+            raise UnsupportedError("algorithm", call.algorithm, why, (f"did you mean {near[0]!r}? " if near else "")
+                                   + f"pass 'auto' or one of {usable}")
         hit = _RESOLVED[key] = (algo, Choice(algo.name, "requested", "algorithm= given by the caller"))
     algo, choice = hit
     if call.choice is None:  # set by validation where the call decided it (a sparse tensor)

@@ -48,6 +48,8 @@ def _cases(rank: int, world: int) -> dict[str, tuple]:
         "reduce dst out of range": (lambda: C.reduce(f(3), world), C.InvalidArgumentError, ["dst=", f"{world}"]),
         "unknown algorithm": (lambda: C.all_reduce(f(3), algorithm="fastest"), C.UnsupportedError,
                               ["algorithm=", "fastest", "ring", "native"]),
+        "misspelt algorithm": (lambda: C.all_reduce(f(3), algorithm="rign"), C.UnsupportedError,
+                               ["algorithm=", "rign", "did you mean 'ring'?"]),
         "algorithm lacks op": (lambda: C.all_gather_single(f(3 * world), f(3), algorithm="halving_doubling"), C.UnsupportedError,
                                ["halving_doubling", "all_gather", "ring"]),
         "bruck uneven": (lambda: C.all_to_all_single(f(world + 1), f(world + 1), [1] * (world - 1) + [2], [1] * (world - 1) + [2],
