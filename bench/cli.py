@@ -23,6 +23,7 @@ import platform
 import re
 import shlex
 import sys
+import time
 from collections.abc import Sequence
 
 import torch
@@ -189,6 +190,7 @@ def _no_matplotlib(exc: ModuleNotFoundError) -> bool:
 
 def main(argv: Sequence[str] | None = None, op: str | None = None) -> int:
     args = build_parser(op).parse_args(argv)
+    started = time.monotonic()
     ops = [op] if op else args.op
     core = None
     launch = launcher_environment()
@@ -258,7 +260,8 @@ def main(argv: Sequence[str] | None = None, op: str | None = None) -> int:
             written.append(path)
         if written:
             print("# wrote " + ", ".join(written), flush=True)
-        if folder is not None:
+        print(f"# ran in {time.monotonic() - started:.0f} s", flush=True)
+        if folder is not None:  # the last line: where the record is
             print(f"# record of this run: {folder}{os.sep}", flush=True)
     bad = sum(r.wrong or 0 for r in records)
     dist.barrier()

@@ -28,11 +28,17 @@ def _label(r: Record) -> str:
 
 def format_table(records: Sequence[Record]) -> str:
     """One row per (size, algorithm); ``time/native`` is the time over native's at that size and
-    mode, paired by round where they were timed in the same rounds (``Record.vs_native``)."""
+    mode, paired by round where they were timed in the same rounds (``Record.vs_native``); the
+    fastest row of each size and mode with no wrong value is marked ``<- fastest``."""
     head = (f"{'size(B)':>12} {'count':>11} {'type':>8} {'algorithm':<28} {'time(us)':>10} {'min(us)':>10} "
-            f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>6} {'time/native':>11}")
+            f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>6} {'time/native':>11}  fastest")
     lines = [head, "-" * len(head)]
     native = {(r.op, r.bytes, r.graph): r.time_us for r in records if r.algorithm == "native"}
+    fastest: dict[tuple[str, int, bool], Record] = {}  # per size and mode, of the rows with no wrong value
+    for r in records:
+        key = (r.op, r.bytes, r.graph)
+        if not r.wrong and (key not in fastest or r.time_us < fastest[key].time_us):
+            fastest[key] = r
     prev = None
     for r in records:
         if prev is not None and r.bytes != prev:
@@ -43,7 +49,8 @@ def format_table(records: Sequence[Record]) -> str:
         ratio = f"{vs:11.2f}" if vs is not None else f"{'-':>11}"
         wrong = "-" if r.wrong is None else str(r.wrong)
         lines.append(f"{r.bytes:>12} {r.count:>11} {r.dtype:>8} {_label(r):<28} {r.time_us:>10.1f} {r.time_us_min:>10.1f} "
-                     f"{r.algbw_GBps:>11.3f} {r.busbw_GBps:>11.3f} {wrong:>6} {ratio}")
+                     f"{r.algbw_GBps:>11.3f} {r.busbw_GBps:>11.3f} {wrong:>6} {ratio}"
+                     + ("  <- fastest" if fastest.get((r.op, r.bytes, r.graph)) is r else ""))
     bad = sum(r.wrong or 0 for r in records)
     lines.append(f"# out-of-bounds values: {bad}  ({'OK' if bad == 0 else 'FAILED'})")
     return "\n".join(lines)
