@@ -19,7 +19,9 @@
 # and our all-to-all algorithms, 8 B - 1 GB, eager and graphs), hf_model (launch/bench_model.py: a
 # Llama-3-8B-like and a Qwen3-30B-A3B-like model of 4 layers, ours against transformers' own
 # parallelism, training, prefill 2K-16K and decode 1-64, tokens and losses compared; hf_dense and
-# hf_moe: one family each), peer_epilogue (GEMMs writing
+# hf_moe: one family each), zoo_check (tests/gpu_models_check.py: the model zoo's subset, decode eager
+# and from CUDA graphs, at N ranks and at 2 sharing one GPU), hf_plans (launch/bench_model.py on
+# DeepSeek-V3-, GPT-OSS- and Qwen2-like models sharded from their plans), peer_epilogue (GEMMs writing
 # into a peer's memory against GEMMs beside a copy engine) and model (a calibration of this
 # machine, then the cost model's predictions against peer_bench's and a2a_bench's measurements,
 # which run first). On 4 or 8 GPUs: NPROC=n launch/gpu_suite.sh OUT peer_check overlap_check
@@ -135,6 +137,12 @@ for step in $STEPS; do
     hf_model)  # both families: under 600 s each, so one call each where a call's time is bounded
       run hf_dense 540 $R launch/bench_model.py --families llama --preset llama3-8b-4l -n 5 -r 5 --out "$OUT/hf_dense"
       run hf_moe 540 $R launch/bench_model.py --families qwen3_moe --preset qwen3-30b-a3b-4l -n 5 -r 5 --out "$OUT/hf_moe" ;;
+    zoo_check)
+      run zoo_check 300 $R tests/gpu_models_check.py --json "$OUT/zoo_check.json" --records "$OUT/zoo_records.json"
+      [ "$N" = 1 ] && run zoo_check_shared 300 python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
+        tests/gpu_models_check.py --json "$OUT/zoo_check_shared.json" --records "$OUT/zoo_records_shared.json" ;;
+    hf_plans) run hf_plans 540 $R launch/bench_model.py --model qwen2,gpt_oss,deepseek_v3 --prefill 2048,8192 \
+        --decode-batch 1,64 -n 5 -r 5 --out "$OUT/hf_plans" ;;
     hf_dense) run hf_dense 540 $R launch/bench_model.py --families llama --preset llama3-8b-4l -n 5 -r 5 --out "$OUT/hf_dense" ;;
     hf_moe) run hf_moe 540 $R launch/bench_model.py --families qwen3_moe --preset qwen3-30b-a3b-4l -n 5 -r 5 --out "$OUT/hf_moe" ;;
     *) echo "unknown step $step"; exit 2 ;;
