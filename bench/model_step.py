@@ -118,6 +118,7 @@ def _plan_sizes(family: str, preset: str) -> dict[str, Any]:
     return sizes
 
 
+@functools.lru_cache(maxsize=None)
 def is_moe(family: str) -> bool:
     """Whether ``family``'s models have experts (a hand MoE family, or a plan for them)."""
     if family in _CLASSES:
@@ -138,9 +139,13 @@ def small_model(family: str, preset: str, dtype: torch.dtype, device: torch.devi
     if preset not in PRESETS:
         raise C.InvalidArgumentError("preset", preset, "is not a preset", f"use one of {sorted(PRESETS)}")
     if family not in _CLASSES:
-        from .model_zoo import families, tiny_model
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-        if not families().get(family, {}).get("tp"):
+        from .model_zoo import tiny_config, tiny_model
+
+        planned = family in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and bool(
+            getattr(tiny_config(family), "base_model_tp_plan", None))
+        if not planned:
             raise C.InvalidArgumentError("family", family, "is neither a hand family nor a causal-LM type of this "
                                          "transformers with a tensor-parallel plan",
                                          f"use one of {sorted(_CLASSES)} or a type bench.model_zoo.families() lists")

@@ -115,13 +115,21 @@ def _groups(layout: str, world: int) -> tuple[Any, Any]:
     return dist.new_subgroups(1)[0], everyone
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max()) / max(float(b.float().abs().max()), 1e-30)
+def _held(ck: Any, what: str, step: Decode, tokens: list[torch.Tensor], want: list[torch.Tensor], graph: bool) -> float:
+    """A check per token that ``step``'s logits are within ``TOL`` of the reference's; the largest error."""
+    from bench.model_zoo import _rel
+
+    errs = [_rel(step.run(t, graph=graph), w) for t, w in zip(tokens, want)]
+    for i, e in enumerate(errs):
+        ck.count()
+        if not e <= TOL:
+            ck.fail(f"rank {dist.get_rank()} {what} {i} differs by {e:.3g} (relative)")
+    return max(errs)
 
 
 def check_family(ck: Any, kind: str, layout: str, dev: torch.device, world: int) -> dict[str, Any]:
     """The checks of one family into ``ck`` (collective); its record."""
-    from bench.model_zoo import tiny_model  # deferred: transformers
+    from bench.model_zoo import _rel, tiny_model  # deferred: transformers
     from overlap import parallelize
     from overlap.moe import PeerOptions
 
@@ -151,12 +159,7 @@ def check_family(ck: Any, kind: str, layout: str, dev: torch.device, world: int)
     model = parallelize(copy.deepcopy(ref), tp_group=tp_group, ep_group=ep_group, **kw)
     rec["sharded"] = len(getattr(model, "commops_parallel", {}).get("sharded", {}))
     ours = Decode(model, prompt)
-    errs = [_rel(ours.run(t, graph=False), w) for t, w in zip(tokens, want)]
-    rec["eager_err"] = max(errs)
-    for i, e in enumerate(errs):
-        ck.count()
-        if not e <= TOL:
-            ck.fail(f"rank {dist.get_rank()} {kind}/{layout}: eager decode {i} differs by {e:.3g} (relative)")
+    rec["eager_err"] = _held(ck, f"{kind}/{layout}: eager decode", ours, tokens, want, graph=False)
     if not rec["reference_captured"]:
         return rec
     try:
@@ -167,12 +170,7 @@ def check_family(ck: Any, kind: str, layout: str, dev: torch.device, world: int)
         rec["captured"], rec["not_captured"] = False, f"{type(e).__name__}: {e}"[:300]
         return rec
     rec["captured"] = True
-    errs = [_rel(ours.run(t, graph=True), w) for t, w in zip(tokens, want)]
-    rec["graph_err"] = max(errs)
-    for i, e in enumerate(errs):
-        ck.count()
-        if not e <= TOL:
-            ck.fail(f"rank {dist.get_rank()} {kind}/{layout}: graph replay {i} differs by {e:.3g} (relative)")
+    rec["graph_err"] = _held(ck, f"{kind}/{layout}: graph replay", ours, tokens, want, graph=True)
     return rec
 
 

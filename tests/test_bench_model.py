@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import collectives as C
+
 from tests._checks import NO_MULTICAST
 
 pytest.importorskip("transformers")
@@ -104,7 +106,7 @@ def test_small_model_sizes_a_planned_family_from_its_preset() -> None:
     assert (c.hidden_size, c.num_local_experts, c.num_experts_per_tok) == (p["hidden"], p["experts"], p["top_k"])
     assert c.intermediate_size == p["moe_ffn"] and c.max_position_embeddings == 256  # GPT-OSS: the experts' width
     assert is_moe("gpt_oss") and not is_moe("qwen2") and is_moe("mixtral") and not is_moe("llama")
-    with pytest.raises(Exception, match="tensor-parallel plan"):
+    with pytest.raises(C.InvalidArgumentError, match="tensor-parallel plan"):
         small_model("not_a_model_type", "tiny", torch.float32, torch.device("cpu"))
 
 
