@@ -11,6 +11,7 @@ dtype, as the fused kernel does).
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -20,7 +21,10 @@ import torch.nn.functional as F
 
 from overlap.moe import GroupedSwiGLU
 
-__all__ = ["ExpertsRecord", "PaddedRecord", "uneven_counts", "measure_experts", "measure_padded", "plot_experts"]
+CHECK_ROWS = 256  # rows of each expert the FP8 benchmark checks
+
+__all__ = ["ExpertsRecord", "PaddedRecord", "Fp8ExpertsRecord", "uneven_counts", "measure_experts", "measure_padded",
+           "plot_experts", "dense_peaks", "measure_fp8_experts", "plot_fp8_experts"]
 
 
 @dataclass
@@ -209,6 +213,190 @@ def plot_experts(records: list[ExpertsRecord], path: str, title: str) -> None:
     ax.set_ylabel("GroupedSwiGLU forward, no grad (us)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8, loc="upper center")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+@dataclass
+class Fp8ExpertsRecord:
+    """One configuration's experts forward (no grad) four ways, timed in the same rounds.
+
+    ``*_us``: median per call; ``*_tflops``: ``6 rows hidden ffn`` over it; ``fp8_over_bf16_paired``:
+    the median over rounds of our FP8 time over our bf16 (``GroupedSwiGLU`` fused); the peaks are
+    dense 8192^3 GEMMs measured in the same run (bf16 ``torch.mm``; e4m3 ``torch._scaled_mm`` with
+    fast accumulation). ``wrong_fp8``: elements more than 2% of the largest away from the torch
+    definition of the FP8 experts (``_fp8_gemm.*_reference``); ``fp8_rel_error``: our FP8 output's
+    RMS distance from the float64 bf16 experts over their RMS (the cost of e4m3)."""
+
+    config: str
+    rows: int
+    hidden: int
+    ffn_hidden: int
+    experts: int
+    fp8_us: float
+    bf16_us: float
+    torch_bf16_us: float
+    torch_fp8_us: float
+    fp8_tflops: float
+    bf16_tflops: float
+    torch_bf16_tflops: float
+    torch_fp8_tflops: float
+    fp8_over_bf16_paired: float
+    fp8_over_torch_fp8_paired: float
+    bf16_peak_tflops: float
+    fp8_peak_tflops: float
+    wrong_fp8: int
+    fp8_rel_error: float
+    fp8_config: str
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def dense_peaks(device: torch.device, n: int = 8192, iters: int = 20) -> tuple[float, float]:
+    """(bf16, e4m3) TFLOP/s of one ``n^3`` GEMM on ``device``, best of 3 loops."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t().contiguous().t()
+    one = torch.ones((), device=device)
+    calls = {"bf16": lambda: torch.mm(a, b),
+             "fp8": lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16, use_fast_accum=True)}
+    best = {}
+    for k, call in calls.items():
+        call()
+        ts = []
+        for _ in range(3):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            for _ in range(iters):
+                call()
+            e.record()
+            e.synchronize()
+            ts.append(s.elapsed_time(e) / 1e3 / iters)
+        best[k] = 2 * n ** 3 / min(ts) / 1e12
+    return best["bf16"], best["fp8"]
+
+
+def _rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [rows, K]`` as e4m3 with one float32 scale per row (torch's rowwise FP8)."""
+    s = (x.float().abs().amax(-1, keepdim=True) / 448.0).clamp_min(1e-12)
+    return (x.float() / s).to(torch.float8_e4m3fn), s.view(-1)
+
+
+def _rowwise_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [E, K, N]`` as e4m3 ``[E, K, N]`` column-major (``[E, N, K]`` transposed) with a scale per
+    (expert, column): ``_scaled_grouped_mm``'s second operand."""
+    t = w.float().transpose(1, 2)  # [E, N, K]
+    s = (t.abs().amax(-1, keepdim=True) / 448.0).clamp_min(1e-12)
+    return (t / s).to(torch.float8_e4m3fn).contiguous().transpose(1, 2), s.squeeze(-1)
+
+
+def measure_fp8_experts(name: str, rows: int, hidden: int, ffn_hidden: int, experts: int, device: torch.device,
+                        *, iters: int = 10, reps: int = 9, seed: int = 0,
+                        peaks: tuple[float, float] | None = None) -> Fp8ExpertsRecord:
+    """Our FP8 experts (``forward_fp8`` on packed rows) against our bf16 experts (``fused=True``),
+    torch's bf16 grouped GEMMs (``fused=False``) and torch's rowwise FP8 grouped GEMMs
+    (``_scaled_grouped_mm`` for gate, up and down, the activation quantized per row between)."""
+    from overlap import _kernel_tuning
+    from overlap.moe import _fp8_gemm
+    from overlap.moe.fp8 import quantize_rows
+
+    counts = uneven_counts(rows, experts, seed)
+    torch.manual_seed(seed)
+    m = GroupedSwiGLU(experts, hidden, ffn_hidden, dtype=torch.bfloat16, device=device, fp8=True)
+    x = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16)
+    ends = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+    with torch.no_grad():
+        packed = quantize_rows(x)
+        q1, q3, q2 = m.fp8_weights()
+        r1, r3, r2 = (_rowwise_weight(p.detach()) for p in (m.w1, m.w3, m.w2))
+        xr = _rowwise(x)
+
+        def torch_fp8() -> torch.Tensor:
+            h1 = torch._scaled_grouped_mm(xr[0], r1[0], xr[1], r1[1], offs=ends, out_dtype=torch.bfloat16)
+            h3 = torch._scaled_grouped_mm(xr[0], r3[0], xr[1], r3[1], offs=ends, out_dtype=torch.bfloat16)
+            hq, hs = _rowwise(F.silu(h1) * h3)
+            return torch._scaled_grouped_mm(hq, r2[0], hs, r2[1], offs=ends, out_dtype=torch.bfloat16)
+
+        def ours(fused: bool) -> Callable[[], torch.Tensor]:
+            def call() -> torch.Tensor:
+                m.fused = fused
+                return m(x, counts, ends=ends)
+            return call
+
+        calls: dict[str, Callable[[], torch.Tensor]] = {
+            "fp8": lambda: m.forward_fp8(packed, counts, ends=ends), "bf16": ours(True), "torch_bf16": ours(False),
+            "torch_fp8": torch_fp8}
+        got = calls["fp8"]()
+        assert m.last_path is not None and m.last_path[0] == "fp8", m.last_path
+        cfg = _kernel_tuning.last_pick("fp8_swiglu"), _kernel_tuning.last_pick("fp8_mm")
+        # checked on up to CHECK_ROWS rows of each expert (the float64 product of every row of a
+        # 32K-token prefill would take the GPU minutes)
+        starts = [0, *itertools.accumulate(counts)][:-1]
+        sub = [min(c, CHECK_ROWS) for c in counts]
+        idx = torch.tensor([i for a, c in zip(starts, sub, strict=True) for i in range(a, a + c)], device=device,
+                           dtype=torch.long)
+        xq, xs = _fp8_gemm.split_rows(packed[idx], hidden)
+        hq, hs = _fp8_gemm.grouped_swiglu_fp8_reference(xq, xs, q1, q3, sub)
+        want = _fp8_gemm.grouped_mm_fp8_reference(hq, hs, q2, sub, torch.float32)
+        mine = got[idx].float()
+        wrong = int(((mine - want).abs() > 2e-2 * want.abs().max()).sum())
+        true = _float64(m, x[idx], sub)
+        rel = float((mine.double() - true).norm() / true.norm())
+        del hq, hs, want, true
+        for call in calls.values():
+            for _ in range(3):
+                call()
+        torch.cuda.synchronize(device)
+
+        def loop(call: Callable[[], torch.Tensor]) -> Callable[[], float]:
+            def timed() -> float:
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                for _ in range(iters):
+                    call()
+                e.record()
+                e.synchronize()
+                return s.elapsed_time(e) * 1e3 / iters
+            return timed
+
+        per = _rounds({k: loop(c) for k, c in calls.items()}, reps)
+    med = {k: statistics.median(v) for k, v in per.items()}
+    flops = 6 * rows * hidden * ffn_hidden
+    tf = {k: flops / (v * 1e-6) / 1e12 for k, v in med.items()}
+    pb, pf = peaks if peaks is not None else dense_peaks(device)
+
+    def paired(a: str, b: str) -> float:
+        return statistics.median(x / y for x, y in zip(per[a], per[b], strict=True))
+
+    return Fp8ExpertsRecord(name, rows, hidden, ffn_hidden, experts, med["fp8"], med["bf16"], med["torch_bf16"],
+                            med["torch_fp8"], tf["fp8"], tf["bf16"], tf["torch_bf16"], tf["torch_fp8"],
+                            paired("fp8", "bf16"), paired("fp8", "torch_fp8"), pb, pf, wrong, rel,
+                            f"gate/up {cfg[0]}; down {cfg[1]}")
+
+
+def plot_fp8_experts(records: list[Fp8ExpertsRecord], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4))
+    xs = range(len(records))
+    ways = [("fp8_tflops", "ours, FP8 (e4m3, 128x128 weight blocks)"), ("bf16_tflops", "ours, bf16"),
+            ("torch_bf16_tflops", "torch _grouped_mm, bf16"), ("torch_fp8_tflops", "torch _scaled_grouped_mm, FP8 rowwise")]
+    for j, (field, label) in enumerate(ways):
+        ax.bar([i + (j - 1.5) * 0.2 for i in xs], [getattr(r, field) for r in records], 0.2, label=label)
+    if records:
+        ax.axhline(records[0].fp8_peak_tflops, color="k", ls="--", lw=0.8, label="dense FP8 peak (measured)")
+        ax.axhline(records[0].bf16_peak_tflops, color="gray", ls=":", lw=0.8, label="dense bf16 peak (measured)")
+    for i, r in enumerate(records):
+        ax.text(i - 0.3, r.fp8_tflops, f"{1 / r.fp8_over_bf16_paired:.2f}x", fontsize=7, ha="center", va="bottom")
+    ax.set_xticks(list(xs), [f"{r.config}\n{r.rows} rows" for r in records], fontsize=7)
+    ax.set_ylabel("experts forward, TFLOP/s")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -3,7 +3,8 @@
 Each rank reads some settings from its own environment and never sends them, yet the ranks act on
 them together: the peer-memory slot buffers are sized from ``COMMOPS_PEER_BYTES``, and a rank
 with a larger value writes past its peers' buffers; the tuned tables (``COMMOPS_TUNED``,
-``COMMOPS_OVERLAP_TUNED``, ``Communicator.set_tuned``), the calibration (``COMMOPS_CALIBRATION``,
+``COMMOPS_OVERLAP_TUNED``, ``Communicator.set_tuned``; ``COMMOPS_KERNELS_TUNED``, whose kernel
+configurations only change timings, so that ranks run alike), the calibration (``COMMOPS_CALIBRATION``,
 ``Communicator.set_calibration``) and the topology override (``COMMOPS_TOPOLOGY``) steer
 ``algorithm="auto"``, and ranks that choose different algorithms run different schedules; debug
 check mode (``COMMOPS_DEBUG``, ``comm.debug``) on some ranks only makes those wait for fingerprints
@@ -104,6 +105,7 @@ def local_settings(comm: Communicator) -> Settings:
         _env.PEER_BYTES.name: _plain(peer_bytes),
         _env.TUNED.name: _file(_env.TUNED),
         _env.OVERLAP_TUNED.name: _file(_env.OVERLAP_TUNED),
+        _env.KERNELS_TUNED.name: _file(_env.KERNELS_TUNED),
         "set_tuned": _table(comm._choices.get("tuned_table")),
         _env.TOPOLOGY.name: _file(_env.TOPOLOGY),
         f"debug mode ({_env.DEBUG.name} / comm.debug)": _plain("on" if debug else "off"),

@@ -135,6 +135,12 @@ OVERLAP_TUNED: EnvVar[str] = EnvVar(
     "strategies the overlap operators' strategy='auto' and MoEDispatcher.forward_pipelined(chunks='auto') follow.",
 )
 
+KERNELS_TUNED: EnvVar[str] = EnvVar(
+    "COMMOPS_KERNELS_TUNED", "",
+    "Path of a kernel table (launch/tune_kernels.py) whose measured launch configurations the Triton "
+    "kernels take (overlap/_kernel_tuning.py); shapes it lacks take the cost model's pick.",
+)
+
 TRACE_DIR: EnvVar[str] = EnvVar(
     "COMMOPS_TRACE_DIR", "",
     "Directory for the flight recorder's dumps (one JSON file per rank), written when a collective "
@@ -178,7 +184,7 @@ CACHE_DIR: EnvVar[str] = EnvVar(
 )
 
 VARIABLES = (NVTX, MPI_MASTER_ADDR, TOPOLOGY, CALIBRATION, TUNED, PEER_BYTES, PEER_TIMEOUT_S, OVERLAP_TUNED,
-             TRACE_DIR, DEBUG, RECORDER, NATIVE, GRAPH_LAUNCH, CHECK_AFTER_S, CACHE_DIR)
+             KERNELS_TUNED, TRACE_DIR, DEBUG, RECORDER, NATIVE, GRAPH_LAUNCH, CHECK_AFTER_S, CACHE_DIR)
 
 
 @functools.cache

@@ -23,7 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.experts import measure_experts, measure_padded, plot_experts  # noqa: E402
+from bench.experts import (dense_peaks, measure_experts, measure_fp8_experts, measure_padded,  # noqa: E402
+                           plot_experts, plot_fp8_experts)
 from bench.experts_beside import measure_beside, measure_gather, plot_beside  # noqa: E402
 from bench.report import write_csv, write_json  # noqa: E402
 
@@ -32,6 +33,10 @@ CONFIGS = [("qwen3-30b-prefill", 8192 * 8, 2048, 768, 16), ("top2-h4096-f512", 1
            ("top1-h4096-f1024", 16384, 4096, 1024, 8), ("qwen3-prefill", 4096 * 8, 4096, 1536, 16),
            ("dsv3-prefill", 4096 * 8, 7168, 2048, 32), ("dsv3-decode", 128 * 8, 7168, 2048, 32),
            ("qwen3-30b-decode", 128 * 8, 2048, 768, 16)]
+# FP8 (--fp8): name, hidden, expert width, local experts (one rank of two), top-k; rows = tokens x
+# top-k / 2. GPT-OSS's 2880 is rounded up to 2944 (23 x 128: the FP8 format scales whole blocks).
+FP8_MODELS = [("dsv3", 7168, 2048, 128, 8), ("qwen3-30b-a3b", 2048, 768, 64, 8), ("gpt-oss-like", 2944, 2944, 16, 4)]
+FP8_TOKENS = {"prefill": [4096, 32768], "decode": [16, 256]}
 TOP_K = {"qwen3-30b-prefill": 8, "top2-h4096-f512": 2, "top1-h4096-f1024": 1, "qwen3-prefill": 8, "dsv3-prefill": 8}
 
 
@@ -52,10 +57,16 @@ def main() -> int:
     p.add_argument("--json")
     p.add_argument("--csv")
     p.add_argument("--plot")
+    p.add_argument("--fp8", action="store_true",
+                   help="our FP8 experts against our bf16 experts, torch's bf16 and rowwise-FP8 grouped GEMMs, at "
+                        "DeepSeek-V3-, Qwen3-30B-A3B- and GPT-OSS-like shapes, prefill and decode")
+    p.add_argument("--tokens", help="with --fp8: comma-separated token counts (default: 4096,32768 and 16,256)")
     args = p.parse_args()
     dev = torch.device("cuda", 0)
     if args.beside:
         return _beside(args, dev)
+    if args.fp8:
+        return _fp8(args, dev)
     records = []
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
     for dt, (name, rows, hidden, ffn, experts) in itertools.product(args.dtype.split(","), CONFIGS):
@@ -102,6 +113,31 @@ def _meta(dev: torch.device) -> dict[str, str]:
     return {"command": " ".join(["launch/bench_experts.py", *sys.argv[1:]]),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name(dev)}
+
+
+def _fp8(args: argparse.Namespace, dev: torch.device) -> int:
+    peaks = dense_peaks(dev)
+    print(f"dense peaks measured: bf16 {peaks[0]:.0f} TFLOP/s, e4m3 {peaks[1]:.0f} TFLOP/s", flush=True)
+    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else [*FP8_TOKENS["decode"], *FP8_TOKENS["prefill"]]
+    records = []
+    for (name, hidden, ffn, experts, k), t in itertools.product(FP8_MODELS, tokens):
+        rows = max(1, t * k // 2)
+        r = measure_fp8_experts(f"{name}-{t}tok", rows, hidden, ffn, experts, dev, iters=args.iters, reps=args.reps,
+                                peaks=peaks)
+        records.append(r)
+        print(f"{r.config:<24} rows {r.rows:>6} | fp8 {r.fp8_us:9.1f} us {r.fp8_tflops:6.0f} TF "
+              f"({r.fp8_tflops / r.fp8_peak_tflops:.0%} of FP8 peak) | bf16 {r.bf16_us:9.1f} us "
+              f"{r.bf16_tflops:6.0f} TF ({r.bf16_tflops / r.bf16_peak_tflops:.0%}) | torch bf16 {r.torch_bf16_us:9.1f} | "
+              f"torch fp8 {r.torch_fp8_us:9.1f} | fp8/bf16 {r.fp8_over_bf16_paired:.3f}x, fp8/torch fp8 "
+              f"{r.fp8_over_torch_fp8_paired:.3f}x paired | rel err {r.fp8_rel_error:.4f} | #wrong {r.wrong_fp8}",
+              flush=True)
+        torch.cuda.empty_cache()
+    meta = _meta(dev)
+    if args.json:
+        write_json(records, args.json, meta)  # type: ignore[arg-type]
+    if args.plot:
+        plot_fp8_experts(records, args.plot, f"{meta['device']}, torch {meta['torch']}, Triton {meta['triton']}")
+    return 1 if any(r.wrong_fp8 for r in records) else 0
 
 
 def _beside(args: argparse.Namespace, dev: torch.device) -> int:

@@ -21,7 +21,8 @@
 # parallelism, training, prefill 2K-16K and decode 1-64, tokens and losses compared; hf_dense and
 # hf_moe: one family each), zoo_check (tests/gpu_models_check.py: the model zoo's subset, decode eager
 # and from CUDA graphs, at N ranks and at 2 sharing one GPU), hf_plans (launch/bench_model.py on
-# DeepSeek-V3-, GPT-OSS- and Qwen2-like models sharded from their plans), peer_epilogue (GEMMs writing
+# DeepSeek-V3-, GPT-OSS- and Qwen2-like models sharded from their plans), fp8_experts (the FP8 experts'
+# kernels checked, then launch/bench_experts.py --fp8), peer_epilogue (GEMMs writing
 # into a peer's memory against GEMMs beside a copy engine) and model (a calibration of this
 # machine, then the cost model's predictions against peer_bench's and a2a_bench's measurements,
 # which run first). On 4 or 8 GPUs: NPROC=n launch/gpu_suite.sh OUT peer_check overlap_check
@@ -143,6 +144,10 @@ for step in $STEPS; do
         tests/gpu_models_check.py --json "$OUT/zoo_check_shared.json" --records "$OUT/zoo_records_shared.json" ;;
     hf_plans) run hf_plans 540 $R launch/bench_model.py --model qwen2,gpt_oss,deepseek_v3 --prefill 2048,8192 \
         --decode-batch 1,64 -n 5 -r 5 --out "$OUT/hf_plans" ;;
+    fp8_experts)  # the FP8 experts' kernels against their bounds, then timed beside bf16 and torch's
+      run fp8_experts_check 300 python3 -m pytest -q -m gpu tests/test_gpu_fp8_experts.py
+      run fp8_experts 420 python3 launch/bench_experts.py --fp8 -n 10 -r 5 --json "$OUT/fp8_experts.json" \
+        --plot "$OUT/fp8_experts.png" ;;
     hf_dense) run hf_dense 540 $R launch/bench_model.py --families llama --preset llama3-8b-4l -n 5 -r 5 --out "$OUT/hf_dense" ;;
     hf_moe) run hf_moe 540 $R launch/bench_model.py --families qwen3_moe --preset qwen3-30b-a3b-4l -n 5 -r 5 --out "$OUT/hf_moe" ;;
     *) echo "unknown step $step"; exit 2 ;;

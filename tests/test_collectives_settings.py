@@ -97,6 +97,7 @@ CASES = {
     "peer_bytes": ("env", "COMMOPS_PEER_BYTES", "134217728", str(64 << 20)),
     "tuned": ("env", "COMMOPS_TUNED", "tuned.json' (sha256 ", "unset"),
     "overlap_tuned": ("env", "COMMOPS_OVERLAP_TUNED", "overlap_tuned.json' (sha256 ", "unset"),
+    "kernels_tuned": ("env", "COMMOPS_KERNELS_TUNED", "overlap_tuned.json' (sha256 ", "unset"),
     "set_tuned": ("attr", "set_tuned", "a table (sha256 ", "none"),
     "topology": ("env", "COMMOPS_TOPOLOGY", "topology.json' (sha256 ", "unset"),
     "debug_env": ("env", "debug mode (COMMOPS_DEBUG / comm.debug)", "on", "off"),
@@ -108,6 +109,7 @@ CASES = {
 def _variables(case: str, files: dict[str, str]) -> dict[str, str]:
     return {"peer_bytes": {"COMMOPS_PEER_BYTES": str(128 << 20)}, "tuned": {"COMMOPS_TUNED": files["tuned"]},
             "overlap_tuned": {"COMMOPS_OVERLAP_TUNED": files["overlap"]},
+            "kernels_tuned": {"COMMOPS_KERNELS_TUNED": files["overlap"]},
             "topology": {"COMMOPS_TOPOLOGY": files["topology"]}, "debug_env": {"COMMOPS_DEBUG": "1"},
             "calibration": {"COMMOPS_CALIBRATION": files["calibration"]}}.get(case, {})
 

@@ -37,7 +37,7 @@ from collectives.errors import InvalidArgumentError, UnsupportedError
 
 from . import _ops
 from .handles import DispatchHandle, LowLatencyHandle
-from .fp8 import dispatch_fp8
+from .fp8 import dispatch_fp8, dispatch_fp8_experts
 from .micro_batches import forward_micro_batches, micro_batch_bounds, run_experts
 from .transport import (
     CombineGrads,
@@ -349,8 +349,9 @@ class MoEDispatcher(_TransportAttributes):
     # -- the forward -----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 experts: Experts, *, fp8: bool = False) -> torch.Tensor:
-        """dispatch (``fp8``: as ``dispatch``'s) -> ``experts(recv_x, tokens_per_expert)`` ->
-        combine (a ``GroupedSwiGLU`` also gets the device's ``expert_ends`` where there are)."""
+        """dispatch (``fp8``: as ``dispatch``'s; FP8 experts: ``_fp8_experts``) -> ``experts(recv_x, counts)`` -> combine."""
+        if fp8 and getattr(experts, "fp8", False):
+            return _fp8_experts(self, x, topk_idx, topk_weights, experts)
         recv, handle = self.dispatch(x, topk_idx, topk_weights, fp8=fp8)
         return self.combine(run_experts(experts, recv, handle), handle, topk_weights)
 
@@ -453,3 +454,14 @@ class MoEDispatcher(_TransportAttributes):
         out = t.pipeline_by_source(x, topk_idx, topk_weights, experts)
         self.last_chunks = (self.comm.size, why or "by source rank (chunks='sources')")
         return out
+
+
+def _fp8_experts(disp: MoEDispatcher, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                 experts: Experts) -> torch.Tensor:
+    """``disp.forward(..., fp8=True)`` into FP8 experts (``GroupedSwiGLU(..., fp8=True)``): the
+    received e4m3 rows go to ``experts.forward_fp8`` as they arrive, with no dequantization
+    (``fp8.dispatch_fp8_experts``), then the combine."""
+    disp._check(x, topk_idx, topk_weights)
+    disp.transport_impl.check_tokens(x)
+    rows, handle = dispatch_fp8_experts(disp.transport_impl, x, topk_idx, experts)
+    return disp.combine(rows, handle, topk_weights)

@@ -22,7 +22,7 @@ from torch import nn
 
 from collectives.errors import InvalidArgumentError
 
-from . import _grouped_gemm
+from . import _fp8_gemm, _grouped_gemm
 
 __all__ = ["GroupedSwiGLU", "grouped_mm_works"]
 
@@ -131,9 +131,14 @@ class GroupedSwiGLU(nn.Module):
     """
 
     def __init__(self, num_local_experts: int, hidden: int, ffn_hidden: int, *, dtype: torch.dtype | None = None,
-                 device: Any = None, fused: bool = True) -> None:
+                 device: Any = None, fused: bool = True, fp8: bool = False) -> None:
         super().__init__()
-        self.fused = fused
+        if fp8 and (hidden % _fp8_gemm.BLOCK or ffn_hidden % _fp8_gemm.BLOCK):
+            raise InvalidArgumentError("fp8", fp8, f"needs hidden ({hidden}) and ffn_hidden ({ffn_hidden}) in whole "
+                                       f"blocks of {_fp8_gemm.BLOCK} (one scale per 128 x 128 weight block)",
+                                       "pad them, or fp8=False")
+        self.fused, self.fp8 = fused, fp8
+        self._fp8_cache: tuple[Any, ...] | None = None
         self.last_path: tuple[str, str] | None = None
         self.w1 = nn.Parameter(torch.empty(num_local_experts, hidden, ffn_hidden, dtype=dtype, device=device))
         self.w3 = nn.Parameter(torch.empty(num_local_experts, hidden, ffn_hidden, dtype=dtype, device=device))
@@ -219,6 +224,45 @@ class GroupedSwiGLU(nn.Module):
         for e, rows in enumerate(x.split(list(tokens_per_expert))):
             outs.append((F.silu(rows @ self.w1[e]) * (rows @ self.w3[e])) @ self.w2[e])
         return torch.cat(outs) if outs else x.new_zeros((0, self.w2.shape[-1]))
+
+    def fp8_weights(self) -> tuple[_fp8_gemm.BlockwiseWeight, _fp8_gemm.BlockwiseWeight, _fp8_gemm.BlockwiseWeight]:
+        """``w1``, ``w3``, ``w2`` in e4m3 with a scale per 128 x 128 block (``_fp8_gemm.quantize_weight``):
+        quantized once, and again only after a parameter changed in place (an optimizer step) or
+        moved. Each element within ``max(2**-4 |w|, 2**-10 s)`` of the weight (``s``: its block's scale)."""
+        params = (self.w1, self.w3, self.w2)
+        key = tuple((p._version, p.data_ptr()) for p in params)
+        if self._fp8_cache is None or self._fp8_cache[0] != key:
+            self._fp8_cache = (key, tuple(_fp8_gemm.quantize_weight(p) for p in params))
+        return self._fp8_cache[1]  # type: ignore[no-any-return]
+
+    def forward_fp8(self, packed: torch.Tensor, tokens_per_expert: list[int], *, ends: torch.Tensor | None = None,
+                    dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``[rows, hidden]`` in ``dtype`` (default: the weights') from the FP8 dispatch's packed rows
+        ``packed [rows, fp8.packed_width(hidden)]`` uint8 (e4m3 values, then a float32 scale per 128),
+        grouped by expert as :meth:`forward`'s rows, with no dequantization: the gate/up grouped GEMM
+        in e4m3 against :meth:`fp8_weights`, float32 accumulation, the SwiGLU quantized again per
+        row per 128 columns in its epilogue, then the down GEMM in e4m3 (``_fp8_gemm.py``). On CUDA
+        with Triton, two kernels; elsewhere the torch definition (``*_reference``), which the kernels
+        match up to the order of float32 additions. Not differentiable itself (``fp8.dispatch_fp8_experts``
+        gives the backward); ``last_path`` says which ran."""
+        hidden = self.w1.shape[1]
+        if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] != _fp8_gemm.fp8.packed_width(hidden):
+            raise InvalidArgumentError("packed", packed, f"is not uint8 [rows, {_fp8_gemm.fp8.packed_width(hidden)}] "
+                                       "(fp8.quantize_rows' rows)", "pass the FP8 dispatch's rows")
+        out_dtype = dtype or self.w1.dtype
+        w1, w3, w2 = self.fp8_weights()
+        xq, xs = _fp8_gemm.split_rows(packed, hidden)
+        why = _fp8_gemm.supported(xq, w1, w3, w2)
+        if not why and packed.shape[0]:
+            if ends is None:
+                ends = self._offsets.send(np.cumsum(tokens_per_expert, dtype=np.int32), packed.device)
+            self.last_path = ("fp8", "e4m3 grouped GEMMs in Triton, float32 accumulation")
+            hq, hs = _fp8_gemm.grouped_swiglu_fp8(xq, xs, w1, w3, ends)
+            return _fp8_gemm.grouped_mm_fp8(hq, hs, w2, ends, out_dtype)
+        counts = list(tokens_per_expert)
+        self.last_path = ("fp8 reference", f"the torch definition in float32: {why or 'no rows'}")
+        hq, hs = _fp8_gemm.grouped_swiglu_fp8_reference(xq, xs, w1, w3, counts)
+        return _fp8_gemm.grouped_mm_fp8_reference(hq, hs, w2, counts, out_dtype)
 
     def forward_padded(self, x: torch.Tensor, tokens_per_expert: torch.Tensor | None = None) -> torch.Tensor:
         """``[E/W, capacity, hidden]`` -> the same shape (the layout of

@@ -30,7 +30,8 @@ from collectives.errors import InvalidArgumentError, UnsupportedError
 from .handles import DispatchHandle
 from .transport import Transport
 
-__all__ = ["BLOCK", "E4M3_MAX", "packed_width", "quantize_rows", "dequantize_rows", "check_fp8_rows", "dispatch_fp8"]
+__all__ = ["BLOCK", "E4M3_MAX", "packed_width", "quantize_rows", "dequantize_rows", "check_fp8_rows", "dispatch_fp8",
+           "dispatch_fp8_experts"]
 
 BLOCK = 128
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -124,3 +125,55 @@ def dispatch_fp8(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor
         recv = _Fp8Dispatch.apply(x, topk_idx, transport, box)
         return recv, box[0]
     return _sent(transport, x, topk_idx)
+
+
+class _Fp8Experts(torch.autograd.Function):
+    """Packed rows over ``transport.dispatch_packed`` into ``experts.forward_fp8`` (the FP8
+    experts, no dequantization), the handle put in ``box``; the received packed rows are kept.
+    Backward in ``x``'s dtype: the kept rows dequantized, the experts' plain (bf16) products
+    run again on them with autograd, and the rows' gradient dispatched back
+    (``transport.dispatch_backward``): straight through the rounding of rows and weights."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, topk_idx: torch.Tensor, transport: Transport, experts: Any,
+                box: list[DispatchHandle], *params: torch.Tensor) -> torch.Tensor:
+        packed, handle = transport.dispatch_packed(quantize_rows(x), topk_idx)
+        box.append(handle)
+        out = experts.forward_fp8(packed, handle.tokens_per_expert, ends=handle.expert_ends, dtype=x.dtype)
+        ctx.save_for_backward(packed)
+        ctx.handle, ctx.transport, ctx.experts, ctx.shape, ctx.dtype = handle, transport, experts, x.shape, x.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        (packed,) = ctx.saved_tensors
+        params = list(ctx.experts.parameters())
+        ran = getattr(ctx.experts, "last_path", None)  # the forward's path, which the recompute would replace
+        with torch.enable_grad():
+            recv = dequantize_rows(packed, ctx.shape[1], ctx.dtype).requires_grad_()
+            h = ctx.handle
+            out = ctx.experts(recv, h.tokens_per_expert, **({"ends": h.expert_ends} if h.expert_ends is not None else {}))
+            grads = torch.autograd.grad(out, [recv, *params], g, allow_unused=True)
+        ctx.experts.last_path = ran
+        gx = ctx.transport.dispatch_backward(grads[0].contiguous(), ctx.handle).view(ctx.shape)
+        return (gx, None, None, None, None, *grads[1:])
+
+
+def dispatch_fp8_experts(transport: Transport, x: torch.Tensor, topk_idx: torch.Tensor, experts: Any
+                         ) -> tuple[torch.Tensor, DispatchHandle]:
+    """The FP8 dispatch straight into FP8 experts (``experts.forward_fp8``, a ``GroupedSwiGLU(...,
+    fp8=True)``): (their output rows ``[received pairs, hidden]`` in ``x``'s dtype, the handle).
+    Differentiable in ``x`` and the experts' parameters (``_Fp8Experts``); checked as
+    :func:`dispatch_fp8`."""
+    if not transport.packed_rows:
+        raise UnsupportedError("fp8", True, f"needs a transport that moves packed rows of raw bytes; "
+                               f"{type(transport).__name__} moves rows of its hidden size only",
+                               "use transport='nccl' or 'peer', or fp8=False")
+    check_fp8_rows(x)
+    params = list(experts.parameters())
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+        box: list[DispatchHandle] = []
+        out = _Fp8Experts.apply(x, topk_idx, transport, experts, box, *params)
+        return out, box[0]
+    packed, handle = transport.dispatch_packed(quantize_rows(x), topk_idx)
+    return experts.forward_fp8(packed, handle.tokens_per_expert, ends=handle.expert_ends, dtype=x.dtype), handle

@@ -65,6 +65,10 @@ class MoELayer(nn.Module):
             transport that moves packed rows: "nccl" or "peer"); the forward is then the plain
             dispatch -> experts -> combine (with ``micro_batches`` 1 and ``chunks`` "auto"), the
             shared expert added after it. Under ``torch.compile`` it runs inside the layer's op.
+        fp8_experts: the FP8 dispatch (as ``fp8_dispatch``, which it implies) into FP8 experts:
+            the received e4m3 rows go to e4m3 grouped GEMMs against blockwise-quantized weights
+            (``GroupedSwiGLU(..., fp8=True)``, ``overlap/moe/_fp8_gemm.py``; ffn_hidden a multiple
+            of 128 too); the backward runs in the layer's dtype from the saved FP8 rows.
 
     ``forward(x)`` takes this rank's tokens ``[..., hidden]`` (any count, zero included) and
     returns the same shape; every rank calls it together.
@@ -75,7 +79,7 @@ class MoELayer(nn.Module):
                  chunks: int | str = "auto", exchange_pieces: int | None = None,
                  transport: str | TransportOptions = "nccl", max_tokens: int | None = None, routing: str | None = None,
                  pipeline_transfers: str | None = None, micro_batches: int = 1,
-                 shared_expert: nn.Module | None = None, fp8_dispatch: bool = False) -> None:
+                 shared_expert: nn.Module | None = None, fp8_dispatch: bool = False, fp8_experts: bool = False) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise InvalidArgumentError("top_k", top_k, f"is not in 1..num_experts ({num_experts})", "pick fewer experts per token")
@@ -83,6 +87,7 @@ class MoELayer(nn.Module):
         if micro_batches > 1 and chunks != "auto":
             raise InvalidArgumentError("chunks", chunks, f"cannot be set with micro_batches={micro_batches} (the "
                                        "micro-batches are the overlap)", "leave chunks='auto', or micro_batches=1")
+        fp8_dispatch = fp8_dispatch or fp8_experts
         if fp8_dispatch and (micro_batches > 1 or chunks != "auto"):
             asked = f"micro_batches={micro_batches}" if micro_batches > 1 else f"chunks={chunks!r}"
             raise InvalidArgumentError("fp8_dispatch", fp8_dispatch, f"runs the plain sequence; {asked} asks for "
@@ -91,6 +96,10 @@ class MoELayer(nn.Module):
         if fp8_dispatch and hidden % fp8.BLOCK:
             raise InvalidArgumentError("hidden", hidden, f"is not a multiple of {fp8.BLOCK} (one FP8 scale per "
                                        f"{fp8.BLOCK} elements)", "fp8_dispatch=False, or pad hidden")
+        if fp8_experts and ffn_hidden % fp8.BLOCK:
+            raise InvalidArgumentError("ffn_hidden", ffn_hidden, f"is not a multiple of {fp8.BLOCK} (FP8 experts scale "
+                                       f"their weights per {fp8.BLOCK} x {fp8.BLOCK} block)",
+                                       "fp8_experts=False, or pad ffn_hidden")
         self.group, self.top_k, self.chunks, self.micro_batches = group, top_k, chunks, micro_batches
         self.fp8_dispatch = fp8_dispatch
         self.dispatcher = MoEDispatcher(num_experts, hidden, group, dtype=dtype, device=device,
@@ -106,7 +115,8 @@ class MoELayer(nn.Module):
         self.router = nn.Linear(hidden, num_experts, bias=False, dtype=dtype, device=device)
         if dist.get_world_size(group) > 1:
             C.broadcast(self.router.weight.data, group=group, group_src=0)
-        self.experts = GroupedSwiGLU(self.dispatcher.local_experts, hidden, ffn_hidden, dtype=dtype, device=device)
+        self.experts = GroupedSwiGLU(self.dispatcher.local_experts, hidden, ffn_hidden, dtype=dtype, device=device,
+                                     fp8=fp8_experts)
         self.shared_expert = shared_expert
         self.op_name = register_block(self)
 
