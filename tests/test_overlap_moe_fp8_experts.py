@@ -266,3 +266,16 @@ def test_an_fp8_experts_layer_matches_the_rounded_float64_layer(worlds, world_si
         # the router's and the tokens' (which the router's path reaches): through the FP8 experts'
         # values, computed in float32
         assert gr < 1e-5 and gx < 1e-5, (rank, gr, gx)
+
+
+def test_fp8_experts_run_in_inference_mode() -> None:
+    # inference tensors keep no in-place counter: the weights' cache must not ask for one
+    with torch.inference_mode():
+        torch.manual_seed(4)
+        m = GroupedSwiGLU(2, BLOCK, BLOCK, dtype=torch.float32, fp8=True)
+        x = torch.randn(5, BLOCK)
+        out = m.forward_fp8(quantize_rows(x), [2, 3])
+        assert m.fp8_weights() is m.fp8_weights()
+    with torch.no_grad():
+        plain = m(x, [2, 3])
+    assert out.shape == (5, BLOCK) and 0 < float((out - plain).norm() / plain.norm()) < 0.2

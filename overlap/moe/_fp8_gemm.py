@@ -85,7 +85,7 @@ def quantize_weight(w: torch.Tensor) -> BlockwiseWeight:
         s = torch.where(amax > 0, amax * (1.0 / fp8.E4M3_MAX), torch.ones_like(amax))
         q[e] = (blocks / s).to(torch.float8_e4m3fn).reshape(N, K)
         scale[e] = s.reshape(N // BLOCK, K // BLOCK)
-    return BlockwiseWeight(q, scale, getattr(w, "_version", 0))
+    return BlockwiseWeight(q, scale, 0 if w.is_inference() else w._version)
 
 
 def split_rows(packed: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:

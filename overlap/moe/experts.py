@@ -108,6 +108,15 @@ class _PinnedSlots:
         return out
 
 
+def _version(t: torch.Tensor) -> int:
+    """``t``'s in-place update counter (-1 for an inference tensor, which keeps none: it cannot be
+    updated in place outside inference mode either)."""
+    try:
+        return int(t._version)
+    except RuntimeError:
+        return -1
+
+
 class GroupedSwiGLU(nn.Module):
     """The local experts' SwiGLU MLPs, ``w2(silu(x w1) * (x w3))``, on rows grouped by expert
     (the layout ``MoEDispatcher.dispatch`` returns).
@@ -230,7 +239,7 @@ class GroupedSwiGLU(nn.Module):
         quantized once, and again only after a parameter changed in place (an optimizer step) or
         moved. Each element within ``max(2**-4 |w|, 2**-10 s)`` of the weight (``s``: its block's scale)."""
         params = (self.w1, self.w3, self.w2)
-        key = tuple((p._version, p.data_ptr()) for p in params)
+        key = tuple((_version(p), p.data_ptr()) for p in params)
         if self._fp8_cache is None or self._fp8_cache[0] != key:
             self._fp8_cache = (key, tuple(_fp8_gemm.quantize_weight(p) for p in params))
         return self._fp8_cache[1]  # type: ignore[no-any-return]
