@@ -1,7 +1,7 @@
 """Search the Triton kernels' launch configurations on one GPU: ``python launch/tune_kernels.py --out FILE``.
 
 For each kernel in ``overlap._kernel_tuning.CANDIDATES`` (the FP8 experts' gate/up and down
-grouped GEMMs) and each shape of the FP8 benchmark's models (``launch/bench_experts.py --fp8``)
+grouped GEMMs, and the bf16 ones of ``overlap/moe/_grouped_gemm.py``) and each shape of the FP8 benchmark's models (``launch/bench_experts.py --fp8``)
 at each token count, every candidate configuration is timed against the kernel's default in
 the same rounds; the fastest is written as that shape class's entry when it beat the default by
 ``--margin`` (paired median), else the default is written, so the table says it was measured.
@@ -26,6 +26,7 @@ from bench.experts import uneven_counts  # noqa: E402
 from launch.bench_experts import FP8_MODELS  # noqa: E402
 from overlap import _kernel_tuning as T  # noqa: E402
 from overlap.moe import _fp8_gemm as G  # noqa: E402
+from overlap.moe import _grouped_gemm as B  # noqa: E402
 from overlap.moe.fp8 import quantize_rows  # noqa: E402
 
 
@@ -56,17 +57,21 @@ def main() -> int:
         w = {n: (torch.randn(experts, a, b, generator=g, device=dev, dtype=torch.bfloat16) * a ** -0.5)
              for n, (a, b) in {"w1": (hidden, ffn), "w3": (hidden, ffn), "w2": (ffn, hidden)}.items()}
         q = {n: G.quantize_weight(v) for n, v in w.items()}
-        del w
         for tokens in (int(t) for t in args.tokens.split(",")):
             rows = max(1, tokens * k // 2)
             counts = uneven_counts(rows, experts, 0)
             ends = torch.tensor(counts, device=dev).cumsum(0).to(torch.int32)
             xq, xs = G.split_rows(quantize_rows(torch.randn(rows, hidden, device=dev, dtype=torch.bfloat16)), hidden)
             hq, hs = G.grouped_swiglu_fp8(xq, xs, q["w1"], q["w3"], ends, config=G._SWIGLU)
+            xb = torch.randn(rows, hidden, device=dev, dtype=torch.bfloat16)
+            hb = torch.randn(rows, ffn, device=dev, dtype=torch.bfloat16)
             kernels = {"fp8_swiglu": (G._SWIGLU, q["w1"], lambda c: G.grouped_swiglu_fp8(xq, xs, q["w1"], q["w3"], ends,
                                                                                          config=c)),
                        "fp8_mm": (G._PLAIN, q["w2"], lambda c: G.grouped_mm_fp8(hq, hs, q["w2"], ends, torch.bfloat16,
-                                                                              config=c))}
+                                                                              config=c)),
+                       "gmm_swiglu": (B._FUSED, w["w1"], lambda c: B.grouped_swiglu(xb, w["w1"], w["w3"], ends,
+                                                                                    config=c)),
+                       "gmm": (B._PLAIN, w["w2"], lambda c: B.grouped_mm(hb, w["w2"], ends, config=c))}
             for kernel, (default, wq, run) in kernels.items():
                 cands = [default, *(c for c in T.CANDIDATES[kernel] if c != default)]
                 for c in cands:  # compile and warm each
@@ -79,8 +84,11 @@ def main() -> int:
                 ratio = {c: statistics.median(a / b for a, b in zip(per[c], per[default], strict=True)) for c in cands}
                 best = min(cands, key=lambda c: ratio[c])
                 chosen = best if ratio[best] * args.margin <= 1.0 else default
-                E, N, K = wq.q.shape
-                entries.append({"kernel": kernel, "device": name, "dtype": "e4m3", "N": N, "K": K, "experts": E,
+                if kernel.startswith("fp8"):
+                    (E, N, K), dtype = wq.q.shape, "e4m3"
+                else:
+                    (E, K, N), dtype = wq.shape, "bfloat16"
+                entries.append({"kernel": kernel, "device": name, "dtype": dtype, "N": N, "K": K, "experts": E,
                                 "rows_class": T.rows_class(rows, E), "rows": rows, "model": model, "tokens": tokens,
                                 "config": list(chosen), "us": statistics.median(per[chosen]),
                                 "default_us": statistics.median(per[default]),

@@ -34,10 +34,17 @@ __all__ = ["KERNELS_TUNED", "set_kernel_table", "kernel_table", "rows_class", "p
 KERNELS_TUNED = _env.KERNELS_TUNED
 
 # (BM, warps, stages) candidates of the grouped GEMMs (their N and K tiles are fixed by their scales)
+# (BM, warps, stages) candidates of the FP8 grouped GEMMs (their N and K tiles are fixed by their
+# scales); (BM, BN, warps, stages) of the bf16/fp16 ones (overlap/moe/_grouped_gemm.py)
 CANDIDATES: dict[str, list[tuple[int, ...]]] = {
     "fp8_swiglu": [(64, 4, 3), (64, 4, 4), (128, 8, 3), (128, 8, 4), (64, 8, 4)],
     "fp8_mm": [(64, 4, 4), (64, 4, 5), (128, 8, 4), (128, 8, 3), (128, 4, 4)],
+    "gmm": [(128, 256, 8, 3), (128, 128, 8, 3), (64, 128, 4, 4), (128, 256, 8, 4), (64, 256, 4, 3)],
+    "gmm_swiglu": [(128, 128, 8, 3), (64, 128, 4, 4), (128, 128, 8, 4), (64, 128, 8, 3)],
 }
+# kernels whose default was measured at the shapes they serve (their modules' notes): without a
+# table entry they keep it rather than the cost model's guess
+MEASURED_DEFAULTS = ("gmm", "gmm_swiglu")
 
 # The cost model's fixed cost of one tile, in rows: the weight block it loads per K step is
 # BN x BK (128 x 128) against its BM x BK of rows, about half a 128-row tile's traffic. A
@@ -122,6 +129,8 @@ def pick(kernel: str, rows: int, experts: int, n: int, k: int, dtype: str, devic
             e = min(same, key=lambda e: (abs(e["rows_class"] - cls), e["rows_class"]))
             found = (tuple(e["config"]), f"kernel table: measured best at rows class {e['rows_class']} "
                                          f"({e['us']:.1f} us against {e['default_us']:.1f} with the default)")
+    if found is None and kernel in MEASURED_DEFAULTS:
+        found = (default, "the default, measured by hand on one H200 (no table entry)")
     if found is None:
         found = model_pick(kernel, rows, experts, n, _sm_count(device), default)
     _LAST[kernel] = found

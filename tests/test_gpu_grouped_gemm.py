@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from collectives.errors import InvalidArgumentError
+from overlap import _kernel_tuning
 from overlap.moe import _grouped_gemm as G
 from overlap.moe._grouped_gemm import sm_carveout
 from overlap.moe import GroupedSwiGLU
@@ -60,6 +61,22 @@ def test_grouped_products_match_each_experts_float64_product(dtype: torch.dtype,
         assert _rel(got, h1) < 1e-2, (counts, K, N)
         act = G.grouped_swiglu(x, w1, w3, ends, sms=sms)
         assert _rel(act, F.silu(h1) * h3) < 1e-2, (counts, K, N)
+
+
+@pytest.mark.parametrize("config", sorted(set(_kernel_tuning.CANDIDATES["gmm"]) |
+                                          set(_kernel_tuning.CANDIDATES["gmm_swiglu"])))
+def test_every_tuning_candidate_computes_the_same_products(config: tuple[int, int, int, int]) -> None:
+    """launch/tune_kernels.py may write any candidate into the kernel table: each must be right."""
+    g = torch.Generator(device="cuda").manual_seed(8)
+    for counts, K, N in CASES:
+        E, rows = len(counts), sum(counts)
+        x = torch.randn(rows, K, generator=g, device="cuda").to(torch.bfloat16)
+        w1 = (torch.randn(E, K, N, generator=g, device="cuda") * K ** -0.5).to(torch.bfloat16)
+        w3 = (torch.randn(E, K, N, generator=g, device="cuda") * K ** -0.5).to(torch.bfloat16)
+        ends = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+        h1, h3 = _ref(x, w1, counts), _ref(x, w3, counts)
+        assert _rel(G.grouped_mm(x, w1, ends, config=config), h1) < 1e-2, (config, counts, K, N)
+        assert _rel(G.grouped_swiglu(x, w1, w3, ends, config=config), F.silu(h1) * h3) < 1e-2, (config, counts)
 
 
 @pytest.mark.parametrize("gather", [False, True])

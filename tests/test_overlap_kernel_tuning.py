@@ -56,3 +56,11 @@ def test_the_table_comes_from_the_variable_and_the_ranks_compare_it(tmp_path, mo
     from collectives import _env
 
     assert _env.KERNELS_TUNED in _env.VARIABLES  # (the ranks' agreement: tests/test_collectives_settings.py)
+
+
+def test_kernels_with_a_measured_default_keep_it_without_an_entry() -> None:
+    # the bf16 grouped GEMMs' defaults were measured by hand: no cost model's guess replaces them
+    assert T.pick("gmm", 16 * 32, 32, 2048, 7168, "bfloat16", CPU, (128, 256, 8, 3)) == (128, 256, 8, 3)
+    assert "measured by hand" in T.last_pick("gmm")[1]
+    T.set_kernel_table({"entries": [{**_entry(4, [64, 128, 4, 4]), "kernel": "gmm", "dtype": "bfloat16"}]})
+    assert T.pick("gmm", 16 * 8, 8, 2048, 7168, "bfloat16", CPU, (128, 256, 8, 3)) == (64, 128, 4, 4)

@@ -45,6 +45,8 @@ import torch
 
 from collectives.errors import InvalidArgumentError
 
+from .. import _kernel_tuning
+
 __all__ = ["supported", "gpu_bound", "few_rows", "grouped_mm", "grouped_swiglu", "grouped_mm_segments",
            "grouped_swiglu_segments", "grouped_mm_padded", "grouped_swiglu_padded", "sm_carveout"]
 
@@ -173,18 +175,31 @@ def _launch(x: torch.Tensor, w: torch.Tensor, w3: torch.Tensor | None, ends: tor
     return out
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, *, sms: int | None = None) -> torch.Tensor:
+def _tuned(kernel: str, x: torch.Tensor, w: torch.Tensor, default: tuple[int, int, int, int]
+           ) -> tuple[int, int, int, int]:
+    """``kernel``'s configuration for these operands: the kernel table's entry, else ``default``
+    (``overlap/_kernel_tuning.py``)."""
+    e, k, n = w.shape
+    return _kernel_tuning.pick(kernel, x.shape[0], e, n, k, str(x.dtype).removeprefix("torch."), x.device,
+                               default)  # type: ignore[return-value]
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, *, sms: int | None = None,
+               config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """``[rows, N]``: each expert's rows of ``x [rows, K]`` times its ``w[e] [K, N]``; expert e's
     rows end at ``ends[e]`` (int32, on ``x``'s device, the last equal to ``rows``). On
-    ``sms`` SMs (default: all but torch's SM carveout). Check ``supported`` first."""
-    return _launch(x, w, None, ends, x.new_empty((x.shape[0], w.shape[2])), _PLAIN, sms)
+    ``sms`` SMs (default: all but torch's SM carveout); ``config`` (BM, BN, warps, stages), else
+    the kernel table's or the default. Check ``supported`` first."""
+    cfg = config or _tuned("gmm", x, w, _PLAIN)
+    return _launch(x, w, None, ends, x.new_empty((x.shape[0], w.shape[2])), cfg, sms)
 
 
 def grouped_swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, ends: torch.Tensor, *,
-                   sms: int | None = None) -> torch.Tensor:
+                   sms: int | None = None, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """``[rows, ffn]``: ``silu(x w1[e]) * (x w3[e])`` for each expert's rows, the two products
     accumulated in float32 side by side and rounded once. Otherwise as :func:`grouped_mm`."""
-    return _launch(x, w1, w3, ends, x.new_empty((x.shape[0], w1.shape[2])), _FUSED, sms)
+    cfg = config or _tuned("gmm_swiglu", x, w1, _FUSED)
+    return _launch(x, w1, w3, ends, x.new_empty((x.shape[0], w1.shape[2])), cfg, sms)
 
 
 def _check_segments(out: torch.Tensor, n: int, starts: torch.Tensor, counts: torch.Tensor,
