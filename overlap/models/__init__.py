@@ -126,7 +126,7 @@ def _grid(tp_group: Any, ep_group: Any) -> None:
 
 def parallelize(model: Any, *, tp_group: Any = None, ep_group: Any = None, sequence_parallel: bool = False,
                 strategy: str = "auto", moe_transport: Any = "nccl", tp_plan: dict[str, str] | None = None,
-                ep_plan: dict[str, str] | None = None) -> Any:
+                ep_plan: dict[str, str] | None = None, fp8: bool = False) -> Any:
     """Shard ``model`` (a ``transformers`` causal LM, the same on every rank) in place over ``tp_group``.
 
     Args:
@@ -150,6 +150,10 @@ def parallelize(model: Any, *, tp_group: Any = None, ep_group: Any = None, seque
         moe_transport: the expert-parallel blocks' dispatcher transport (``MoEDispatcher``'s
             ``transport``): "nccl" (all-to-all), or e.g. ``PeerOptions(max_tokens=..., top_k=...)``
             on the GPUs of one node, ``max_tokens`` at least ``ceil(batch * seq / ep)``.
+        fp8: the expert-parallel blocks of a hand family (``FAMILIES``) send their tokens as e4m3
+            and run their experts in e4m3 (``GroupedSwiGLU(..., fp8=True)``: blockwise-scaled
+            weights, float32 accumulation; hidden and the experts' width multiples of 128); the
+            rest of the model keeps its dtype. Needs ``ep_group``.
         tp_plan, ep_plan: entries laid over the model's own plans (glob names from the model's root,
             ``{"model.layers.*.mlp.down_proj": "replicate"}``); either given, the model goes by its
             plans even where it has a hand entry.
@@ -178,6 +182,7 @@ def parallelize(model: Any, *, tp_group: Any = None, ep_group: Any = None, seque
             raise InvalidTypeError(name, plan, "is not a dict of dotted names to style names",
                                    "pass e.g. {'model.layers.*.mlp.down_proj': 'replicate'}, or None")
     family = FAMILIES.get(kind) if tp_plan is None and ep_plan is None else None
+    _check_fp8(model, fp8, family, kind, ep_group)
     if family is None:
         return _parallelize_from_plans(model, kind, tp_group, ep_group, sequence_parallel, strategy, moe_transport,
                                        tp_plan, ep_plan)
@@ -200,7 +205,7 @@ def parallelize(model: Any, *, tp_group: Any = None, ep_group: Any = None, seque
         block = family.moe_block(layer)
         if block is not None and ep > 1:
             assert family.moe is not None
-            family.replace(layer, family.moe, ExpertParallelMoE(block, ep_group, moe_transport))
+            family.replace(layer, family.moe, ExpertParallelMoE(block, ep_group, moe_transport, fp8=fp8))
         if tp == 1:
             continue
         column, row = family.sharded(layer)
@@ -266,6 +271,28 @@ def _size(config: Any, name: str) -> int | None:
     except Exception:  # noqa: BLE001 - e.g. transformers' per-layer attributes raise their own error type
         return None
     return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _check_fp8(model: Any, fp8: Any, family: Any, kind: str, ep_group: Any) -> None:
+    """Raise before anything changes where ``parallelize(..., fp8=fp8)`` cannot run FP8 experts."""
+    if not isinstance(fp8, bool):
+        raise InvalidTypeError("fp8", fp8, "is not a bool", "pass True or False")
+    if not fp8:
+        return
+    if family is None or family.moe is None:
+        raise UnsupportedError("fp8", True, f"runs the expert-parallel blocks of the hand families "
+                               f"{sorted(k for k, f in FAMILIES.items() if f.moe is not None)}; {kind} goes by "
+                               f"{'its plans, whose experts run as the model defines them' if family is None else 'a dense family'}",
+                               "pass fp8=False")
+    if ep_group is None or dist.get_world_size(ep_group) < 2:
+        raise UnsupportedError("fp8", True, "applies to expert-parallel blocks; there are none without an ep_group "
+                               "of 2 or more ranks", "pass ep_group, or fp8=False")
+    cfg = model.config
+    ffn = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    for name, v in (("hidden_size", cfg.hidden_size), ("the experts' intermediate size", ffn)):
+        if v % 128:
+            raise InvalidArgumentError("fp8", True, f"needs {name} in whole blocks of 128; the model has {v}",
+                                       "pass fp8=False")
 
 
 def _parallelize_from_plans(model: Any, kind: str, tp_group: Any, ep_group: Any, sequence_parallel: bool,

@@ -91,12 +91,14 @@ class ExpertParallelMoE(nn.Module):
             ``(logits, weights, indices)``) and ``experts`` (``gate_up_proj [E, 2I, H]``,
             ``down_proj [E, H, I]``, SiLU), the same on every rank.
         ep_group: the expert-parallel group; its size divides ``E``.
+        fp8: the tokens cross as e4m3 and the experts run in e4m3 (``GroupedSwiGLU(..., fp8=True)``;
+            hidden and the experts' width multiples of 128).
         transport: the dispatcher's transport, a registered name or an options object
             (``MoEDispatcher``'s ``transport``: "nccl", or ``PeerOptions(max_tokens=..., top_k=...)``
             on the GPUs of one node, ``max_tokens`` the most tokens one rank sends: ``ceil(tokens / W)``).
     """
 
-    def __init__(self, block: Any, ep_group: Any, transport: Any = "nccl") -> None:
+    def __init__(self, block: Any, ep_group: Any, transport: Any = "nccl", fp8: bool = False) -> None:
         super().__init__()
         experts = block.experts
         act = getattr(getattr(experts, "act_fn", None), "__class__", type(None)).__name__
@@ -113,7 +115,8 @@ class ExpertParallelMoE(nn.Module):
             p.register_hook(summed_over(ep_group))
         w = experts.gate_up_proj.detach()[rank * local:(rank + 1) * local]
         down = experts.down_proj.detach()[rank * local:(rank + 1) * local]
-        self.experts = GroupedSwiGLU(local, hidden, ffn, dtype=w.dtype, device=w.device)
+        self.fp8 = fp8
+        self.experts = GroupedSwiGLU(local, hidden, ffn, dtype=w.dtype, device=w.device, fp8=fp8)
         with torch.no_grad():
             self.experts.w1.copy_(w[:, :ffn].transpose(1, 2))   # gate: [local, H, I]
             self.experts.w3.copy_(w[:, ffn:].transpose(1, 2))   # up
@@ -124,7 +127,10 @@ class ExpertParallelMoE(nn.Module):
         self.op_name = register_block(self)
 
     def _block(self, flat: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """Dispatch, this rank's experts and combine of routed tokens (``routed_block``'s contract)."""
+        """Dispatch, this rank's experts and combine of routed tokens (``routed_block``'s contract);
+        with ``fp8`` the rows cross as e4m3 into FP8 experts (``MoEDispatcher.forward(..., fp8=True)``)."""
+        if self.fp8:
+            return self.dispatcher.forward(flat, idx, w, self.experts, fp8=True)
         return self.dispatcher.forward_pipelined(flat, idx, w, self.experts, chunks=1)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
