@@ -24,7 +24,7 @@ from overlap.moe import GroupedSwiGLU
 CHECK_ROWS = 256  # rows of each expert the FP8 benchmark checks
 
 __all__ = ["ExpertsRecord", "PaddedRecord", "Fp8ExpertsRecord", "uneven_counts", "measure_experts", "measure_padded",
-           "plot_experts", "dense_peaks", "measure_fp8_experts", "plot_fp8_experts"]
+           "plot_experts", "timed_us", "dense_peaks", "measure_fp8_experts", "plot_fp8_experts"]
 
 
 @dataclass
@@ -127,6 +127,18 @@ class PaddedRecord:
         return asdict(self)
 
 
+def timed_us(call: Callable[[], object], n: int, per: int | None = None) -> float:
+    """Microseconds per one of ``per`` calls (default ``n``) of ``n`` calls of ``call`` in a row,
+    timed by CUDA events on the current stream."""
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(n):
+        call()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) * 1e3 / (per or n)
+
+
 def _rounds(fns: dict[str, Callable[[], float]], reps: int) -> dict[str, list[float]]:
     """Each of ``fns`` (one timed loop, returning microseconds per call) in ``reps`` rounds, each
     round in the other order from the last."""
@@ -176,15 +188,7 @@ def measure_padded(name: str, experts: int, capacity: int, rows: int, hidden: in
         torch.cuda.synchronize(device)
 
         def loop(fn: Callable[[], object], n: int) -> Callable[[], float]:
-            def timed() -> float:  # n calls of fn: iters experts calls in all
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                for _ in range(n):
-                    fn()
-                e.record()
-                e.synchronize()
-                return s.elapsed_time(e) * 1e3 / iters
-            return timed
+            return lambda: timed_us(fn, n, iters)  # n calls of fn: iters experts calls in all
 
         per = _rounds({"bmm": loop(calls["bmm"], iters), "fused": loop(calls["fused"], iters),
                        "bmm_graph": loop(graphs["bmm"].replay, 1), "fused_graph": loop(graphs["fused"].replay, 1)},
@@ -265,16 +269,7 @@ def dense_peaks(device: torch.device, n: int = 8192, iters: int = 20) -> tuple[f
     best = {}
     for k, call in calls.items():
         call()
-        ts = []
-        for _ in range(3):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            for _ in range(iters):
-                call()
-            e.record()
-            e.synchronize()
-            ts.append(s.elapsed_time(e) / 1e3 / iters)
-        best[k] = 2 * n ** 3 / min(ts) / 1e12
+        best[k] = 2 * n ** 3 / (min(timed_us(call, iters) for _ in range(3)) * 1e-6) / 1e12
     return best["bf16"], best["fp8"]
 
 
@@ -350,18 +345,7 @@ def measure_fp8_experts(name: str, rows: int, hidden: int, ffn_hidden: int, expe
                 call()
         torch.cuda.synchronize(device)
 
-        def loop(call: Callable[[], torch.Tensor]) -> Callable[[], float]:
-            def timed() -> float:
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                for _ in range(iters):
-                    call()
-                e.record()
-                e.synchronize()
-                return s.elapsed_time(e) * 1e3 / iters
-            return timed
-
-        per = _rounds({k: loop(c) for k, c in calls.items()}, reps)
+        per = _rounds({k: (lambda c=c: timed_us(c, iters)) for k, c in calls.items()}, reps)
     med = {k: statistics.median(v) for k, v in per.items()}
     flops = 6 * rows * hidden * ffn_hidden
     tf = {k: flops / (v * 1e-6) / 1e12 for k, v in med.items()}

@@ -22,22 +22,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.experts import uneven_counts  # noqa: E402
+from bench.experts import timed_us, uneven_counts  # noqa: E402
 from launch.bench_experts import FP8_MODELS  # noqa: E402
 from overlap import _kernel_tuning as T  # noqa: E402
 from overlap.moe import _fp8_gemm as G  # noqa: E402
 from overlap.moe import _grouped_gemm as B  # noqa: E402
 from overlap.moe.fp8 import quantize_rows  # noqa: E402
-
-
-def _time(call, iters: int) -> float:  # noqa: ANN001
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(iters):
-        call()
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e) * 1e3 / iters
 
 
 def main() -> int:
@@ -80,7 +70,7 @@ def main() -> int:
                 per: dict[tuple[int, ...], list[float]] = {c: [] for c in cands}
                 for rep in range(args.reps):
                     for c in (cands if rep % 2 else cands[::-1]):
-                        per[c].append(_time(lambda c=c: run(c), args.iters))
+                        per[c].append(timed_us(lambda c=c: run(c), args.iters))
                 ratio = {c: statistics.median(a / b for a, b in zip(per[c], per[default], strict=True)) for c in cands}
                 best = min(cands, key=lambda c: ratio[c])
                 chosen = best if ratio[best] * args.margin <= 1.0 else default

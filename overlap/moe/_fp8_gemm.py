@@ -26,6 +26,7 @@ wherever the kernels cannot (CPU, a GPU without Triton), and tests compare the t
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from dataclasses import dataclass
 from typing import Any
@@ -57,13 +58,10 @@ class BlockwiseWeight:
         q: ``[E, N, K]`` ``float8_e4m3fn``, K contiguous (the transpose of the ``[E, K, N]``
             weight it was made from).
         scale: ``[E, N / 128, K / 128]`` float32.
-        version: the source parameter's ``_version`` when it was quantized (a later in-place
-            update makes it stale).
     """
 
     q: torch.Tensor
     scale: torch.Tensor
-    version: int = 0
 
     def dequantize(self) -> torch.Tensor:
         """``[E, K, N]`` float32: the weight this stack stands for."""
@@ -85,7 +83,7 @@ def quantize_weight(w: torch.Tensor) -> BlockwiseWeight:
         s = torch.where(amax > 0, amax * (1.0 / fp8.E4M3_MAX), torch.ones_like(amax))
         q[e] = (blocks / s).to(torch.float8_e4m3fn).reshape(N, K)
         scale[e] = s.reshape(N // BLOCK, K // BLOCK)
-    return BlockwiseWeight(q, scale, 0 if w.is_inference() else w._version)
+    return BlockwiseWeight(q, scale)
 
 
 def split_rows(packed: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,14 +94,6 @@ def split_rows(packed: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.T
 
 def _dequantize_rows(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return q.float() * s.repeat_interleave(BLOCK, 1)
-
-
-def _counts(ends: torch.Tensor | list[int]) -> list[int]:
-    """Each expert's rows from the running sums ``ends`` (or the counts themselves, a list)."""
-    if isinstance(ends, list):
-        return ends
-    e = ends.tolist()
-    return [b - a for a, b in zip([0, *e[:-1]], e, strict=True)]
 
 
 def grouped_swiglu_fp8_reference(xq: torch.Tensor, xs: torch.Tensor, w1: BlockwiseWeight, w3: BlockwiseWeight,
@@ -180,18 +170,10 @@ def _launch(xq: torch.Tensor, xs: torch.Tensor, w: BlockwiseWeight, w3: Blockwis
     b3 = _descriptor(w3, BLOCK) if w3 is not None else b
     grid = _sms(xq.device, sms) if xq.is_cuda else (sms or 4)
     cs = out_scale if out_scale is not None else xs
-    with torch.cuda.device(xq.device) if xq.is_cuda else _nothing():
+    with torch.cuda.device(xq.device) if xq.is_cuda else contextlib.nullcontext():
         _kernel()[(grid,)](xq, xq.stride(0), xs, xs.stride(0), b, b3, w.scale, (w3 or w).scale, out, out.stride(0),
                            cs, cs.stride(0), ends, N, K, E, BM=bm, BN=BLOCK, BK=BLOCK, SMS=grid,
                            SWIGLU=w3 is not None, num_warps=warps, num_stages=stages)
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def grouped_swiglu_fp8(xq: torch.Tensor, xs: torch.Tensor, w1: BlockwiseWeight, w3: BlockwiseWeight,

@@ -23,6 +23,7 @@ from torch import nn
 from collectives.errors import InvalidArgumentError
 
 from . import _fp8_gemm, _grouped_gemm
+from .fp8 import packed_width
 
 __all__ = ["GroupedSwiGLU", "grouped_mm_works"]
 
@@ -247,7 +248,7 @@ class GroupedSwiGLU(nn.Module):
     def forward_fp8(self, packed: torch.Tensor, tokens_per_expert: list[int], *, ends: torch.Tensor | None = None,
                     dtype: torch.dtype | None = None) -> torch.Tensor:
         """``[rows, hidden]`` in ``dtype`` (default: the weights') from the FP8 dispatch's packed rows
-        ``packed [rows, fp8.packed_width(hidden)]`` uint8 (e4m3 values, then a float32 scale per 128),
+        ``packed [rows, packed_width(hidden)]`` uint8 (e4m3 values, then a float32 scale per 128),
         grouped by expert as :meth:`forward`'s rows, with no dequantization: the gate/up grouped GEMM
         in e4m3 against :meth:`fp8_weights`, float32 accumulation, the SwiGLU quantized again per
         row per 128 columns in its epilogue, then the down GEMM in e4m3 (``_fp8_gemm.py``). On CUDA
@@ -255,8 +256,8 @@ class GroupedSwiGLU(nn.Module):
         match up to the order of float32 additions. Not differentiable itself (``fp8.dispatch_fp8_experts``
         gives the backward); ``last_path`` says which ran."""
         hidden = self.w1.shape[1]
-        if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] != _fp8_gemm.fp8.packed_width(hidden):
-            raise InvalidArgumentError("packed", packed, f"is not uint8 [rows, {_fp8_gemm.fp8.packed_width(hidden)}] "
+        if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] != packed_width(hidden):
+            raise InvalidArgumentError("packed", packed, f"is not uint8 [rows, {packed_width(hidden)}] "
                                        "(fp8.quantize_rows' rows)", "pass the FP8 dispatch's rows")
         out_dtype = dtype or self.w1.dtype
         w1, w3, w2 = self.fp8_weights()
